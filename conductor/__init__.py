@@ -1,0 +1,3 @@
+"""Mooncake-compatible global KV-cache indexer service."""
+
+__version__ = "0.1.0"

@@ -1,0 +1,54 @@
+"""The Go conductor's prefix hash (WIRE.md §c), so indexes and queries agree with it.
+
+``h_i = XXH64(u64le(h_{i-1}) || u32le(token)...)`` over complete blocks only, with the
+root ``h_{-1} = XXH64(utf8(salt))``. Tokens are hashed as their int32 bit pattern.
+"""
+
+from __future__ import annotations
+
+import array
+import struct
+from collections.abc import Sequence
+from functools import lru_cache
+
+import xxhash
+
+_xxh64 = xxhash.xxh64_intdigest
+_U64 = struct.Struct("<Q")
+_INT32_MIN = -(2**31)
+_INT32_MAX = 2**31 - 1
+
+
+@lru_cache(maxsize=4096)
+def salt_root(salt: str) -> int:
+    """Root of every chain under ``salt``; ``salt_root("") == 0xef46db3751d8e999``."""
+    return _xxh64(salt.encode("utf-8"))
+
+
+def token_bytes(token_ids: Sequence[int]) -> bytes:
+    """Tokens as little-endian int32, wrapping values outside int32 like Go's cast."""
+    try:
+        return array.array("i", token_ids).tobytes()
+    except OverflowError:
+        wrapped = [((t + 2**31) & 0xFFFFFFFF) - 2**31 for t in token_ids]
+        return array.array("i", wrapped).tobytes()
+
+
+def chain_hashes(parent: int, token_ids: Sequence[int], block_size: int) -> list[int]:
+    """Hashes of the complete blocks of ``token_ids``, chained from ``parent``."""
+    if block_size <= 0:
+        return []
+    data = token_bytes(token_ids)
+    step = block_size * 4
+    end = (len(token_ids) // block_size) * step
+    pack = _U64.pack
+    hashes = []
+    for offset in range(0, end, step):
+        parent = _xxh64(pack(parent) + data[offset : offset + step])
+        hashes.append(parent)
+    return hashes
+
+
+def prefix_hashes(token_ids: Sequence[int], block_size: int, salt: str = "") -> list[int]:
+    """The query path: one conductor hash per complete block of the prompt."""
+    return chain_hashes(salt_root(salt), token_ids, block_size)

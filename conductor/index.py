@@ -1,0 +1,418 @@
+"""The global prefix index: which owner holds which prefix block, on which tier.
+
+Pure and synchronous: the subscriber applies a decoded batch in one call, queries walk it
+in one call, nothing awaits in between (DESIGN §2.1–2.4).
+
+Layout, chosen for memory (one dict entry per block and tier in the common case) and for
+a fast /query walk:
+
+* A ``PrefixContext`` per (tenant, model, LoRA, block size) holds three dicts, one per tier,
+  ``prefix hash -> bitmask of slots``. A *slot* is one (instance, DP rank); its bit is
+  recycled when the slot leaves.
+* Each slot keeps, per tier, its own ``engine hash -> prefix hash`` map. Removals, clears
+  and unregisters therefore touch only what that owner stored, and leave nothing behind.
+* Shared pools (Mooncake store registrations) are slots whose CPU/DISK blocks count for
+  every instance of the context.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+
+from .hashing import chain_hashes, prefix_hashes, salt_root
+from .wire.events import AllBlocksCleared, BlockRemoved, BlockStored, EventBatch, Tier
+
+TIERS = (Tier.GPU, Tier.CPU, Tier.DISK)
+
+
+@dataclass(frozen=True, slots=True)
+class ContextKey:
+    tenant_id: str
+    model_name: str
+    lora_name: str
+    block_size: int
+
+
+@dataclass(frozen=True, slots=True)
+class StreamSource:
+    """What a registration says about the blocks its event stream carries."""
+
+    key: str
+    instance_id: str
+    tenant_id: str
+    model_name: str
+    lora_name: str
+    block_size: int
+    dp_rank: int = 0
+    salt: str = ""
+    shared_pool: bool = False
+
+    @property
+    def default_tier(self) -> Tier:
+        return Tier.CPU if self.shared_pool else Tier.GPU
+
+    def context_key(self, lora_name: str | None = None) -> ContextKey:
+        lora = self.lora_name if lora_name is None else lora_name
+        return ContextKey(self.tenant_id, self.model_name, lora, self.block_size)
+
+
+@dataclass(slots=True)
+class ApplyStats:
+    """What one batch did; the shell turns these into metrics."""
+
+    events: int = 0
+    blocks_stored: int = 0
+    blocks_removed: int = 0
+    clears: int = 0
+    orphaned: int = 0
+    ignored: int = 0
+    dropped: dict[str, int] = field(default_factory=dict)
+
+    def drop(self, reason: str) -> None:
+        self.dropped[reason] = self.dropped.get(reason, 0) + 1
+
+
+@dataclass(slots=True)
+class InstanceMatch:
+    """Cumulative matched tokens of one instance: GPU <= CPU <= DISK, per DP rank too."""
+
+    gpu: int = 0
+    cpu: int = 0
+    disk: int = 0
+    ranks: dict[int, tuple[int, int, int]] = field(default_factory=dict)
+
+
+class _Holdings:
+    """The blocks one slot holds on one tier, keyed by the engine's own hash."""
+
+    __slots__ = ("by_engine_hash", "extra_refs")
+
+    def __init__(self) -> None:
+        self.by_engine_hash: dict[int, int] = {}
+        # prefix hash -> how many *more* engine hashes of this owner map to it
+        self.extra_refs: dict[int, int] = {}
+
+
+class _Slot:
+    __slots__ = ("instance_id", "dp_rank", "shared_pool", "index", "bit", "holdings", "streams")
+
+    def __init__(self, instance_id: str, dp_rank: int, shared_pool: bool, index: int) -> None:
+        self.instance_id = instance_id
+        self.dp_rank = dp_rank
+        self.shared_pool = shared_pool
+        self.index = index
+        self.bit = 1 << index
+        self.holdings = (_Holdings(), _Holdings(), _Holdings())
+        self.streams: set[str] = set()
+
+
+class PrefixContext:
+    """All blocks of one (tenant, model, LoRA, block size), shared by its owners."""
+
+    def __init__(self, key: ContextKey) -> None:
+        self.key = key
+        self.blocks: tuple[dict[int, int], dict[int, int], dict[int, int]] = ({}, {}, {})
+        self.slots: dict[tuple[str, int], _Slot] = {}
+        self._by_index: dict[int, _Slot] = {}
+        self._free: list[int] = []
+        self.shared_mask = 0
+
+    # -- slots ---------------------------------------------------------------------------
+    def slot(self, instance_id: str, dp_rank: int, shared_pool: bool) -> _Slot:
+        slot = self.slots.get((instance_id, dp_rank))
+        if slot is None:
+            index = self._free.pop() if self._free else len(self.slots)
+            slot = _Slot(instance_id, dp_rank, shared_pool, index)
+            self.slots[(instance_id, dp_rank)] = slot
+            self._by_index[index] = slot
+            if shared_pool:
+                self.shared_mask |= slot.bit
+        return slot
+
+    def drop_slot(self, slot: _Slot) -> None:
+        self.clear_slot(slot)
+        del self.slots[(slot.instance_id, slot.dp_rank)]
+        del self._by_index[slot.index]
+        self.shared_mask &= ~slot.bit
+        self._free.append(slot.index)
+
+    # -- blocks --------------------------------------------------------------------------
+    def hold(self, slot: _Slot, tier: Tier, engine_hash: int, prefix_hash: int) -> bool:
+        holdings = slot.holdings[tier]
+        if engine_hash in holdings.by_engine_hash:
+            return False
+        holdings.by_engine_hash[engine_hash] = prefix_hash
+        blocks = self.blocks[tier]
+        mask = blocks.get(prefix_hash, 0)
+        if mask & slot.bit:
+            holdings.extra_refs[prefix_hash] = holdings.extra_refs.get(prefix_hash, 0) + 1
+        else:
+            blocks[prefix_hash] = mask | slot.bit if mask else slot.bit
+        return True
+
+    def release(self, slot: _Slot, tier: Tier, engine_hash: int) -> bool:
+        holdings = slot.holdings[tier]
+        prefix_hash = holdings.by_engine_hash.pop(engine_hash, None)
+        if prefix_hash is None:
+            return False
+        extra = holdings.extra_refs.get(prefix_hash)
+        if extra:
+            if extra == 1:
+                del holdings.extra_refs[prefix_hash]
+            else:
+                holdings.extra_refs[prefix_hash] = extra - 1
+            return True
+        self._unset(tier, prefix_hash, slot.bit)
+        return True
+
+    def _unset(self, tier: Tier, prefix_hash: int, bit: int) -> None:
+        blocks = self.blocks[tier]
+        mask = blocks[prefix_hash] & ~bit
+        if mask:
+            blocks[prefix_hash] = mask
+        else:
+            del blocks[prefix_hash]
+
+    def clear_slot(self, slot: _Slot) -> int:
+        """Forget every block of ``slot``; returns how many engine blocks it held."""
+        held = 0
+        for tier in TIERS:
+            holdings = slot.holdings[tier]
+            held += len(holdings.by_engine_hash)
+            for prefix_hash in set(holdings.by_engine_hash.values()):
+                self._unset(tier, prefix_hash, slot.bit)
+            holdings.by_engine_hash.clear()
+            holdings.extra_refs.clear()
+        return held
+
+    def prefix_of(self, engine_hash: int, first: _Slot | None = None) -> int | None:
+        """The prefix hash an engine hash was indexed under, by any owner of the context."""
+        slots: Iterable[_Slot] = self.slots.values()
+        if first is not None:
+            slots = (first, *slots)
+        for slot in slots:
+            for holdings in slot.holdings:
+                prefix_hash = holdings.by_engine_hash.get(engine_hash)
+                if prefix_hash is not None:
+                    return prefix_hash
+        return None
+
+    def block_counts(self) -> tuple[int, int, int]:
+        return len(self.blocks[0]), len(self.blocks[1]), len(self.blocks[2])
+
+    def is_empty(self) -> bool:
+        return not self.slots and not any(self.blocks)
+
+    # -- matching ------------------------------------------------------------------------
+    def match(
+        self, hashes: Sequence[int | None], instance_id: str | None = None
+    ) -> dict[str, InstanceMatch]:
+        """Walk the query's prefix hashes once for every engine slot (DESIGN §2.3)."""
+        engine_slots = [
+            s
+            for s in self.slots.values()
+            if not s.shared_pool and (instance_id is None or s.instance_id == instance_id)
+        ]
+        interest = 0
+        for slot in engine_slots:
+            interest |= slot.bit
+        blocks_needed = len(hashes)
+        lengths = {s.index: [blocks_needed, blocks_needed, blocks_needed] for s in engine_slots}
+        gpu_blocks, cpu_blocks, disk_blocks = self.blocks
+        shared = self.shared_mask
+        alive_gpu = alive_cpu = alive_disk = interest
+        for position, prefix_hash in enumerate(hashes):
+            if not alive_disk:
+                break
+            on_gpu = gpu_blocks.get(prefix_hash, 0)
+            on_cpu = cpu_blocks.get(prefix_hash, 0) if cpu_blocks else 0
+            if on_cpu & shared:
+                on_cpu = interest
+            on_cpu |= on_gpu
+            on_disk = disk_blocks.get(prefix_hash, 0) if disk_blocks else 0
+            if on_disk & shared:
+                on_disk = interest
+            on_disk |= on_cpu
+            for tier, alive, present in (
+                (0, alive_gpu, on_gpu),
+                (1, alive_cpu, on_cpu),
+                (2, alive_disk, on_disk),
+            ):
+                stopped = alive & ~present
+                while stopped:
+                    low = stopped & -stopped
+                    lengths[low.bit_length() - 1][tier] = position
+                    stopped ^= low
+            alive_gpu &= on_gpu
+            alive_cpu &= on_cpu
+            alive_disk &= on_disk
+        size = self.key.block_size
+        matches: dict[str, InstanceMatch] = {}
+        for slot in engine_slots:
+            gpu, cpu, disk = (n * size for n in lengths[slot.index])
+            match = matches.setdefault(slot.instance_id, InstanceMatch())
+            match.ranks[slot.dp_rank] = (gpu, cpu, disk)
+            match.gpu, match.cpu, match.disk = (
+                max(match.gpu, gpu),
+                max(match.cpu, cpu),
+                max(match.disk, disk),
+            )
+        return matches
+
+
+class PrefixCacheTable:
+    """Every context, every stream's membership, and the operations the service needs."""
+
+    def __init__(self) -> None:
+        self.contexts: dict[ContextKey, PrefixContext] = {}
+        self._sources: dict[str, StreamSource] = {}
+        self._stream_slots: dict[str, set[tuple[ContextKey, tuple[str, int]]]] = {}
+
+    # -- membership ----------------------------------------------------------------------
+    def add_stream(self, source: StreamSource) -> None:
+        """Make ``source``'s instance a member of its context (listed, zero hits)."""
+        self._sources[source.key] = source
+        self._stream_slots.setdefault(source.key, set())
+        self._slot_for(source, source.context_key(), source.dp_rank)
+
+    def remove_stream(self, key: str) -> int:
+        """Unregister: drop every block the stream's owners held. Returns blocks dropped."""
+        dropped = 0
+        for context_key, slot_key in self._stream_slots.pop(key, set()):
+            context = self.contexts[context_key]
+            slot = context.slots[slot_key]
+            slot.streams.discard(key)
+            if slot.streams:
+                dropped += context.clear_slot(slot)
+            else:
+                dropped += sum(len(h.by_engine_hash) for h in slot.holdings)
+                context.drop_slot(slot)
+            if context.is_empty():
+                del self.contexts[context_key]
+        self._sources.pop(key, None)
+        return dropped
+
+    def clear_stream(self, key: str, dp_rank: int | None = None) -> int:
+        """A publisher restart or AllBlocksCleared: forget the owners' blocks, stay listed."""
+        dropped = 0
+        for context_key, slot_key in self._stream_slots.get(key, ()):
+            if dp_rank is None or slot_key[1] == dp_rank:
+                dropped += self.contexts[context_key].clear_slot(
+                    self.contexts[context_key].slots[slot_key]
+                )
+        return dropped
+
+    def _slot_for(self, source: StreamSource, context_key: ContextKey, dp_rank: int) -> tuple:
+        context = self.contexts.get(context_key)
+        if context is None:
+            context = self.contexts[context_key] = PrefixContext(context_key)
+        slot = context.slot(source.instance_id, dp_rank, source.shared_pool)
+        if source.key not in slot.streams:
+            slot.streams.add(source.key)
+            self._stream_slots[source.key].add((context_key, (source.instance_id, dp_rank)))
+        return context, slot
+
+    # -- ingestion -----------------------------------------------------------------------
+    def apply(self, key: str, batch: EventBatch) -> ApplyStats:
+        """Apply one decoded batch of the stream ``key`` in order, in one step."""
+        source = self._sources[key]
+        dp_rank = source.dp_rank if batch.dp_rank is None else batch.dp_rank
+        stats = ApplyStats()
+        for event in batch.events:
+            stats.events += 1
+            if isinstance(event, BlockStored):
+                self._store(source, dp_rank, event, stats)
+            elif isinstance(event, BlockRemoved):
+                self._remove(source, dp_rank, event, stats)
+            elif isinstance(event, AllBlocksCleared):
+                self.clear_stream(key, dp_rank)
+                stats.clears += 1
+        return stats
+
+    def _store(self, source: StreamSource, dp_rank: int, event: BlockStored, stats: ApplyStats):
+        if event.group_idx:  # sliding-window / secondary KV groups are no reusable prefix
+            stats.ignored += 1
+            return
+        size = source.block_size
+        if event.block_size is not None and event.block_size != size:
+            stats.drop("block_size_mismatch")
+            return
+        hashes = event.block_hashes
+        if not hashes:
+            stats.ignored += 1
+            return
+        context, slot = self._slot_for(source, source.context_key(event.lora_name), dp_rank)
+        tier = source.default_tier if event.tier is None else event.tier
+        if event.token_ids:
+            if len(event.token_ids) != len(hashes) * size:
+                stats.drop("token_count_mismatch")
+                return
+            if event.parent_hash is None:
+                parent = salt_root(event.salt or source.salt)
+            else:
+                parent = context.prefix_of(event.parent_hash, slot)
+                if parent is None:
+                    stats.orphaned += 1
+                    return
+            try:
+                prefixes: list[int | None] = chain_hashes(parent, event.token_ids, size)
+            except TypeError:
+                stats.drop("bad_token_ids")
+                return
+        else:
+            prefixes = [context.prefix_of(h, slot) for h in hashes]
+            if prefixes[0] is None:
+                stats.drop("unknown_block_without_tokens")
+                return
+        hold = context.hold
+        for engine_hash, prefix_hash in zip(hashes, prefixes, strict=True):
+            if prefix_hash is None:  # placement stops at the first hash never seen with tokens
+                stats.drop("unknown_block_without_tokens")
+                break
+            stats.blocks_stored += hold(slot, tier, engine_hash, prefix_hash)
+
+    def _remove(self, source: StreamSource, dp_rank: int, event: BlockRemoved, stats):
+        if event.group_idx:
+            stats.ignored += 1
+            return
+        tier = source.default_tier if event.tier is None else event.tier
+        owned = [
+            (self.contexts[ck], self.contexts[ck].slots[sk])
+            for ck, sk in self._stream_slots[source.key]
+            if sk[1] == dp_rank
+        ]
+        for engine_hash in event.block_hashes:
+            for context, slot in owned:
+                if context.release(slot, tier, engine_hash):
+                    stats.blocks_removed += 1
+                    break
+
+    # -- queries -------------------------------------------------------------------------
+    def match_tokens(
+        self,
+        context_key: ContextKey,
+        token_ids: Sequence[int],
+        salt: str = "",
+        instance_id: str | None = None,
+    ) -> dict[str, InstanceMatch] | None:
+        """Per-instance cumulative matches of a prompt; None when the context is unknown."""
+        context = self.contexts.get(context_key)
+        if context is None:
+            return None
+        return context.match(prefix_hashes(token_ids, context_key.block_size, salt), instance_id)
+
+    def match_engine_hashes(
+        self, context_key: ContextKey, engine_hashes: Sequence[int], instance_id: str | None = None
+    ) -> dict[str, InstanceMatch] | None:
+        """The same answer for a prompt given as the engine's own block hashes."""
+        context = self.contexts.get(context_key)
+        if context is None:
+            return None
+        return context.match([context.prefix_of(h) for h in engine_hashes], instance_id)
+
+    def tenants(self) -> set[str]:
+        return {key.tenant_id for key in self.contexts}
+
+    def block_count(self) -> int:
+        return sum(sum(c.block_counts()) for c in self.contexts.values())

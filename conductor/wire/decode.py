@@ -1,0 +1,56 @@
+"""One entry point for every producer's payload: detect the layout per event, decode it.
+
+Detection is by shape, not by registration type, so a stream that mixes layouts (an
+engine plus its store connector) or a mislabelled registration still decodes. One bad
+event is rejected with a reason; the rest of its batch survives.
+"""
+
+from __future__ import annotations
+
+import msgpack
+
+from . import mooncake, vllm
+from .events import DecodeError, Event, EventBatch
+
+LEGACY_MOONCAKE_TOPIC = b"mooncake"
+
+
+def _decode_event(event: object, legacy_mooncake: bool) -> Event:
+    if isinstance(event, dict):
+        if "event_type" in event:
+            return mooncake.decode_rfc_event(event)
+        return vllm.decode_map_event(event)
+    if isinstance(event, list):
+        if legacy_mooncake or (event and event[0] == "BlockStoreEvent"):
+            return mooncake.decode_legacy_event(event)
+        return vllm.decode_array_event(event)
+    raise DecodeError(f"event must be a map or an array, got {type(event).__name__}")
+
+
+def decode_batch(payload: bytes, topic: bytes = b"") -> EventBatch:
+    """Decode one msgpack batch ``[ts, events(, dp_rank)]``; raise DecodeError if unusable."""
+    try:
+        batch = msgpack.unpackb(payload, raw=False, strict_map_key=False)
+    except Exception as error:  # msgpack raises many types for corrupt input
+        raise DecodeError(f"not msgpack: {error}") from None
+    if not isinstance(batch, list) or len(batch) not in (2, 3):
+        raise DecodeError("batch must be an array [ts, events(, dp_rank)]")
+    timestamp, events = batch[0], batch[1]
+    dp_rank = batch[2] if len(batch) == 3 else None
+    if not isinstance(events, list):
+        raise DecodeError("batch events must be an array")
+    if not isinstance(timestamp, int | float) or isinstance(timestamp, bool):
+        raise DecodeError(f"batch timestamp must be a number, got {timestamp!r:.40}")
+    if isinstance(timestamp, int):  # the Mooncake master sends milliseconds
+        timestamp = timestamp / 1000.0
+    if dp_rank is not None and (not isinstance(dp_rank, int) or dp_rank < 0):
+        raise DecodeError(f"batch dp_rank must be a non-negative int, got {dp_rank!r:.40}")
+    legacy = topic == LEGACY_MOONCAKE_TOPIC
+    decoded: list[Event] = []
+    rejected: list[str] = []
+    for index, event in enumerate(events):
+        try:
+            decoded.append(_decode_event(event, legacy))
+        except DecodeError as error:
+            rejected.append(f"event {index}: {error}")
+    return EventBatch(float(timestamp), decoded, dp_rank, rejected)

@@ -1,0 +1,98 @@
+"""Typed KV events: the one vocabulary every producer's payload is decoded into."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from enum import IntEnum
+
+MASK64 = 0xFFFFFFFFFFFFFFFF
+
+
+class DecodeError(ValueError):
+    """A payload or event that does not match any known producer layout."""
+
+
+class Tier(IntEnum):
+    """Where a block lives; the order is the order of the cumulative /query answer."""
+
+    GPU = 0
+    CPU = 1
+    DISK = 2
+
+
+_MEDIA = {
+    "gpu": Tier.GPU,
+    "cpu": Tier.CPU,
+    "cpu_pinned": Tier.CPU,
+    "disk": Tier.DISK,
+    "storage": Tier.DISK,
+    "external": Tier.DISK,
+}
+
+
+def parse_medium(value: object) -> Tier | None:
+    """Normalize a producer's medium string (case-insensitive); None means 'not said'."""
+    if value is None:
+        return None
+    if isinstance(value, str):
+        tier = _MEDIA.get(value.lower())
+        if tier is not None:
+            return tier
+    raise DecodeError(f"unknown medium {value!r}")
+
+
+def normalize_hash(value: object) -> int:
+    """Unsigned 64-bit form of an int (signed int64 wraps) or a digest (low 8 bytes, BE)."""
+    if isinstance(value, int) and not isinstance(value, bool):
+        return value & MASK64
+    if isinstance(value, bytes) and value:
+        return int.from_bytes(value[-8:], "big")
+    raise DecodeError(f"block hash must be an int or non-empty bytes, got {value!r:.40}")
+
+
+def normalize_hashes(values: object) -> list[int]:
+    if not isinstance(values, list):
+        raise DecodeError(f"block_hashes must be an array, got {type(values).__name__}")
+    try:  # fast path: every hash is an int (vLLM default, SGLang, Mooncake)
+        return [h & MASK64 for h in values]
+    except TypeError:
+        return [normalize_hash(h) for h in values]
+
+
+@dataclass(slots=True)
+class BlockStored:
+    """Blocks cached by a producer. ``token_ids`` may be empty (some store tiers)."""
+
+    block_hashes: list[int]
+    parent_hash: int | None
+    token_ids: list[int]
+    block_size: int | None = None
+    tier: Tier | None = None
+    lora_name: str | None = None
+    salt: str | None = None
+    group_idx: int | None = None
+
+
+@dataclass(slots=True)
+class BlockRemoved:
+    block_hashes: list[int]
+    tier: Tier | None = None
+    group_idx: int | None = None
+
+
+@dataclass(slots=True)
+class AllBlocksCleared:
+    pass
+
+
+Event = BlockStored | BlockRemoved | AllBlocksCleared
+
+
+@dataclass(slots=True)
+class EventBatch:
+    """One decoded batch; events that failed to decode are in ``rejected`` (reasons)."""
+
+    timestamp: float
+    events: list[Event]
+    dp_rank: int | None = None
+    rejected: list[str] = field(default_factory=list)
