@@ -6,7 +6,6 @@ root ``h_{-1} = XXH64(utf8(salt))``. Tokens are hashed as their int32 bit patter
 
 from __future__ import annotations
 
-import array
 import struct
 from collections.abc import Sequence
 from functools import lru_cache
@@ -25,22 +24,32 @@ def salt_root(salt: str) -> int:
     return _xxh64(salt.encode("utf-8"))
 
 
+def pack_int32(token_ids: Sequence[int]) -> bytes:
+    """Tokens as little-endian int32; raises ``struct.error`` for non-int32 values."""
+    return struct.pack(f"<{len(token_ids)}i", *token_ids)
+
+
 def token_bytes(token_ids: Sequence[int]) -> bytes:
-    """Tokens as little-endian int32, wrapping values outside int32 like Go's cast."""
+    """Tokens as little-endian int32, wrapping values outside int32 like Go's cast.
+
+    Raises TypeError when a token is not an integer.
+    """
     try:
-        return array.array("i", token_ids).tobytes()
-    except OverflowError:
-        wrapped = [((t + 2**31) & 0xFFFFFFFF) - 2**31 for t in token_ids]
-        return array.array("i", wrapped).tobytes()
+        return pack_int32(token_ids)
+    except struct.error:
+        if not all(isinstance(t, int) for t in token_ids):
+            raise TypeError("token ids must be integers") from None
+        return pack_int32([((t + 2**31) & 0xFFFFFFFF) - 2**31 for t in token_ids])
 
 
-def chain_hashes(parent: int, token_ids: Sequence[int], block_size: int) -> list[int]:
-    """Hashes of the complete blocks of ``token_ids``, chained from ``parent``."""
+def chain_hashes(parent: int, token_ids: Sequence[int] | bytes, block_size: int) -> list[int]:
+    """Hashes of the complete blocks of ``token_ids`` (or their int32 bytes), chained
+    from ``parent``."""
     if block_size <= 0:
         return []
-    data = token_bytes(token_ids)
+    data = token_ids if isinstance(token_ids, bytes) else token_bytes(token_ids)
     step = block_size * 4
-    end = (len(token_ids) // block_size) * step
+    end = (len(data) // step) * step
     pack = _U64.pack
     hashes = []
     for offset in range(0, end, step):
@@ -49,6 +58,6 @@ def chain_hashes(parent: int, token_ids: Sequence[int], block_size: int) -> list
     return hashes
 
 
-def prefix_hashes(token_ids: Sequence[int], block_size: int, salt: str = "") -> list[int]:
+def prefix_hashes(token_ids: Sequence[int] | bytes, block_size: int, salt: str = "") -> list[int]:
     """The query path: one conductor hash per complete block of the prompt."""
     return chain_hashes(salt_root(salt), token_ids, block_size)

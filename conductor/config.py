@@ -1,0 +1,246 @@
+"""Validated external inputs: the config file, env vars and every HTTP request body.
+
+Field names and defaults follow the Go conductor (WIRE.md §e.1) so existing
+``conductor_config.json`` files and clients keep working; where Go silently accepts
+nonsense (a zero block size, an unknown type, a random port) we reject or fix it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import struct
+from pathlib import Path
+from typing import Annotated, Any, Literal
+
+from pydantic import (
+    AliasChoices,
+    BaseModel,
+    BeforeValidator,
+    ConfigDict,
+    Field,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
+
+from .hashing import pack_int32
+from .index import ContextKey, StreamSource
+from .wire.events import MASK64
+
+DEFAULT_PORT = 13333
+DEFAULT_CONFIG_PATH = "~/.mooncake/conductor_config.json"
+LOG_LEVELS = ("DEBUG", "INFO", "WARN", "WARNING", "ERROR")
+
+EngineHash = Annotated[int, Field(ge=-(2**63), le=MASK64)]
+ZMQ_SCHEMES = ("tcp://", "ipc://", "inproc://")
+
+
+class _Strict(BaseModel):
+    """Wrong JSON types are errors (no "16" -> 16); unknown fields are ignored like Go."""
+
+    model_config = ConfigDict(strict=True, extra="ignore", frozen=True)
+
+
+def _default_tenant(value: str) -> str:
+    return value or "default"
+
+
+class Registration(_Strict):
+    """One event stream: a ``/register`` body or a ``kvevent_instance`` entry."""
+
+    endpoint: str = Field(min_length=1)
+    replay_endpoint: str = ""
+    type: Literal["vLLM", "SGLang", "Mooncake"]
+    modelname: str = Field(min_length=1)
+    lora_name: str = ""
+    tenant_id: str = "default"
+    instance_id: str = ""
+    block_size: int = Field(gt=0)
+    dp_rank: int = Field(default=0, ge=0)
+    additionalsalt: str = ""
+
+    _normalize_tenant = field_validator("tenant_id")(_default_tenant)
+
+    @field_validator("type", mode="before")
+    @classmethod
+    def _canonical_type(cls, value: Any) -> Any:
+        canonical = {"vllm": "vLLM", "sglang": "SGLang", "mooncake": "Mooncake"}
+        return canonical.get(value.lower(), value) if isinstance(value, str) else value
+
+    @field_validator("endpoint", "replay_endpoint")
+    @classmethod
+    def _zmq_endpoint(cls, value: str) -> str:
+        if value and not value.startswith(ZMQ_SCHEMES):
+            raise ValueError(f"must start with one of {', '.join(ZMQ_SCHEMES)}")
+        if value.startswith("tcp://") and ("*" in value or value.rsplit(":", 1)[-1] == "0"):
+            raise ValueError("must name a host and port to connect to, not a bind address")
+        return value
+
+    @property
+    def key(self) -> str:
+        """Go's service key ``instance|tenant|dp_rank`` (endpoint when no instance id)."""
+        return f"{self.instance_id or self.endpoint}|{self.tenant_id}|{self.dp_rank}"
+
+    @property
+    def first_sequence(self) -> int:
+        """vLLM and SGLang count batches from 0, the Mooncake master from 1."""
+        return 1 if self.type == "Mooncake" else 0
+
+    def source(self) -> StreamSource:
+        return StreamSource(
+            key=self.key,
+            instance_id=self.instance_id or self.endpoint,
+            tenant_id=self.tenant_id,
+            model_name=self.modelname,
+            lora_name=self.lora_name,
+            block_size=self.block_size,
+            dp_rank=self.dp_rank,
+            salt=self.additionalsalt,
+            shared_pool=self.type == "Mooncake",
+        )
+
+    def go_view(self) -> dict[str, Any]:
+        """The Go ``/services`` entry (Go's exported struct field names)."""
+        return {
+            "Endpoint": self.endpoint,
+            "ReplayEndpoint": self.replay_endpoint,
+            "Type": self.type,
+            "ModelName": self.modelname,
+            "LoraName": self.lora_name,
+            "TenantID": self.tenant_id,
+            "InstanceID": self.instance_id,
+            "BlockSize": self.block_size,
+            "DPRank": self.dp_rank,
+            "AdditionalSalt": self.additionalsalt,
+        }
+
+
+class UnregisterRequest(_Strict):
+    instance_id: str = Field(min_length=1)
+    tenant_id: str = "default"
+    dp_rank: int = Field(default=0, ge=0)
+
+    _normalize_tenant = field_validator("tenant_id")(_default_tenant)
+
+    @property
+    def key(self) -> str:
+        return f"{self.instance_id}|{self.tenant_id}|{self.dp_rank}"
+
+
+class _QueryBase(_Strict):
+    model: str = Field(min_length=1)
+    block_size: int = Field(gt=0)
+    tenant_id: str = "default"
+    instance_id: str | None = None
+    lora_name: str = ""
+    lora_id: int | None = None  # accepted like Go, unused
+
+    _normalize_tenant = field_validator("tenant_id")(_default_tenant)
+
+    @field_validator("instance_id")
+    @classmethod
+    def _empty_means_all(cls, value: str | None) -> str | None:
+        return value or None
+
+    def context_key(self) -> ContextKey:
+        return ContextKey(self.tenant_id, self.model, self.lora_name, self.block_size)
+
+
+def _int32_token_bytes(value: Any) -> bytes:
+    """Validate token ids once, keeping them packed as int32 for the hash (hot path)."""
+    if isinstance(value, bytes):  # msgpack clients of the C++ rewrite send LE int32 bytes
+        if len(value) % 4:
+            raise ValueError("token bytes must be little-endian int32 (length % 4 == 0)")
+        return value
+    if not isinstance(value, list):
+        raise ValueError("must be an array of int32 token ids")
+    try:
+        return pack_int32(value)
+    except struct.error:
+        for index, token in enumerate(value):
+            if not isinstance(token, int) or not -(2**31) <= token < 2**31:
+                raise ValueError(f"element {index} ({token!r:.20}) is not an int32") from None
+        raise
+
+
+class QueryRequest(_QueryBase):
+    """``POST /query``: a prompt's tokens, held as packed int32 bytes."""
+
+    token_ids: Annotated[bytes, BeforeValidator(_int32_token_bytes)]
+    cache_salt: str | None = None
+
+
+class QueryByHashRequest(_QueryBase):
+    """``POST /query_by_hash``: a prompt given as the engine's block hashes."""
+
+    seq_hashes: list[EngineHash] = Field(validation_alias=AliasChoices("seq_hashes", "block_hash"))
+
+
+class ConductorConfig(_Strict):
+    """``conductor_config.json``; the map key is the instance id unless one is given."""
+
+    kvevent_instance: dict[str, Registration] = Field(default_factory=dict)
+    http_server_port: int = Field(default=DEFAULT_PORT, ge=1, le=65535)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _instance_ids_from_keys(cls, data: Any) -> Any:
+        instances = data.get("kvevent_instance") if isinstance(data, dict) else None
+        if isinstance(instances, dict):
+            data = dict(data)
+            data["kvevent_instance"] = {
+                name: {"instance_id": name, **entry}
+                if isinstance(entry, dict) and not entry.get("instance_id")
+                else entry
+                for name, entry in instances.items()
+            }
+        return data
+
+    def registrations(self) -> list[Registration]:
+        return list(self.kvevent_instance.values())
+
+
+class ConfigError(Exception):
+    """The config file exists but cannot be used: the service must not start."""
+
+
+def load_config(path: str | os.PathLike[str] | None) -> ConductorConfig:
+    """Read the config file; a missing file is an empty, ready configuration."""
+    file = Path(os.path.expanduser(path or DEFAULT_CONFIG_PATH))
+    if not file.exists():
+        return ConductorConfig()
+    try:
+        data = json.loads(file.read_text(encoding="utf-8"))
+        return ConductorConfig.model_validate(data, strict=False)
+    except (OSError, ValueError) as error:
+        raise ConfigError(f"{file}: {one_line(error)}") from None
+
+
+def one_line(error: Exception) -> str:
+    """A validation error as one readable line: ``field.path: message``."""
+    if isinstance(error, ValidationError):
+        first = error.errors()[0]
+        where = ".".join(str(p) for p in first["loc"]) or "body"
+        more = f" (+{error.error_count() - 1} more)" if error.error_count() > 1 else ""
+        return f"{where}: {first['msg']}{more}"
+    return str(error).splitlines()[0] if str(error) else type(error).__name__
+
+
+class Settings(BaseModel):
+    """Process settings: CLI flags override env vars override the config file."""
+
+    host: str = "0.0.0.0"
+    port: int = DEFAULT_PORT
+    config_path: str = DEFAULT_CONFIG_PATH
+    log_level: str = "INFO"
+    max_body_bytes: int = 16 * 1024 * 1024
+    replay_timeout_seconds: float = 2.0
+
+    @field_validator("log_level")
+    @classmethod
+    def _known_level(cls, value: str) -> str:
+        level = value.upper()
+        if level not in LOG_LEVELS:
+            raise ValueError(f"must be one of DEBUG, INFO, WARN, ERROR, got {value!r}")
+        return "WARNING" if level == "WARN" else level

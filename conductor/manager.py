@@ -1,0 +1,156 @@
+"""Registrations <-> subscribers <-> index: the one place that changes who is indexed."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+
+import zmq
+import zmq.asyncio
+
+from .config import Registration
+from .index import PrefixCacheTable
+from .metrics import ConductorMetrics
+from .subscriber import StreamCallbacks, StreamSubscriber
+from .wire import DecodeError, Message, decode_batch
+
+log = logging.getLogger(__name__)
+
+
+class RegistrationConflict(Exception):
+    """The key or the endpoint is already registered with a different configuration."""
+
+
+class RegistrationFailed(Exception):
+    """ZMQ refused the endpoint (malformed address, unknown host)."""
+
+
+class ServiceNotFound(KeyError):
+    pass
+
+
+_EVENT_COUNTERS = {
+    "gap": "gaps",
+    "gap_unrepaired": "gaps_unrepaired",
+    "replay_requested": "replays_requested",
+    "replay_failed": "replays_failed",
+    "restart": "restarts",
+}
+
+
+class ServiceManager:
+    def __init__(
+        self,
+        table: PrefixCacheTable,
+        metrics: ConductorMetrics,
+        replay_timeout: float = 2.0,
+    ) -> None:
+        self.table = table
+        self.metrics = metrics
+        self.registrations: dict[str, Registration] = {}
+        self._subscribers: dict[str, StreamSubscriber] = {}
+        self._context = zmq.asyncio.Context()
+        self._replay_timeout = replay_timeout
+        self._lock = asyncio.Lock()
+
+    def state_of(self, key: str) -> str:
+        subscriber = self._subscribers.get(key)
+        return subscriber.state if subscriber else "stopped"
+
+    async def register(self, registration: Registration) -> bool:
+        """Start indexing a stream; False when the identical registration already exists."""
+        key = registration.key
+        async with self._lock:
+            existing = self.registrations.get(key)
+            if existing is not None:
+                if existing == registration:
+                    return False
+                raise RegistrationConflict(
+                    f"service {key} is already registered with a different configuration"
+                )
+            for other in self.registrations.values():
+                if other.endpoint == registration.endpoint:
+                    raise RegistrationConflict(
+                        f"endpoint {registration.endpoint} is already registered as {other.key}"
+                    )
+            subscriber = StreamSubscriber(
+                self._context,
+                key,
+                registration.endpoint,
+                registration.replay_endpoint,
+                self._callbacks(key),
+                first_sequence=registration.first_sequence,
+                replay_timeout=self._replay_timeout,
+            )
+            self.table.add_stream(registration.source())
+            try:
+                subscriber.start()
+            except zmq.ZMQError as error:
+                self.table.remove_stream(key)
+                self.metrics.forget_stream(key)
+                raise RegistrationFailed(f"cannot subscribe to {key}: {error}") from None
+            self.registrations[key] = registration
+            self._subscribers[key] = subscriber
+            self.metrics.services.set(len(self.registrations))
+            log.info(
+                "registered stream=%s endpoint=%s replay=%s type=%s",
+                key,
+                registration.endpoint,
+                registration.replay_endpoint or "-",
+                registration.type,
+            )
+            return True
+
+    async def unregister(self, key: str) -> int:
+        """Stop the stream and drop its owners' blocks; returns how many were dropped."""
+        async with self._lock:
+            if key not in self.registrations:
+                raise ServiceNotFound(key)
+            subscriber = self._subscribers.pop(key)
+            del self.registrations[key]
+            await subscriber.stop()
+            dropped = self.table.remove_stream(key)
+            self.metrics.forget_stream(key)
+            self.metrics.services.set(len(self.registrations))
+            log.info("unregistered stream=%s blocks_dropped=%d", key, dropped)
+            return dropped
+
+    async def close(self) -> None:
+        await asyncio.gather(*(s.stop() for s in self._subscribers.values()))
+        self._subscribers.clear()
+        self._context.term()
+
+    # -- ingestion -----------------------------------------------------------------------
+    def _callbacks(self, key: str) -> StreamCallbacks:
+        metrics = self.metrics
+
+        def on_message(message: Message, replayed: bool) -> None:
+            self._ingest(key, message, replayed)
+
+        def on_restart() -> None:
+            self.table.clear_stream(key)
+
+        def on_state(state: str) -> None:
+            metrics.subscriber_state.labels(key).state(state)
+
+        def on_event(name: str) -> None:
+            if name == "bad_frame":
+                metrics.decode_errors.labels(key, "frame").inc()
+            else:
+                getattr(metrics, _EVENT_COUNTERS[name]).labels(key).inc()
+
+        return StreamCallbacks(on_message, on_restart, on_state, on_event)
+
+    def _ingest(self, key: str, message: Message, replayed: bool) -> None:
+        """Decode and apply one batch synchronously: no await between its events."""
+        try:
+            batch = decode_batch(message.payload, message.topic)
+        except DecodeError as error:
+            self.metrics.decode_errors.labels(key, "batch").inc()
+            log.warning("stream=%s seq=%d undecodable batch: %s", key, message.seq, error)
+            return
+        if batch.rejected:
+            self.metrics.decode_errors.labels(key, "event").inc(len(batch.rejected))
+            log.warning("stream=%s seq=%d skipped %s", key, message.seq, "; ".join(batch.rejected))
+        stats = self.table.apply(key, batch)
+        self.metrics.record_apply(key, stats, replayed)

@@ -1,0 +1,132 @@
+"""Prometheus metrics of the service, on a registry of its own (one per app)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+from prometheus_client import CollectorRegistry, Counter, Enum, Gauge, Histogram
+from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.registry import Collector
+
+from .index import ApplyStats, PrefixCacheTable
+from .wire.events import Tier
+
+SUBSCRIBER_STATES = ("connecting", "connected", "replaying", "disconnected", "stopped")
+
+
+class _IndexCollector(Collector):
+    """Block counts per context and tier, read at scrape time (nothing on the hot path)."""
+
+    def __init__(self, table: PrefixCacheTable) -> None:
+        self._table = table
+
+    def collect(self) -> Iterable[GaugeMetricFamily]:
+        blocks = GaugeMetricFamily(
+            "conductor_index_blocks",
+            "Distinct prefix blocks indexed, per context and tier",
+            labels=["tenant_id", "model", "lora_name", "block_size", "tier"],
+        )
+        contexts = GaugeMetricFamily("conductor_index_contexts", "Contexts in the index")
+        for key, context in list(self._table.contexts.items()):
+            for tier, count in zip(Tier, context.block_counts(), strict=True):
+                labels = [key.tenant_id, key.model_name, key.lora_name, str(key.block_size)]
+                blocks.add_metric([*labels, tier.name], count)
+        contexts.add_metric([], len(self._table.contexts))
+        yield blocks
+        yield contexts
+
+
+class ConductorMetrics:
+    """Every counter the issue names; label ``stream`` is the service key."""
+
+    def __init__(self, table: PrefixCacheTable) -> None:
+        self.registry = CollectorRegistry(auto_describe=True)
+        registry = self.registry
+
+        def counter(name: str, doc: str, labels: tuple[str, ...] = ("stream",)) -> Counter:
+            return Counter(name, doc, labels, registry=registry)
+
+        self.batches = counter("conductor_batches_applied_total", "Event batches applied")
+        self.events = counter("conductor_events_applied_total", "Events applied")
+        self.blocks_stored = counter("conductor_blocks_stored_total", "Blocks indexed")
+        self.blocks_removed = counter("conductor_blocks_removed_total", "Blocks removed")
+        self.clears = counter("conductor_clears_total", "AllBlocksCleared events applied")
+        self.decode_errors = counter(
+            "conductor_decode_errors_total",
+            "Frames, batches or events that could not be decoded (skipped)",
+            ("stream", "kind"),
+        )
+        self.orphaned = counter(
+            "conductor_orphaned_events_total", "Stored events whose parent block is unknown"
+        )
+        self.dropped = counter(
+            "conductor_dropped_events_total", "Events not indexed", ("stream", "reason")
+        )
+        self.ignored = counter(
+            "conductor_ignored_events_total", "Events of KV groups that hold no prefix"
+        )
+        self.gaps = counter("conductor_sequence_gaps_total", "Sequence gaps detected")
+        self.gaps_unrepaired = counter(
+            "conductor_sequence_gaps_unrepaired_total", "Gaps a replay could not fill"
+        )
+        self.replays_requested = counter(
+            "conductor_replays_requested_total", "Replay requests sent"
+        )
+        self.replays_failed = counter(
+            "conductor_replays_failed_total", "Replays that timed out or broke"
+        )
+        self.replayed_batches = counter(
+            "conductor_replayed_batches_applied_total", "Batches applied from replays"
+        )
+        self.restarts = counter(
+            "conductor_publisher_restarts_total", "Publisher restarts (sequence went back)"
+        )
+        self.subscriber_state = Enum(
+            "conductor_subscriber_state",
+            "State of each stream's subscriber",
+            ["stream"],
+            states=list(SUBSCRIBER_STATES),
+            registry=registry,
+        )
+        self.query_seconds = Histogram(
+            "conductor_query_seconds",
+            "Time to answer a query inside the service",
+            ["route"],
+            buckets=(0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.1),
+            registry=registry,
+        )
+        self.http_requests = counter(
+            "conductor_http_requests_total", "HTTP requests answered", ("route", "status")
+        )
+        self.services = Gauge(
+            "conductor_registered_services", "Registered event streams", registry=registry
+        )
+        registry.register(_IndexCollector(table))
+        self._per_stream = [
+            m
+            for m in vars(self).values()
+            if isinstance(m, Counter | Enum) and m._labelnames[:1] == ("stream",)  # noqa: SLF001
+        ]
+
+    def record_apply(self, stream: str, stats: ApplyStats, replayed: bool) -> None:
+        self.batches.labels(stream).inc()
+        if replayed:
+            self.replayed_batches.labels(stream).inc()
+        self.events.labels(stream).inc(stats.events)
+        self.blocks_stored.labels(stream).inc(stats.blocks_stored)
+        self.blocks_removed.labels(stream).inc(stats.blocks_removed)
+        if stats.clears:
+            self.clears.labels(stream).inc(stats.clears)
+        if stats.orphaned:
+            self.orphaned.labels(stream).inc(stats.orphaned)
+        if stats.ignored:
+            self.ignored.labels(stream).inc(stats.ignored)
+        for reason, count in stats.dropped.items():
+            self.dropped.labels(stream, reason).inc(count)
+
+    def forget_stream(self, stream: str) -> None:
+        """Drop a stream's label sets when it is unregistered (bounded cardinality)."""
+        for metric in self._per_stream:
+            for labels in list(metric._metrics):  # noqa: SLF001 - no public enumeration
+                if labels[0] == stream:
+                    metric.remove(*labels)

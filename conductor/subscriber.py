@@ -1,0 +1,208 @@
+"""One registration's event stream: a SUB socket for live batches, a DEALER for replays.
+
+Sequence rules (DESIGN §2.4): batches are applied strictly in order; a gap is filled by a
+replay before the batch that revealed it; joining a running publisher first replays from
+its first sequence; a sequence going back means the publisher restarted, so the owner's
+blocks are cleared and the stream is read as new. A malformed message is counted and
+skipped: the SUB socket is never recreated for it (that would lose messages), and ZMQ
+itself reconnects with capped exponential backoff.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import zmq
+import zmq.asyncio
+from zmq.utils.monitor import parse_monitor_message
+
+from .wire.frames import FrameError, Message, parse_live, parse_replay, replay_request
+
+log = logging.getLogger(__name__)
+
+RECONNECT_MIN_MS = 100
+RECONNECT_MAX_MS = 5000
+RECEIVE_HWM = 100_000
+
+
+@dataclass(slots=True)
+class StreamCallbacks:
+    """What the subscriber reports; the manager decodes, applies and counts."""
+
+    on_message: Callable[[Message, bool], None]  # (message, replayed)
+    on_restart: Callable[[], None]
+    on_state: Callable[[str], None]
+    on_event: Callable[[str], None]  # counter names: gap, gap_unrepaired, replay_*, bad_frame
+
+
+class StreamSubscriber:
+    def __init__(
+        self,
+        context: zmq.asyncio.Context,
+        name: str,
+        endpoint: str,
+        replay_endpoint: str,
+        callbacks: StreamCallbacks,
+        first_sequence: int = 0,
+        replay_timeout: float = 2.0,
+    ) -> None:
+        self._context = context
+        self.name = name
+        self.endpoint = endpoint
+        self.replay_endpoint = replay_endpoint
+        self._callbacks = callbacks
+        self._first_sequence = first_sequence
+        self._replay_timeout = replay_timeout
+        self.last_sequence: int | None = None
+        self.state = "connecting"
+        self._sub: zmq.asyncio.Socket | None = None
+        self._dealer: zmq.asyncio.Socket | None = None
+        self._tasks: list[asyncio.Task[None]] = []
+
+    # -- lifecycle -----------------------------------------------------------------------
+    def start(self) -> None:
+        """Connect (lazily, like ZMQ) and start reading; raises ZMQError on a bad endpoint."""
+        sub = self._context.socket(zmq.SUB)
+        sub.setsockopt(zmq.LINGER, 0)
+        sub.setsockopt(zmq.RCVHWM, RECEIVE_HWM)
+        sub.setsockopt(zmq.RECONNECT_IVL, RECONNECT_MIN_MS)
+        sub.setsockopt(zmq.RECONNECT_IVL_MAX, RECONNECT_MAX_MS)
+        sub.setsockopt(zmq.IPV6, 1)
+        sub.setsockopt(zmq.SUBSCRIBE, b"")
+        monitor = sub.get_monitor_socket(
+            zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED | zmq.EVENT_CONNECT_RETRIED
+        )
+        try:
+            sub.connect(self.endpoint)
+            if self.replay_endpoint:
+                self._dealer = self._new_dealer()
+        except zmq.ZMQError:
+            sub.disable_monitor()
+            monitor.close(0)
+            sub.close(0)
+            raise
+        self._sub = sub
+        self._tasks = [
+            asyncio.create_task(self._read_live(), name=f"sub:{self.name}"),
+            asyncio.create_task(self._watch(monitor), name=f"monitor:{self.name}"),
+        ]
+
+    async def stop(self) -> None:
+        """Cancel reads (never waits on a blocked recv) and close every socket."""
+        for task in self._tasks:
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        self._tasks = []
+        if self._sub is not None:
+            self._sub.disable_monitor()
+            self._sub.close(0)
+            self._sub = None
+        if self._dealer is not None:
+            self._dealer.close(0)
+            self._dealer = None
+        self._set_state("stopped")
+
+    def _new_dealer(self) -> zmq.asyncio.Socket:
+        dealer = self._context.socket(zmq.DEALER)
+        dealer.setsockopt(zmq.LINGER, 0)
+        dealer.setsockopt(zmq.IPV6, 1)
+        try:
+            dealer.connect(self.replay_endpoint)
+        except zmq.ZMQError:
+            dealer.close(0)
+            raise
+        return dealer
+
+    def _set_state(self, state: str) -> None:
+        if state != self.state:
+            self.state = state
+            self._callbacks.on_state(state)
+
+    async def _watch(self, monitor: zmq.asyncio.Socket) -> None:
+        try:
+            while True:
+                event = parse_monitor_message(await monitor.recv_multipart())["event"]
+                if self.state == "replaying":
+                    continue
+                if event == zmq.EVENT_CONNECTED:
+                    self._set_state("connected")
+                elif event in (zmq.EVENT_DISCONNECTED, zmq.EVENT_CONNECT_RETRIED):
+                    self._set_state("disconnected")
+        finally:
+            monitor.close(0)
+
+    # -- live stream ---------------------------------------------------------------------
+    async def _read_live(self) -> None:
+        assert self._sub is not None
+        while True:
+            frames = await self._sub.recv_multipart()
+            try:
+                message = parse_live(frames)
+            except FrameError as error:
+                self._callbacks.on_event("bad_frame")
+                log.warning("stream=%s dropped malformed message: %s", self.name, error)
+                continue
+            await self._handle_live(message)
+
+    async def _handle_live(self, message: Message) -> None:
+        last = self.last_sequence
+        if last is not None and message.seq <= last:
+            if message.seq == last:
+                return  # a duplicate delivery: already applied
+            self._callbacks.on_event("restart")
+            log.warning(
+                "stream=%s publisher restarted (seq %d after %d): clearing its blocks",
+                self.name,
+                message.seq,
+                last,
+            )
+            self._callbacks.on_restart()
+            self.last_sequence = last = None
+        expected = self._first_sequence if last is None else last + 1
+        if message.seq > expected:
+            if last is not None:
+                self._callbacks.on_event("gap")
+                log.info("stream=%s gap: expected seq %d, got %d", self.name, expected, message.seq)
+            await self._replay(expected, message.seq)
+            if self.last_sequence is None or self.last_sequence + 1 < message.seq:
+                if last is not None or self.replay_endpoint:
+                    self._callbacks.on_event("gap_unrepaired")
+        self._apply(message, replayed=False)
+
+    def _apply(self, message: Message, replayed: bool) -> None:
+        self.last_sequence = message.seq
+        self._callbacks.on_message(message, replayed)
+
+    # -- replay --------------------------------------------------------------------------
+    async def _replay(self, start: int, stop: int) -> None:
+        """Apply the publisher's buffered batches ``start <= seq < stop``, in order."""
+        if self._dealer is None:
+            return
+        previous_state = self.state
+        self._set_state("replaying")
+        self._callbacks.on_event("replay_requested")
+        try:
+            await self._dealer.send_multipart(replay_request(start))
+            while True:
+                frames = await asyncio.wait_for(self._dealer.recv_multipart(), self._replay_timeout)
+                try:
+                    message = parse_replay(frames)
+                except FrameError as error:
+                    self._callbacks.on_event("bad_frame")
+                    log.warning("stream=%s bad replay reply: %s", self.name, error)
+                    continue
+                if message is None:
+                    break
+                last = self.last_sequence
+                if start <= message.seq < stop and (last is None or message.seq > last):
+                    self._apply(message, replayed=True)
+        except TimeoutError:
+            self._callbacks.on_event("replay_failed")
+            log.warning("stream=%s replay from %d timed out", self.name, start)
+            self._dealer.close(0)  # late replies must not leak into the next replay
+            self._dealer = self._new_dealer()
+        finally:
+            self._set_state(previous_state if previous_state != "replaying" else "connected")
