@@ -212,7 +212,7 @@ def load_config(path: str | os.PathLike[str] | None) -> ConductorConfig:
         return ConductorConfig()
     try:
         data = json.loads(file.read_text(encoding="utf-8"))
-        return ConductorConfig.model_validate(data, strict=False)
+        return ConductorConfig.model_validate(data)
     except (OSError, ValueError) as error:
         raise ConfigError(f"{file}: {one_line(error)}") from None
 

@@ -1,0 +1,124 @@
+"""Every bad request gets a precise status and a message naming the field."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from tests.support.api import get, post, register_and_connect
+
+VALID_QUERY = {"model": "m", "block_size": 4, "token_ids": [1, 2, 3, 4]}
+VALID_REGISTRATION = {
+    "endpoint": "tcp://127.0.0.1:1",
+    "type": "vLLM",
+    "modelname": "m",
+    "instance_id": "a",
+    "block_size": 4,
+}
+
+
+@pytest.mark.parametrize(
+    ("path", "body", "status", "field", "message"),
+    [
+        ("/query", {**VALID_QUERY, "block_size": "16"}, 400, "block_size", "valid integer"),
+        ("/query", {**VALID_QUERY, "block_size": -4}, 400, "block_size", "greater than 0"),
+        ("/query", {**VALID_QUERY, "token_ids": [1, 2**31]}, 400, "token_ids", "element 1"),
+        ("/query", {**VALID_QUERY, "token_ids": "1,2"}, 400, "token_ids", "array"),
+        ("/query", {"block_size": 4, "token_ids": [1]}, 400, "model", "required"),
+        ("/query", {**VALID_QUERY, "model": ""}, 400, "model", "at least 1"),
+        ("/query", {**VALID_QUERY, "tenant_id": 7}, 400, "tenant_id", "valid string"),
+        ("/query_by_hash", {**VALID_QUERY}, 400, "seq_hashes", "required"),
+        ("/query_by_hash", {**VALID_QUERY, "seq_hashes": [2**64]}, 400, "seq_hashes.0", "less"),
+        ("/register", {**VALID_REGISTRATION, "type": "TGI"}, 400, "type", "vLLM"),
+        ("/register", {**VALID_REGISTRATION, "block_size": 0}, 400, "block_size", "greater"),
+        ("/register", {**VALID_REGISTRATION, "dp_rank": -1}, 400, "dp_rank", "greater"),
+        ("/register", {**VALID_REGISTRATION, "endpoint": ""}, 400, "endpoint", "at least 1"),
+        ("/register", {**VALID_REGISTRATION, "endpoint": "http://x:1"}, 400, "endpoint", "tcp"),
+        ("/register", {**VALID_REGISTRATION, "endpoint": "tcp://*:5557"}, 400, "endpoint", "bind"),
+        ("/register", {**VALID_REGISTRATION, "endpoint": "tcp://nohost"}, 400, "endpoint", ""),
+        ("/unregister", {"tenant_id": "default"}, 400, "instance_id", "required"),
+        ("/unregister", {"instance_id": "ghost"}, 404, "instance_id", "ghost|default|0"),
+    ],
+)
+async def test_invalid_bodies(shared_conductor, http, path, body, status, field, message):
+    got_status, answer = await post(http, shared_conductor.url + path, body)
+    assert got_status == status, answer
+    assert answer["field"] == field
+    assert message in answer["error"]
+
+
+@pytest.mark.parametrize("raw", [b"{bad", b"", b"[1,2]", b"null"])
+async def test_malformed_json_is_400(shared_conductor, http, raw):
+    async with http.post(f"{shared_conductor.url}/query", data=raw) as response:
+        assert response.status == 400
+        answer = await response.json()
+    assert answer["error"] in ("Invalid JSON", "request body must be an object")
+
+
+async def test_invalid_msgpack_is_400(shared_conductor, http):
+    headers = {"Content-Type": "application/msgpack"}
+    async with http.post(f"{shared_conductor.url}/query", data=b"\xc1", headers=headers) as response:
+        assert response.status == 400
+
+
+@pytest.mark.parametrize(
+    ("method", "path"),
+    [("GET", "/query"), ("GET", "/register"), ("POST", "/services"), ("PUT", "/global_view")],
+)
+async def test_wrong_method_is_405(shared_conductor, http, method, path):
+    async with http.request(method, shared_conductor.url + path) as response:
+        assert response.status == 405
+        assert (await response.json())["error"] == "Method Not Allowed"
+
+
+async def test_unknown_path_is_404(shared_conductor, http):
+    status, answer = await get(http, f"{shared_conductor.url}/nope")
+    assert status == 404 and answer["error"] == "Not Found"
+
+
+async def test_oversized_body_is_413(conductor_factory, http):
+    conductor = conductor_factory("--max-body-bytes", "1024")
+    body = {**VALID_QUERY, "token_ids": list(range(2000))}
+    status, answer = await post(http, f"{conductor.url}/query", body)
+    assert status == 413 and "too large" in answer["error"]
+    status, _ = await post(http, f"{conductor.url}/query", VALID_QUERY)
+    assert status == 200
+
+
+async def test_reregistration_is_idempotent_and_conflicts_are_409(
+    conductor, http, publisher_factory
+):
+    publisher = publisher_factory()
+    body = await register_and_connect(http, conductor.url, publisher, "a")
+    assert await post(http, f"{conductor.url}/register", body) == (
+        200,
+        {"instance_id": "a", "status": "registered successfully"},
+    )
+    status, answer = await post(http, f"{conductor.url}/register", {**body, "block_size": 16})
+    assert status == 409 and "a|default|0" in answer["error"]
+    other = {**body, "instance_id": "b"}
+    status, answer = await post(http, f"{conductor.url}/register", other)
+    assert status == 409 and "already registered as a|default|0" in answer["error"]
+    _, services = await get(http, f"{conductor.url}/services")
+    assert services["count"] == 1
+
+
+async def test_unknown_tenant_and_instance(conductor, http, publisher_factory):
+    publisher = publisher_factory()
+    await register_and_connect(http, conductor.url, publisher, "a")
+    status, answer = await post(http, f"{conductor.url}/query", {**VALID_QUERY, "tenant_id": "x"})
+    assert (status, answer) == (200, {})
+    body = {**VALID_QUERY, "instance_id": "ghost"}
+    status, answer = await post(http, f"{conductor.url}/query", body)
+    zeros = {"longest_matched": 0, "DP": {}, "GPU": 0, "CPU": 0, "DISK": 0}
+    assert (status, answer) == (200, {"default": {"ghost": zeros}})
+
+
+async def test_service_survives_garbage(shared_conductor, http):
+    """After a barrage of bad requests the service still answers correctly."""
+    for raw in (b"\x00" * 100, json.dumps({"token_ids": [None]}).encode(), b"[" * 10000):
+        async with http.post(f"{shared_conductor.url}/query", data=raw) as response:
+            assert response.status == 400
+    status, health = await get(http, f"{shared_conductor.url}/health")
+    assert status == 200 and health["status"] == "ok"

@@ -1,0 +1,91 @@
+"""Start-up from the config file and env, fast failure on bad config, clean shutdown."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+from tests.conftest import REPO
+from tests.support.api import eventually, get, matched
+from tests.support.wire_publisher import stored
+
+
+def run_conductor(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "conductor", "--host", "127.0.0.1", *args],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=20,
+    )
+
+
+async def test_config_file_registrations_are_indexed(conductor_factory, http, publisher_factory):
+    publisher = publisher_factory()
+    config = {
+        "kvevent_instance": {
+            "engine-a": {
+                "endpoint": publisher.endpoint,
+                "replay_endpoint": publisher.replay_endpoint,
+                "type": "vLLM",
+                "modelname": "m",
+                "block_size": 4,
+            }
+        },
+        "http_server_port": 1,  # overridden by --port
+    }
+    conductor = conductor_factory(config=config)
+    status, services = await get(http, f"{conductor.url}/services")
+    assert status == 200 and services["count"] == 1
+    service = services["services"][0]
+    assert (service["InstanceID"], service["TenantID"]) == ("engine-a", "default")
+
+    async def connected() -> str:
+        return (await get(http, f"{conductor.url}/services"))[1]["services"][0]["State"]
+
+    await eventually(connected, lambda state: state == "connected")
+    await publisher.publish([stored([1], [1, 2, 3, 4])], send=False)
+    await publisher.publish([stored([2], [5, 6, 7, 8], parent=1)])
+    tokens = list(range(1, 9))
+    await eventually(lambda: matched(http, conductor.url, tokens, "engine-a"), lambda n: n == 8)
+
+
+@pytest.mark.parametrize(
+    ("content", "reason"),
+    [
+        ("{not json", "invalid configuration"),
+        ('{"kvevent_instance": {"a": {"endpoint": "tcp://h:1", "type": "TGI"}}}', "type"),
+        ('{"http_server_port": "13333"}', "http_server_port"),
+        ('{"kvevent_instance": {"a": {"endpoint": "tcp://h:1", "type": "vLLM", '
+         '"modelname": "m", "block_size": 0}}}', "block_size"),
+    ],
+)
+def test_invalid_config_exits_with_one_line_reason(tmp_path, content, reason):
+    path = tmp_path / "conductor_config.json"
+    path.write_text(content)
+    result = run_conductor("--config", str(path))
+    assert result.returncode != 0
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and reason in lines[0], result.stderr
+
+
+async def test_missing_config_starts_empty(conductor, http):
+    status, health = await get(http, f"{conductor.url}/health")
+    assert status == 200 and health["services"] == 0
+
+
+def test_invalid_log_level_is_rejected(tmp_path):
+    result = run_conductor("--config", str(tmp_path / "none.json"), "--log-level", "LOUD")
+    assert result.returncode != 0 and "log_level" in result.stderr
+
+
+async def test_sigterm_shuts_down_within_two_seconds(conductor, http, publisher_factory):
+    from tests.support.api import register_and_connect
+
+    await register_and_connect(http, conductor.url, publisher_factory(), "engine-a")
+    elapsed = conductor.stop()
+    assert conductor.process.returncode == 0, conductor.log()
+    assert elapsed < 2.0
