@@ -1,7 +1,8 @@
 """One entry point for every producer's payload: detect the layout per event, decode it.
 
-Detection is by shape, not by registration type, so a stream that mixes layouts (an
-engine plus its store connector) or a mislabelled registration still decodes. One bad
+Detection is by each event's shape, not by registration type, so a stream that mixes
+layouts (an engine plus its store connector) or a mislabelled registration still decodes;
+arrays on the legacy ``mooncake`` topic are Mooncake events, as the Go service routes them. One bad
 event is rejected with a reason; the rest of its batch survives.
 """
 
@@ -43,7 +44,7 @@ def decode_batch(payload: bytes, topic: bytes = b"") -> EventBatch:
         raise DecodeError(f"batch timestamp must be a number, got {timestamp!r:.40}")
     if isinstance(timestamp, int):  # the Mooncake master sends milliseconds
         timestamp = timestamp / 1000.0
-    if dp_rank is not None and (not isinstance(dp_rank, int) or dp_rank < 0):
+    if dp_rank is not None and (type(dp_rank) is not int or dp_rank < 0):
         raise DecodeError(f"batch dp_rank must be a non-negative int, got {dp_rank!r:.40}")
     legacy = topic == LEGACY_MOONCAKE_TOPIC
     decoded: list[Event] = []

@@ -53,10 +53,12 @@ def normalize_hash(value: object) -> int:
 def normalize_hashes(values: object) -> list[int]:
     if not isinstance(values, list):
         raise DecodeError(f"block_hashes must be an array, got {type(values).__name__}")
-    try:  # fast path: every hash is an int (vLLM default, SGLang, Mooncake)
-        return [h & MASK64 for h in values]
-    except TypeError:
-        return [normalize_hash(h) for h in values]
+    if bool not in map(type, values):
+        try:  # fast path: every hash is an int (vLLM default, SGLang, Mooncake)
+            return [h & MASK64 for h in values]
+        except TypeError:
+            pass
+    return [normalize_hash(h) for h in values]
 
 
 @dataclass(slots=True)

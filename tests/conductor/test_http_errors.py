@@ -58,7 +58,9 @@ async def test_malformed_json_is_400(shared_conductor, http, raw):
 
 async def test_invalid_msgpack_is_400(shared_conductor, http):
     headers = {"Content-Type": "application/msgpack"}
-    async with http.post(f"{shared_conductor.url}/query", data=b"\xc1", headers=headers) as response:
+    async with http.post(
+        f"{shared_conductor.url}/query", data=b"\xc1", headers=headers
+    ) as response:
         assert response.status == 400
 
 

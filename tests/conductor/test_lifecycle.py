@@ -59,8 +59,11 @@ async def test_config_file_registrations_are_indexed(conductor_factory, http, pu
         ("{not json", "invalid configuration"),
         ('{"kvevent_instance": {"a": {"endpoint": "tcp://h:1", "type": "TGI"}}}', "type"),
         ('{"http_server_port": "13333"}', "http_server_port"),
-        ('{"kvevent_instance": {"a": {"endpoint": "tcp://h:1", "type": "vLLM", '
-         '"modelname": "m", "block_size": 0}}}', "block_size"),
+        (
+            '{"kvevent_instance": {"a": {"endpoint": "tcp://h:1", "type": "vLLM", '
+            '"modelname": "m", "block_size": 0}}}',
+            "block_size",
+        ),
     ],
 )
 def test_invalid_config_exits_with_one_line_reason(tmp_path, content, reason):

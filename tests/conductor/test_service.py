@@ -9,7 +9,7 @@ import aiohttp
 import msgpack
 
 from tests.support.api import eventually, get, matched, post, query, register_and_connect
-from tests.support.wire_publisher import cleared, removed, stored
+from tests.support.wire_publisher import removed, stored
 
 PROMPT = list(range(1, 13))  # three blocks of 4
 HASHES = [101, 102, 103]

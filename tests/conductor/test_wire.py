@@ -9,6 +9,7 @@ modes (one bad event, a bad batch, arbitrary bytes).
 from __future__ import annotations
 
 import base64
+import contextlib
 import dataclasses
 import json
 from pathlib import Path
@@ -82,7 +83,7 @@ def expected_hash(value: Any) -> int | None:
 
 
 def expected_salt(fields: dict[str, Any]) -> str | None:
-    """SGLang says ``cache_salt``; vLLM hides the salt in block 0's extra keys after the LoRA name."""
+    """SGLang says ``cache_salt``; vLLM puts it in block 0's extra keys, after the LoRA name."""
     if fields.get("cache_salt") is not None:
         return fields["cache_salt"]
     extra_keys = fields.get("extra_keys")
@@ -151,9 +152,21 @@ def fixture_message(case: dict[str, Any]) -> tuple[bytes, bytes] | None:
 def decode_case(name: str) -> EventBatch:
     message = fixture_message(CASES[name])
     assert message is not None
-    batch = decode_batch(message[1], message[0])
-    assert batch.rejected == []
-    return batch
+    decoded = decode_batch(message[1], message[0])
+    assert decoded.rejected == []
+    return decoded
+
+
+def pack_batch(events: list[Any], *tail: Any, ts: Any = 1_780_000_000.5) -> bytes:
+    """A hand-built batch ``[ts, events, *tail]`` (tail: the dp_rank, if any)."""
+    return msgpack.packb([ts, events, *tail])
+
+
+def decode_one(payload: bytes, topic: bytes = b"") -> Event:
+    decoded = decode_batch(payload, topic)
+    assert decoded.rejected == []
+    (event,) = decoded.events
+    return event
 
 
 @pytest.mark.parametrize("case", CASES.values(), ids=CASES.keys())
@@ -164,11 +177,11 @@ def test_fixture_decodes_like_its_plain_view(case: dict[str, Any]) -> None:
         assert case["decoded"] is None
         return
     timestamp, events, dp_rank = case["decoded"]
-    batch = decode_batch(message[1], message[0])
-    assert batch.rejected == []
-    assert batch.timestamp == timestamp
-    assert batch.dp_rank == dp_rank
-    assert [actual_view(e) for e in batch.events] == [expected_view(e) for e in events]
+    decoded = decode_batch(message[1], message[0])
+    assert decoded.rejected == []
+    assert decoded.timestamp == timestamp
+    assert decoded.dp_rank == dp_rank
+    assert [actual_view(e) for e in decoded.events] == [expected_view(e) for e in events]
 
 
 def test_fixture_set_is_complete() -> None:
@@ -269,7 +282,8 @@ def test_small_parent_cases_span_every_release() -> None:
 
 
 @pytest.mark.parametrize(
-    "name", ["v0_10_2_all_blocks_cleared", "v0_14_0_all_blocks_cleared", "v0_22_0_all_blocks_cleared"]
+    "name",
+    ["v0_10_2_all_blocks_cleared", "v0_14_0_all_blocks_cleared", "v0_22_0_all_blocks_cleared"],
 )
 def test_all_blocks_cleared_array(name: str) -> None:
     """``["AllBlocksCleared"]`` clears the owner (Go fails the whole batch on it)."""
@@ -277,8 +291,7 @@ def test_all_blocks_cleared_array(name: str) -> None:
 
 
 def test_legacy_mixed_batch_keeps_event_order() -> None:
-    batch = decode_case("v0_22_0_mixed_stored_removed_cleared")
-    assert batch.events == [
+    assert decode_case("v0_22_0_mixed_stored_removed_cleared").events == [
         BlockStored([101, 102], None, list(range(1, 9)), 4, Tier.GPU, group_idx=0),
         BlockStored([103], 102, [9, 10, 11, 12], 4, Tier.GPU, group_idx=0),
         BlockRemoved([101], Tier.GPU, group_idx=0),
@@ -287,18 +300,42 @@ def test_legacy_mixed_batch_keeps_event_order() -> None:
 
 
 @pytest.mark.parametrize(
-    "name", ["v033_batch_dp_rank_none_encoder_only", "sgl_batch_attn_dp_rank_none_encoder_only"]
+    ("name", "rank"),
+    [
+        ("v033_batch_dp_rank_none_encoder_only", None),
+        ("sgl_batch_attn_dp_rank_none_encoder_only", None),
+        ("v033_dp_rank2_stored", 2),
+        ("sgl_attn_dp_rank1_stored", 1),
+    ],
 )
-def test_nil_dp_rank(name: str) -> None:
-    """A batch whose rank was never filled in says 'unknown', not rank 0."""
-    batch = decode_case(name)
-    assert batch.dp_rank is None
-    assert len(batch.events) == 1
+def test_batch_dp_rank(name: str, rank: int | None) -> None:
+    """A batch whose rank was never filled in says 'unknown' (nil), not rank 0."""
+    decoded = decode_case(name)
+    assert decoded.dp_rank == rank
+    assert len(decoded.events) == 1
 
 
-@pytest.mark.parametrize(("name", "rank"), [("v033_dp_rank2_stored", 2), ("sgl_attn_dp_rank1_stored", 1)])
-def test_dp_rank_from_batch(name: str, rank: int) -> None:
-    assert decode_case(name).dp_rank == rank
+@pytest.mark.parametrize(
+    ("medium", "tier"),
+    [
+        ("GPU", Tier.GPU),
+        ("gpu", Tier.GPU),
+        ("CPU", Tier.CPU),
+        ("CPU_PINNED", Tier.CPU),
+        ("cpu", Tier.CPU),
+        ("DISK", Tier.DISK),
+        ("STORAGE", Tier.DISK),
+        ("disk", Tier.DISK),
+        ("EXTERNAL", Tier.DISK),
+        ("External", Tier.DISK),
+        (None, None),
+    ],
+    ids=str,
+)
+def test_medium_names(medium: str | None, tier: Tier | None) -> None:
+    """DESIGN §2.3: every producer's medium spelling lands in one of three tiers."""
+    event = {"type": "BlockRemoved", "block_hashes": [1], "medium": medium}
+    assert decode_one(pack_batch([event], 0)) == BlockRemoved([1], tier)
 
 
 def test_mooncake_store_connector_event() -> None:
@@ -344,26 +381,15 @@ def rfc_event(event_type: str = "stored", **overrides: Any) -> dict[str, Any]:
     return event | overrides
 
 
-def batch(events: list[Any], *tail: Any, ts: Any = 1_780_000_000.5) -> bytes:
-    return msgpack.packb([ts, events, *tail])
-
-
-def decode_one(payload: bytes, topic: bytes = b"") -> Event:
-    decoded = decode_batch(payload, topic)
-    assert decoded.rejected == []
-    (event,) = decoded.events
-    return event
-
-
 def test_rfc_batch_timestamp_is_milliseconds() -> None:
-    decoded = decode_batch(batch([rfc_event()], 0, ts=MS))
+    decoded = decode_batch(pack_batch([rfc_event()], 0, ts=MS))
     assert decoded.timestamp == pytest.approx(1_780_000_000.123)
     assert decoded.dp_rank == 0
 
 
 def test_rfc_stored_from_master_main() -> None:
     """No tokens, no parent, nil per-event dp_rank: the block is known by its seq hash."""
-    assert decode_one(batch([rfc_event()], 0, ts=MS)) == BlockStored(
+    assert decode_one(pack_batch([rfc_event()], 0, ts=MS)) == BlockStored(
         block_hashes=[BIG], parent_hash=None, token_ids=[], block_size=None, tier=Tier.CPU
     )
 
@@ -375,20 +401,23 @@ def test_rfc_stored_from_master_main() -> None:
         ([], [BIG_AS_INT64, -1], [BIG, U64]),  # legacy int64 cast, wrapped back
         (None, [BIG_AS_INT64], [BIG]),
     ],
+    ids=["seq_hashes_preferred", "empty_seq_hashes", "nil_seq_hashes"],
 )
 def test_rfc_hash_source(seq_hashes: Any, block_hashes: list[int], expected: list[int]) -> None:
     event = rfc_event(seq_hashes=seq_hashes, block_hashes=block_hashes)
-    assert decode_one(batch([event], 0, ts=MS)).block_hashes == expected
+    assert decode_one(pack_batch([event], 0, ts=MS)).block_hashes == expected
 
 
-@pytest.mark.parametrize(("medium", "tier"), [("cpu", Tier.CPU), ("disk", Tier.DISK), (None, None)])
+@pytest.mark.parametrize(
+    ("medium", "tier"), [("cpu", Tier.CPU), ("disk", Tier.DISK), (None, None)], ids=str
+)
 def test_rfc_medium(medium: str | None, tier: Tier | None) -> None:
-    assert decode_one(batch([rfc_event(medium=medium)], 0, ts=MS)).tier == tier
+    assert decode_one(pack_batch([rfc_event(medium=medium)], 0, ts=MS)).tier == tier
 
 
 def test_rfc_removed() -> None:
     event = rfc_event("removed", medium="disk")
-    assert decode_one(batch([event], 0, ts=MS)) == BlockRemoved([BIG], Tier.DISK)
+    assert decode_one(pack_batch([event], 0, ts=MS)) == BlockRemoved([BIG], Tier.DISK)
 
 
 def test_rfc_dev_conductor_variant() -> None:
@@ -407,7 +436,7 @@ def test_rfc_dev_conductor_variant() -> None:
         tp_rank=0,
     )
     cleared = {"event_id": 3, "timestamp": MS, "event_type": "cleared", "dp_rank": 3}
-    decoded = decode_batch(batch([stored, cleared], 0, ts=MS))
+    decoded = decode_batch(pack_batch([stored, cleared], 0, ts=MS))
     assert decoded.rejected == []
     assert decoded.events == [
         BlockStored([BIG], 12, list(range(16)), 16, Tier.CPU, "sql-lora", "salt-x"),
@@ -415,7 +444,7 @@ def test_rfc_dev_conductor_variant() -> None:
     ]
 
 
-# --------------------------------------------------------------------------- legacy "mooncake" topic
+# ------------------------------------------------------------------------ legacy "mooncake" topic
 
 MOONCAKE = b"mooncake"
 TOKENS = list(range(1, 9))
@@ -425,10 +454,19 @@ def store_event(
     hashes: Any = "101, 102", parent: Any = "", replicas: Any = (("memory", "node-a:1"),)
 ) -> list[Any]:
     """``["BlockStoreEvent", key, replicas, model, block_size, hashes, parent, tokens]``."""
-    return ["BlockStoreEvent", "key-1", [list(r) for r in replicas], "llama", 4, hashes, parent, TOKENS]
+    return [
+        "BlockStoreEvent",
+        "key-1",
+        [list(r) for r in replicas],
+        "llama",
+        4,
+        hashes,
+        parent,
+        TOKENS,
+    ]
 
 
-def legacy_batch(*events: list[Any]) -> bytes:
+def pack_legacy_batch(*events: list[Any]) -> bytes:
     return msgpack.packb([1_780_000_000.5, list(events)])  # 2 elements: no dp_rank
 
 
@@ -443,16 +481,23 @@ def legacy_batch(*events: list[Any]) -> bytes:
         (101, [101]),
         ([-1], [U64]),
     ],
+    ids=["decimal", "whitespace", "u64_max", "hex", "mixed_array", "number", "negative"],
 )
 def test_legacy_mooncake_hash_forms(hashes: Any, expected: list[int]) -> None:
-    assert decode_one(legacy_batch(store_event(hashes)), MOONCAKE) == BlockStored(
+    assert decode_one(pack_legacy_batch(store_event(hashes)), MOONCAKE) == BlockStored(
         expected, None, TOKENS, 4, Tier.CPU
     )
 
 
-@pytest.mark.parametrize(("parent", "expected"), [("100", 100), (100, 100), ("", None), (None, None)])
+@pytest.mark.parametrize(
+    ("parent", "expected"),
+    [("100", 100), (100, 100), ("0", None), ("", None), (None, None)],
+    ids=["decimal", "number", "zero", "empty", "nil"],
+)
 def test_legacy_mooncake_parent(parent: Any, expected: int | None) -> None:
-    assert decode_one(legacy_batch(store_event(parent=parent)), MOONCAKE).parent_hash == expected
+    assert (
+        decode_one(pack_legacy_batch(store_event(parent=parent)), MOONCAKE).parent_hash == expected
+    )
 
 
 @pytest.mark.parametrize(
@@ -464,15 +509,16 @@ def test_legacy_mooncake_parent(parent: Any, expected: int | None) -> None:
         ((("memory", "node-a:1"), ("local_disk", "/mnt/kv")), Tier.DISK),
         ((("nvme_ssd", "/dev/nvme0"),), Tier.DISK),
     ],
+    ids=["memory", "no_replicas", "disk", "memory_and_disk", "ssd"],
 )
 def test_legacy_mooncake_replica_tier(replicas: Any, tier: Tier) -> None:
-    assert decode_one(legacy_batch(store_event(replicas=replicas)), MOONCAKE).tier == tier
+    assert decode_one(pack_legacy_batch(store_event(replicas=replicas)), MOONCAKE).tier == tier
 
 
 def test_legacy_store_event_is_detected_by_shape() -> None:
     """A BlockStoreEvent on an unexpected topic still decodes (detection by shape)."""
-    assert decode_one(legacy_batch(store_event()), b"") == decode_one(
-        legacy_batch(store_event()), MOONCAKE
+    assert decode_one(pack_legacy_batch(store_event()), b"") == decode_one(
+        pack_legacy_batch(store_event()), MOONCAKE
     )
 
 
@@ -523,22 +569,16 @@ BAD_EVENTS: dict[str, Any] = {
 }
 
 
-def bool_hash_case() -> Any:
-    """``true`` is not a uint64; normalize_hash rejects it but the list fast path does not."""
-    return pytest.param(
-        GOOD_STORED | {"block_hashes": [True]},
-        id="bool_hash",
-        marks=pytest.mark.xfail(
-            strict=True,
-            reason="normalize_hashes' fast path accepts msgpack true/false as hashes 1/0",
-        ),
-    )
+# `true` is not a uint64 (WIRE.md §b.1): the all-int fast path must not take it as hash 1.
+BOOL_HASH = pytest.param(GOOD_STORED | {"block_hashes": [True]}, id="bool_hash")
 
 
-@pytest.mark.parametrize("bad", [*BAD_EVENTS.values(), bool_hash_case()], ids=[*BAD_EVENTS, "bool_hash"])
+@pytest.mark.parametrize(
+    "bad", [*(pytest.param(v, id=k) for k, v in BAD_EVENTS.items()), BOOL_HASH]
+)
 def test_one_bad_event_rejects_only_itself(bad: Any) -> None:
     """DESIGN §2.4: one bad event is counted and skipped; the rest of its batch is applied."""
-    decoded = decode_batch(batch([GOOD_STORED, bad, GOOD_REMOVED], 0))
+    decoded = decode_batch(pack_batch([GOOD_STORED, bad, GOOD_REMOVED], 0))
     assert decoded.events == [
         BlockStored([11, 12], None, TOKENS, 4, Tier.GPU),
         BlockRemoved([12], Tier.GPU),
@@ -549,14 +589,16 @@ def test_one_bad_event_rejects_only_itself(bad: Any) -> None:
 
 def test_bad_legacy_event_on_mooncake_topic() -> None:
     """Go fails the whole batch on BlockUpdateEvent; we skip only that event."""
-    decoded = decode_batch(legacy_batch(store_event(), ["BlockUpdateEvent", "key-1"]), MOONCAKE)
+    decoded = decode_batch(
+        pack_legacy_batch(store_event(), ["BlockUpdateEvent", "key-1"]), MOONCAKE
+    )
     assert len(decoded.events) == 1
     assert len(decoded.rejected) == 1 and decoded.rejected[0].startswith("event 1:")
 
 
 # --------------------------------------------------------------------------- whole-batch failures
 
-VALID = batch([GOOD_STORED], 0)
+VALID = pack_batch([GOOD_STORED], 0)
 BAD_BATCHES: dict[str, bytes] = {
     "empty": b"",
     "not_msgpack": b"\xc1",
@@ -566,31 +608,24 @@ BAD_BATCHES: dict[str, bytes] = {
     "map": msgpack.packb({"ts": 1.0, "events": [], "dp_rank": 0}),
     "scalar": msgpack.packb(1.0),
     "one_element": msgpack.packb([1.0]),
-    "four_elements": batch([], 0, 0),
+    "four_elements": pack_batch([], 0, 0),
     "events_map": msgpack.packb([1.0, {}, 0]),
     "events_nil": msgpack.packb([1.0, None, 0]),
-    "timestamp_string": batch([], 0, ts="2026-01-01"),
-    "timestamp_nil": batch([], 0, ts=None),
-    "timestamp_bool": batch([], 0, ts=True),
-    "negative_dp_rank": batch([], -1),
-    "string_dp_rank": batch([], "0"),
-    "float_dp_rank": batch([], 0.0),
+    "timestamp_string": pack_batch([], 0, ts="2026-01-01"),
+    "timestamp_nil": pack_batch([], 0, ts=None),
+    "timestamp_bool": pack_batch([], 0, ts=True),
+    "negative_dp_rank": pack_batch([], -1),
+    "string_dp_rank": pack_batch([], "0"),
+    "float_dp_rank": pack_batch([], 0.0),
 }
 
 
-def bool_dp_rank_case() -> Any:
-    return pytest.param(
-        batch([], True),
-        id="bool_dp_rank",
-        marks=pytest.mark.xfail(
-            strict=True,
-            reason="decode_batch excludes bool timestamps but accepts true as dp_rank 1",
-        ),
-    )
+# msgpack `true` is no DP rank (a bool is an int subclass in Python).
+BOOL_DP_RANK = pytest.param(pack_batch([], True), id="bool_dp_rank")
 
 
 @pytest.mark.parametrize(
-    "payload", [*BAD_BATCHES.values(), bool_dp_rank_case()], ids=[*BAD_BATCHES, "bool_dp_rank"]
+    "payload", [*(pytest.param(v, id=k) for k, v in BAD_BATCHES.items()), BOOL_DP_RANK]
 )
 def test_unusable_batch_raises_decode_error(payload: bytes) -> None:
     with pytest.raises(DecodeError):
@@ -598,67 +633,78 @@ def test_unusable_batch_raises_decode_error(payload: bytes) -> None:
 
 
 def test_empty_batch_is_fine() -> None:
-    decoded = decode_batch(batch([], None, ts=0))
+    decoded = decode_batch(pack_batch([], None, ts=0))
     assert (decoded.events, decoded.rejected, decoded.dp_rank) == ([], [], None)
 
 
 # --------------------------------------------------------------------------- properties
 
-msgpack_values = st.recursive(
+leaves = (
     st.none()
     | st.booleans()
     | st.integers(-(2**63), U64)
     | st.floats()
     | st.text(max_size=8)
-    | st.binary(max_size=40),
-    lambda children: st.lists(children, max_size=5)
-    | st.dictionaries(st.text(max_size=8) | st.integers(-5, 5), children, max_size=5),
-    max_leaves=25,
+    | st.binary(max_size=40)
 )
-KEYS = sorted({*GOOD_STORED, *rfc_event(), "cache_salt", "extra_keys", "group_idx", "event_type"})
+msgpack_values = st.recursive(
+    leaves,
+    lambda children: (
+        st.lists(children, max_size=5)
+        | st.dictionaries(st.text(max_size=8) | st.integers(-5, 5), children, max_size=5)
+    ),
+    max_leaves=20,
+)
+# Events close enough to real ones to reach deep into each decoder: known tags and keys,
+# field values that are sometimes right (hash lists, media, hash strings) and often wrong.
+KEYS = sorted({*GOOD_STORED, *rfc_event(), "cache_salt", "extra_keys", "group_idx"})
 TAGS = ["BlockStored", "BlockRemoved", "AllBlocksCleared", "BlockStoreEvent", "stored", "cleared"]
-# Events close enough to real ones to reach deep into each decoder.
+field_values = (
+    leaves
+    | st.lists(leaves, max_size=4)
+    | st.lists(st.integers(-(2**63), U64), max_size=4)
+    | st.sampled_from(["GPU", "cpu", "disk", "HBM", "0x10", "1, 2", ""])
+)
 near_events = (
     st.builds(
         lambda tag, fields, rfc: fields | ({"event_type": tag} if rfc else {"type": tag}),
         st.sampled_from(TAGS),
-        st.dictionaries(st.sampled_from(KEYS), msgpack_values, max_size=8),
+        st.dictionaries(st.sampled_from(KEYS), field_values, max_size=10),
         st.booleans(),
     )
-    | st.builds(lambda tag, rest: [tag, *rest], st.sampled_from(TAGS), st.lists(msgpack_values, max_size=12))
+    | st.builds(
+        lambda tag, rest: [tag, *rest], st.sampled_from(TAGS), st.lists(field_values, max_size=12)
+    )
     | msgpack_values
 )
+TOPICS = st.sampled_from([b"", MOONCAKE])
 
 
-def decodes_or_rejects(payload: bytes, topic: bytes) -> EventBatch | None:
-    try:
-        return decode_batch(payload, topic)
-    except DecodeError:
-        return None
-
-
-@settings(max_examples=400, deadline=None)
-@given(payload=st.binary(max_size=200), topic=st.sampled_from([b"", MOONCAKE]))
+@settings(max_examples=300, deadline=None)
+@given(payload=st.binary(max_size=200), topic=TOPICS)
 def test_arbitrary_bytes_only_raise_decode_error(payload: bytes, topic: bytes) -> None:
-    decodes_or_rejects(payload, topic)
+    """Corrupt input must never escape as another exception (it would kill the subscriber)."""
+    with contextlib.suppress(DecodeError):
+        decode_batch(payload, topic)
 
 
-@settings(max_examples=400, deadline=None)
-@given(value=msgpack_values, topic=st.sampled_from([b"", MOONCAKE]))
+@settings(max_examples=300, deadline=None)
+@given(value=msgpack_values, topic=TOPICS)
 def test_arbitrary_msgpack_only_raises_decode_error(value: Any, topic: bytes) -> None:
-    decodes_or_rejects(msgpack.packb(value), topic)
+    with contextlib.suppress(DecodeError):
+        decode_batch(msgpack.packb(value), topic)
 
 
-@settings(max_examples=600, deadline=None)
+@settings(max_examples=300, deadline=None)
 @given(
     events=st.lists(near_events, max_size=4),
     ts=st.floats(allow_nan=False) | st.integers(0, U64),
     tail=st.sampled_from([(), (None,), (0,), (7,)]),
-    topic=st.sampled_from([b"", MOONCAKE]),
+    topic=TOPICS,
 )
 def test_every_event_is_decoded_or_rejected(
-    events: list[Any], ts: float, tail: tuple[Any, ...], topic: bytes
+    events: list[Any], ts: float | int, tail: tuple[Any, ...], topic: bytes
 ) -> None:
     """A well-formed batch never fails as a whole: each event is decoded or rejected."""
-    decoded = decode_batch(batch(events, *tail, ts=ts), topic)
+    decoded = decode_batch(pack_batch(events, *tail, ts=ts), topic)
     assert len(decoded.events) + len(decoded.rejected) == len(events)
