@@ -17,7 +17,7 @@ a fast /query walk:
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from .hashing import chain_hashes, prefix_hashes, salt_root
@@ -186,12 +186,9 @@ class PrefixContext:
             holdings.extra_refs.clear()
         return held
 
-    def prefix_of(self, engine_hash: int, first: _Slot | None = None) -> int | None:
+    def prefix_of(self, engine_hash: int) -> int | None:
         """The prefix hash an engine hash was indexed under, by any owner of the context."""
-        slots: Iterable[_Slot] = self.slots.values()
-        if first is not None:
-            slots = (first, *slots)
-        for slot in slots:
+        for slot in self.slots.values():
             for holdings in slot.holdings:
                 prefix_hash = holdings.by_engine_hash.get(engine_hash)
                 if prefix_hash is not None:
@@ -334,59 +331,70 @@ class PrefixCacheTable:
         if event.group_idx:  # sliding-window / secondary KV groups are no reusable prefix
             stats.ignored += 1
             return
-        size = source.block_size
-        if event.block_size is not None and event.block_size != size:
+        if event.block_size is not None and event.block_size != source.block_size:
             stats.drop("block_size_mismatch")
             return
-        hashes = event.block_hashes
-        if not hashes:
+        if not event.block_hashes:
             stats.ignored += 1
             return
-        context, slot = self._slot_for(source, source.context_key(event.lora_name), dp_rank)
+        context_key = source.context_key(event.lora_name)
+        prefixes = self._prefixes(self.contexts.get(context_key), source, event, stats)
+        if not prefixes:
+            return  # counted by _prefixes; nothing created for a rejected event
+        context, slot = self._slot_for(source, context_key, dp_rank)
         tier = source.default_tier if event.tier is None else event.tier
+        hold = context.hold
+        for engine_hash, prefix_hash in zip(event.block_hashes, prefixes, strict=False):
+            stats.blocks_stored += hold(slot, tier, engine_hash, prefix_hash)
+
+    @staticmethod
+    def _prefixes(
+        context: PrefixContext | None, source: StreamSource, event: BlockStored, stats: ApplyStats
+    ) -> list[int]:
+        """The prefix hash of each stored block, or as many as can be placed ([] = none)."""
+        hashes, size = event.block_hashes, source.block_size
         if event.token_ids:
             if len(event.token_ids) != len(hashes) * size:
                 stats.drop("token_count_mismatch")
-                return
+                return []
             if event.parent_hash is None:
                 parent = salt_root(event.salt or source.salt)
             else:
-                parent = context.prefix_of(event.parent_hash, slot)
+                parent = context.prefix_of(event.parent_hash) if context else None
                 if parent is None:
                     stats.orphaned += 1
-                    return
+                    return []
             try:
-                prefixes: list[int | None] = chain_hashes(parent, event.token_ids, size)
+                return chain_hashes(parent, event.token_ids, size)
             except TypeError:
                 stats.drop("bad_token_ids")
-                return
-        else:
-            prefixes = [context.prefix_of(h, slot) for h in hashes]
-            if prefixes[0] is None:
-                stats.drop("unknown_block_without_tokens")
-                return
-        hold = context.hold
-        for engine_hash, prefix_hash in zip(hashes, prefixes, strict=True):
-            if prefix_hash is None:  # placement stops at the first hash never seen with tokens
+                return []
+        placed = []  # no tokens: place through hashes engines already published with tokens
+        for engine_hash in hashes:
+            prefix_hash = context.prefix_of(engine_hash) if context else None
+            if prefix_hash is None:
                 stats.drop("unknown_block_without_tokens")
                 break
-            stats.blocks_stored += hold(slot, tier, engine_hash, prefix_hash)
+            placed.append(prefix_hash)
+        return placed
 
     def _remove(self, source: StreamSource, dp_rank: int, event: BlockRemoved, stats):
         if event.group_idx:
             stats.ignored += 1
             return
-        tier = source.default_tier if event.tier is None else event.tier
+        tiers = TIERS if event.tier is None else (event.tier,)  # no medium: wherever it is
         owned = [
             (self.contexts[ck], self.contexts[ck].slots[sk])
             for ck, sk in self._stream_slots[source.key]
             if sk[1] == dp_rank
         ]
         for engine_hash in event.block_hashes:
-            for context, slot in owned:
-                if context.release(slot, tier, engine_hash):
-                    stats.blocks_removed += 1
-                    break
+            released = [
+                context.release(slot, tier, engine_hash)
+                for context, slot in owned
+                for tier in tiers
+            ]
+            stats.blocks_removed += any(released)
 
     # -- queries -------------------------------------------------------------------------
     def match_tokens(

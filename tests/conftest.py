@@ -136,8 +136,8 @@ async def publisher_factory(
 ) -> AsyncIterator[Callable[..., WirePublisher]]:
     publishers: list[WirePublisher] = []
 
-    def create(**options: Any) -> WirePublisher:
-        publisher = WirePublisher(zmq_context, **options).start()
+    def create(port: int = 0, replay_port: int = 0, **options: Any) -> WirePublisher:
+        publisher = WirePublisher(zmq_context, **options).start(port, replay_port)
         publishers.append(publisher)
         return publisher
 

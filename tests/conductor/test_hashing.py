@@ -25,9 +25,7 @@ XXH64_EMPTY = 17241709254077376921
 
 def go_compute_hash(parent: int, tokens: list[int]) -> int:
     """Independent re-statement of Go's ``computeHash`` (u64le parent, u32le(uint32(int32)))."""
-    data = struct.pack("<Q", parent) + b"".join(
-        struct.pack("<I", t & 0xFFFFFFFF) for t in tokens
-    )
+    data = struct.pack("<Q", parent) + b"".join(struct.pack("<I", t & 0xFFFFFFFF) for t in tokens)
     return xxhash.xxh64_intdigest(data)
 
 
@@ -74,9 +72,7 @@ def test_chain_matches_independent_go_model() -> None:
     assert chain_hashes(salt_root("x"), tokens, 4) == expected
 
 
-@pytest.mark.parametrize(
-    "token", [0, 1, -1, 2**31 - 1, -(2**31), 151643, 65535, 65536]
-)
+@pytest.mark.parametrize("token", [0, 1, -1, 2**31 - 1, -(2**31), 151643, 65535, 65536])
 def test_int32_edge_tokens(token: int) -> None:
     """Every int32 value is hashed as its 32-bit two's-complement pattern."""
     assert token_bytes([token]) == struct.pack("<i", token)

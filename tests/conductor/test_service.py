@@ -182,3 +182,26 @@ async def test_query_by_hash_matches_query(conductor, http, publisher_factory):
     assert answer["default"]["engine-a"]["longest_matched"] == 8
     status, answer = await post(http, f"{base}/query_by_hash", {**body, "block_hash": [101]})
     assert status == 200
+
+
+async def test_engine_process_restart_on_same_ports(conductor, http, publisher_factory):
+    """The engine dies and comes back: ZMQ reconnects, the restart clears stale blocks, and
+    batches lost while the subscription re-formed come back through replay."""
+    base = conductor.url
+    old = publisher_factory()
+    await register_and_connect(http, base, old, "engine-a")
+    for seq in range(3):
+        await old.publish([stored([500 + seq], [9, 9, 9, seq])])
+    await eventually(lambda: matched(http, base, [9, 9, 9, 2], "engine-a"), lambda n: n == 4)
+    pub_port = int(old.endpoint.rsplit(":", 1)[1])
+    replay_port = int(old.replay_endpoint.rsplit(":", 1)[1])
+    await old.close()
+
+    new = publisher_factory(port=pub_port, replay_port=replay_port)
+    await new.publish([stored([101], PROMPT[:4])])  # likely lost: nobody subscribed yet
+    await asyncio.sleep(0.5)
+    await new.publish([stored([102], PROMPT[4:8], parent=101)])
+    await new.publish([stored([103], PROMPT[8:], parent=102)])
+    await eventually(lambda: matched(http, base, PROMPT, "engine-a"), lambda n: n == 12)
+    assert await matched(http, base, [9, 9, 9, 2], "engine-a") == 0
+    assert await metric(http, base, "conductor_publisher_restarts_total") == 1

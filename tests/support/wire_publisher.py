@@ -50,6 +50,19 @@ def cleared() -> dict[str, Any]:
     return {"type": "AllBlocksCleared"}
 
 
+def _bind(socket: zmq.asyncio.Socket, port: int, timeout: float = 3.0) -> None:
+    """Bind, retrying while a just-closed socket still holds the port (ZMQ closes lazily)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            socket.bind(f"tcp://127.0.0.1:{port}")
+            return
+        except zmq.ZMQError as error:
+            if error.errno != zmq.EADDRINUSE or time.monotonic() > deadline:
+                raise
+            time.sleep(0.02)
+
+
 class WirePublisher:
     def __init__(
         self,
@@ -75,12 +88,12 @@ class WirePublisher:
         self._pub = self._context.socket(zmq.PUB)
         self._pub.setsockopt(zmq.LINGER, 0)
         self._pub.setsockopt(zmq.SNDHWM, 100_000)
-        self._pub.bind(f"tcp://127.0.0.1:{port}")
+        _bind(self._pub, port)
         self.endpoint = self._pub.getsockopt_string(zmq.LAST_ENDPOINT)
         if self._with_replay:
             self._router = self._context.socket(zmq.ROUTER)
             self._router.setsockopt(zmq.LINGER, 0)
-            self._router.bind(f"tcp://127.0.0.1:{replay_port}")
+            _bind(self._router, replay_port)
             self.replay_endpoint = self._router.getsockopt_string(zmq.LAST_ENDPOINT)
             self._replay_task = asyncio.create_task(self._serve_replays())
         return self

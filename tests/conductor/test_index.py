@@ -1,0 +1,1109 @@
+"""PrefixCacheTable: the global prefix index and its /query answer (DESIGN §2.1–2.4).
+
+The table is pure and synchronous, so every test builds registrations (``StreamSource``),
+applies decoded batches and reads the answers directly. Besides the answers, most tests
+check the table's internal bookkeeping (``check_invariants``) because a leaked bit or
+engine-hash entry is invisible to one query but routes requests to a dead cache later.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+from collections import Counter
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import pytest
+import xxhash
+
+from conductor.hashing import chain_hashes, prefix_hashes, salt_root
+from conductor.index import (
+    ApplyStats,
+    ContextKey,
+    InstanceMatch,
+    PrefixCacheTable,
+    PrefixContext,
+    StreamSource,
+)
+from conductor.wire.events import (
+    AllBlocksCleared,
+    BlockRemoved,
+    BlockStored,
+    Event,
+    EventBatch,
+    Tier,
+)
+
+BS = 4
+MODEL = "m"
+VECTORS_PATH = Path(__file__).resolve().parents[1] / "fixtures" / "conductor_hash_vectors.json"
+VECTORS: dict[str, Any] = json.loads(VECTORS_PATH.read_text(encoding="utf-8"))
+
+Answer = dict[str, tuple[int, int, int]]
+
+
+# -- helpers ----------------------------------------------------------------------------------
+def src(
+    instance: str,
+    *,
+    tenant: str = "default",
+    lora: str = "",
+    block_size: int = BS,
+    dp_rank: int = 0,
+    salt: str = "",
+    shared_pool: bool = False,
+) -> StreamSource:
+    """A registration; the key follows the service key ``instance|tenant|dp_rank``."""
+    return StreamSource(
+        key=f"{instance}|{tenant}|{dp_rank}",
+        instance_id=instance,
+        tenant_id=tenant,
+        model_name=MODEL,
+        lora_name=lora,
+        block_size=block_size,
+        dp_rank=dp_rank,
+        salt=salt,
+        shared_pool=shared_pool,
+    )
+
+
+def ctx(tenant: str = "default", lora: str = "", block_size: int = BS) -> ContextKey:
+    return ContextKey(tenant, MODEL, lora, block_size)
+
+
+def toks(first_block: int, n_blocks: int = 1) -> list[int]:
+    """Tokens of blocks ``first_block .. first_block + n_blocks - 1`` of a fixed prompt."""
+    return list(range(first_block * BS, (first_block + n_blocks) * BS))
+
+
+def prompt(n_blocks: int) -> list[int]:
+    return toks(0, n_blocks)
+
+
+def stored(
+    hashes: Sequence[int], tokens: Sequence[Any], parent: int | None = None, **kw: Any
+) -> BlockStored:
+    return BlockStored(block_hashes=list(hashes), parent_hash=parent, token_ids=list(tokens), **kw)
+
+
+def removed(hashes: Sequence[int], **kw: Any) -> BlockRemoved:
+    return BlockRemoved(block_hashes=list(hashes), **kw)
+
+
+def batch(*events: Event, dp_rank: int | None = None) -> EventBatch:
+    return EventBatch(timestamp=0.0, events=list(events), dp_rank=dp_rank)
+
+
+def answer(result: dict[str, InstanceMatch] | None) -> Answer:
+    """``{instance: (GPU, CPU, DISK)}`` of a match; an unknown context is an empty answer."""
+    return {} if result is None else {i: (m.gpu, m.cpu, m.disk) for i, m in result.items()}
+
+
+def query(
+    table: PrefixCacheTable,
+    tokens: Sequence[int],
+    key: ContextKey | None = None,
+    salt: str = "",
+    instance_id: str | None = None,
+) -> Answer:
+    return answer(table.match_tokens(key or ctx(), tokens, salt, instance_id))
+
+
+def check_invariants(table: PrefixCacheTable) -> None:
+    """Every tier dict is exactly the union of its owners' engine-hash maps; nothing stale.
+
+    A bit set in ``blocks`` must be explained by an engine hash the slot holds, ``extra_refs``
+    must count exactly the duplicate engine hashes, and empty contexts must be gone.
+    """
+    for key, context in table.contexts.items():
+        assert context.key == key
+        assert not context.is_empty(), f"empty context {key} left behind"
+        expected: tuple[dict[int, int], ...] = ({}, {}, {})
+        bits: set[int] = set()
+        shared = 0
+        for (instance, rank), slot in context.slots.items():
+            assert (slot.instance_id, slot.dp_rank) == (instance, rank)
+            assert slot.bit == 1 << slot.index and slot.bit not in bits
+            bits.add(slot.bit)
+            assert slot.streams, "a slot without a stream can never be removed"
+            if slot.shared_pool:
+                shared |= slot.bit
+            for tier, holdings in enumerate(slot.holdings):
+                counts: dict[int, int] = {}
+                for prefix_hash in holdings.by_engine_hash.values():
+                    counts[prefix_hash] = counts.get(prefix_hash, 0) + 1
+                    expected[tier][prefix_hash] = expected[tier].get(prefix_hash, 0) | slot.bit
+                assert holdings.extra_refs == {p: n - 1 for p, n in counts.items() if n > 1}
+        assert context.shared_mask == shared
+        assert context._by_index == {slot.index: slot for slot in context.slots.values()}
+        assert set(context._free).isdisjoint(context._by_index)  # recycled bits are unused
+        assert context.blocks == expected
+        for stream_key in {s for slot in context.slots.values() for s in slot.streams}:
+            assert stream_key in table._stream_slots
+    for stream_key, members in table._stream_slots.items():
+        assert stream_key in table._sources
+        for context_key, slot_key in members:
+            assert stream_key in table.contexts[context_key].slots[slot_key].streams
+
+
+def assert_empty(table: PrefixCacheTable) -> None:
+    """After every owner left: no context, no registration, no membership, no block."""
+    assert table.contexts == {}
+    assert table._sources == {}
+    assert table._stream_slots == {}
+    assert table.block_count() == 0
+    assert table.tenants() == set()
+
+
+def engine_map(context: PrefixContext, tier: Tier = Tier.GPU) -> dict[int, int]:
+    """Union of every owner's ``engine hash -> prefix hash`` map on one tier."""
+    merged: dict[int, int] = {}
+    for slot in context.slots.values():
+        merged.update(slot.holdings[tier].by_engine_hash)
+    return merged
+
+
+@pytest.fixture
+def table() -> PrefixCacheTable:
+    return PrefixCacheTable()
+
+
+def register(table: PrefixCacheTable, *sources: StreamSource) -> None:
+    for source in sources:
+        table.add_stream(source)
+
+
+# -- the Go store scenario, with our fix --------------------------------------------------------
+def test_go_store_scenario_with_fixes(table: PrefixCacheTable) -> None:
+    """Go's own scenario: steps 1-2 agree with Go, steps 3-4 are the documented fixes.
+
+    Step 3 (``[101, 104]``): 101 is already known; Go does not advance the chain so 104 is
+    hashed from the seed. We chain 104 from conductor(101). Step 4 (``[105]``, parent 999):
+    Go falls back to the seed and indexes 105 under a wrong chain; we count it as orphaned.
+    """
+    scenario = VECTORS["store_scenario"]
+    steps = scenario["steps"]
+    final = {int(k): v for k, v in scenario["final_mapping"].items()}
+    register(table, src("vllm-1"))
+    key = src("vllm-1").key
+
+    def step(i: int) -> ApplyStats:
+        s = steps[i]
+        parent = s["parent"] or None  # Go's parent 0 means "no parent"; decoders give None
+        return table.apply(key, batch(stored(s["block_hashes"], s["token_ids"], parent)))
+
+    assert step(0).blocks_stored == 2
+    assert step(1).blocks_stored == 1
+    context = table.contexts[ctx()]
+    for engine_hash in (101, 102, 103):
+        assert engine_map(context)[engine_hash] == final[engine_hash]
+
+    stats = step(2)
+    assert stats.blocks_stored == 1  # 101 again is idempotent, only 104 is new
+    fixed_104 = chain_hashes(final[101], steps[2]["token_ids"][BS:], BS)[0]
+    assert engine_map(context)[104] == fixed_104 != final[104]
+    assert engine_map(context)[101] == final[101]
+
+    stats = step(3)
+    assert (stats.orphaned, stats.blocks_stored) == (1, 0)
+    assert 105 not in engine_map(context)
+
+    assert prefix_hashes(list(range(1, 13)), BS) == scenario["query_tokens_1_to_12"]
+    assert query(table, list(range(1, 13))) == {"vllm-1": (12, 12, 12)}
+    assert query(table, [1, 2, 3, 4, 13, 14, 15, 16]) == {"vllm-1": (8, 8, 8)}
+    assert context.block_counts() == (4, 0, 0)
+    check_invariants(table)
+
+
+# -- store / query / remove ---------------------------------------------------------------------
+def test_store_query_remove_query(table: PrefixCacheTable) -> None:
+    """The basic lifecycle; removing a middle block cuts the match there, not at the end."""
+    register(table, src("a"))
+    stats = table.apply("a|default|0", batch(stored([10, 11, 12], prompt(3))))
+    assert (stats.events, stats.blocks_stored) == (1, 3)
+    assert query(table, prompt(3)) == {"a": (12, 12, 12)}
+    assert query(table, prompt(3) + [99, 99]) == {"a": (12, 12, 12)}  # partial tail ignored
+    assert query(table, prompt(2)) == {"a": (8, 8, 8)}
+    assert query(table, [7, 7, 7, 7] + toks(1, 2)) == {"a": (0, 0, 0)}
+
+    stats = table.apply("a|default|0", batch(removed([11])))
+    assert stats.blocks_removed == 1
+    assert query(table, prompt(3)) == {"a": (4, 4, 4)}
+    table.apply("a|default|0", batch(removed([10, 12])))
+    assert query(table, prompt(3)) == {"a": (0, 0, 0)}
+    assert table.block_count() == 0
+    check_invariants(table)
+
+
+def test_remove_of_unknown_or_foreign_hash_is_a_noop(table: PrefixCacheTable) -> None:
+    """An owner can only remove what it stored: not another instance's block, nor a ghost."""
+    register(table, src("a"), src("b"))
+    table.apply("a|default|0", batch(stored([10, 11], prompt(2))))
+    stats = table.apply("b|default|0", batch(removed([10, 11, 999])))
+    assert stats.blocks_removed == 0
+    stats = table.apply("a|default|0", batch(removed([999])))
+    assert stats.blocks_removed == 0
+    assert query(table, prompt(2)) == {"a": (8, 8, 8), "b": (0, 0, 0)}
+    check_invariants(table)
+
+
+def test_unknown_context_answers_none(table: PrefixCacheTable) -> None:
+    """No registration for the model/LoRA/block size: the API turns None into zeros."""
+    register(table, src("a"))
+    assert table.match_tokens(ctx(lora="nope"), prompt(2)) is None
+    assert table.match_tokens(ctx(block_size=16), prompt(4)) is None
+    assert table.match_engine_hashes(ctx(tenant="t2"), [1, 2]) is None
+    assert query(table, prompt(2)) == {"a": (0, 0, 0)}  # registered: listed with zeros
+
+
+def test_instance_filter(table: PrefixCacheTable) -> None:
+    """A query naming an instance answers for that one only (empty when unknown)."""
+    register(table, src("a"), src("b"))
+    table.apply("a|default|0", batch(stored([10], prompt(1))))
+    assert query(table, prompt(1), instance_id="a") == {"a": (4, 4, 4)}
+    assert query(table, prompt(1), instance_id="b") == {"b": (0, 0, 0)}
+    assert query(table, prompt(1), instance_id="zzz") == {}
+
+
+# -- clears and unregistration ------------------------------------------------------------------
+def test_all_blocks_cleared_touches_only_that_stream(table: PrefixCacheTable) -> None:
+    """An engine's AllBlocksCleared empties its cache, not its peers'; it stays listed."""
+    register(table, src("a"), src("b"))
+    for key in ("a|default|0", "b|default|0"):
+        table.apply(key, batch(stored([10, 11], prompt(2))))
+    stats = table.apply("a|default|0", batch(AllBlocksCleared()))
+    assert stats.clears == 1
+    assert query(table, prompt(2)) == {"a": (0, 0, 0), "b": (8, 8, 8)}
+    # the owner may store again after a clear (its engine-hash map was reset too)
+    assert table.apply("a|default|0", batch(stored([10], prompt(1)))).blocks_stored == 1
+    assert query(table, prompt(2)) == {"a": (4, 4, 4), "b": (8, 8, 8)}
+    check_invariants(table)
+
+
+def test_all_blocks_cleared_only_at_the_batch_dp_rank(table: PrefixCacheTable) -> None:
+    """A DP engine clears one rank at a time; the batch's rank says which."""
+    register(table, src("a"))
+    key = "a|default|0"
+    table.apply(key, batch(stored([10, 11], prompt(2)), dp_rank=0))
+    table.apply(key, batch(stored([10, 11, 12], prompt(3)), dp_rank=1))
+    table.apply(key, batch(AllBlocksCleared(), dp_rank=1))
+    result = table.match_tokens(ctx(), prompt(3))
+    assert result is not None
+    assert result["a"].ranks == {0: (8, 8, 8), 1: (0, 0, 0)}
+    # without a batch rank the registration's rank (0) is cleared
+    table.apply(key, batch(stored([10, 11, 12], prompt(3)), dp_rank=1))
+    table.apply(key, batch(AllBlocksCleared()))
+    result = table.match_tokens(ctx(), prompt(3))
+    assert result is not None
+    assert result["a"].ranks == {0: (0, 0, 0), 1: (12, 12, 12)}
+    check_invariants(table)
+
+
+def test_clear_stream_all_ranks_keeps_membership(table: PrefixCacheTable) -> None:
+    """A publisher restart clears every rank of the stream but keeps it listed."""
+    register(table, src("a"), src("b"))
+    table.apply("a|default|0", batch(stored([10], prompt(1)), dp_rank=0))
+    table.apply("a|default|0", batch(stored([10], prompt(1)), dp_rank=1))
+    table.apply("b|default|0", batch(stored([10], prompt(1))))
+    assert table.clear_stream("a|default|0") == 2
+    assert query(table, prompt(1)) == {"a": (0, 0, 0), "b": (4, 4, 4)}
+    assert table.clear_stream("unknown") == 0
+    check_invariants(table)
+
+
+def _populate_everything(table: PrefixCacheTable) -> list[str]:
+    """Two engines and a pool with every kind of holding: tiers, ranks, LoRA, extra_refs."""
+    a, b = src("a"), src("b", salt="reg-salt")
+    pool = src("store", shared_pool=True)
+    register(table, a, b, pool)
+    table.apply(a.key, batch(stored([10, 11], prompt(2)), stored([12], toks(2), parent=11)))
+    table.apply(a.key, batch(stored([20], prompt(1))))  # extra_ref: same prefix as 10
+    table.apply(a.key, batch(stored([12], toks(2), parent=11, tier=Tier.CPU)))
+    table.apply(a.key, batch(stored([13], toks(3), parent=12, tier=Tier.DISK), dp_rank=1))
+    table.apply(a.key, batch(stored([30, 31], prompt(2), lora_name="lora-x")))
+    table.apply(b.key, batch(stored([40, 41], prompt(2), salt="req")))
+    table.apply(b.key, batch(stored([50, 51], prompt(2))))  # under b's registration salt
+    table.apply(pool.key, batch(stored([10, 11], [])))  # token-less, placed via a's hashes
+    table.apply(pool.key, batch(stored([12], toks(2), parent=11, tier=Tier.DISK)))
+    check_invariants(table)
+    assert table.block_count() > 0
+    assert ctx(lora="lora-x") in table.contexts
+    return [a.key, b.key, pool.key]
+
+
+@pytest.mark.parametrize("order", [(0, 1, 2), (2, 1, 0), (1, 2, 0)])
+def test_remove_stream_leaves_nothing_behind(
+    table: PrefixCacheTable, order: tuple[int, int, int]
+) -> None:
+    """/unregister drops the owner's blocks; after the last owner the table is empty."""
+    keys = _populate_everything(table)
+    held = sum(
+        len(h.by_engine_hash)
+        for context in table.contexts.values()
+        for slot in context.slots.values()
+        for h in slot.holdings
+    )
+    dropped = 0
+    for i in order:
+        dropped += table.remove_stream(keys[i])
+        check_invariants(table)
+        left = {k for n, k in enumerate(keys) if n in order[order.index(i) + 1 :]}
+        assert set(table._sources) == left
+        for context in table.contexts.values():
+            owners = {s for slot in context.slots.values() for s in slot.streams}
+            assert owners <= left
+    assert dropped == held
+    assert_empty(table)
+
+
+def test_remove_stream_returns_blocks_dropped_and_is_idempotent(table: PrefixCacheTable) -> None:
+    """The count covers every tier and every rank; a second unregister is harmless."""
+    register(table, src("a"))
+    table.apply("a|default|0", batch(stored([10, 11], prompt(2))))
+    table.apply("a|default|0", batch(stored([10], prompt(1), tier=Tier.CPU), dp_rank=1))
+    assert table.remove_stream("a|default|0") == 3
+    assert table.remove_stream("a|default|0") == 0
+    assert_empty(table)
+
+
+def test_unregistered_instance_is_not_listed(table: PrefixCacheTable) -> None:
+    """A router must never be sent to a dead instance: it disappears from answers."""
+    register(table, src("a"), src("b"))
+    table.apply("a|default|0", batch(stored([10], prompt(1))))
+    table.remove_stream("a|default|0")
+    assert query(table, prompt(1)) == {"b": (0, 0, 0)}
+    check_invariants(table)
+
+
+# -- contexts shared by instances ---------------------------------------------------------------
+def test_context_shared_by_instances(table: PrefixCacheTable) -> None:
+    """One prefix table per context: two owners of a prefix, each listed with the full match."""
+    register(table, src("a"), src("b"))
+    table.apply("a|default|0", batch(stored([10, 11], prompt(2))))
+    table.apply("b|default|0", batch(stored([10, 11], prompt(2))))
+    assert list(table.contexts) == [ctx()]
+    assert table.contexts[ctx()].block_counts() == (2, 0, 0)  # shared, not duplicated
+    assert query(table, prompt(2)) == {"a": (8, 8, 8), "b": (8, 8, 8)}
+
+    table.remove_stream("a|default|0")
+    assert query(table, prompt(2)) == {"b": (8, 8, 8)}
+    table.apply("b|default|0", batch(removed([11])))
+    assert query(table, prompt(2)) == {"b": (4, 4, 4)}
+    check_invariants(table)
+
+
+def test_parent_known_from_another_owner(table: PrefixCacheTable) -> None:
+    """Engine hashes are shared knowledge in a context: b may chain from a's block."""
+    register(table, src("a"), src("b"))
+    table.apply("a|default|0", batch(stored([10, 11], prompt(2))))
+    stats = table.apply("b|default|0", batch(stored([12], toks(2), parent=11)))
+    assert (stats.orphaned, stats.blocks_stored) == (0, 1)
+    result = table.match_tokens(ctx(), prompt(3))
+    assert answer(result) == {"a": (8, 8, 8), "b": (0, 0, 0)}  # b lacks blocks 0-1
+    table.apply("b|default|0", batch(stored([10, 11], prompt(2))))
+    assert query(table, prompt(3)) == {"a": (8, 8, 8), "b": (12, 12, 12)}
+
+
+# -- tiers ------------------------------------------------------------------------------------
+def _tiered(table: PrefixCacheTable) -> None:
+    """Instance a: blocks 0-1 on GPU, 2 on its CPU offload, 3 on DISK."""
+    table.apply(
+        "a|default|0",
+        batch(
+            stored([10, 11], prompt(2)),
+            stored([12], toks(2), parent=11, tier=Tier.CPU),
+            stored([13], toks(3), parent=12, tier=Tier.DISK),
+        ),
+    )
+
+
+def test_tiers_are_cumulative(table: PrefixCacheTable) -> None:
+    """GPU <= CPU <= DISK: the router reads free, loadable and missing tokens directly."""
+    register(table, src("a"))
+    _tiered(table)
+    assert query(table, prompt(4)) == {"a": (2 * BS, 3 * BS, 4 * BS)}
+    assert query(table, prompt(3)) == {"a": (2 * BS, 3 * BS, 3 * BS)}
+    # a block lost from the GPU is still loadable from the lower tiers
+    table.apply("a|default|0", batch(stored([11], toks(1), parent=10, tier=Tier.CPU)))
+    table.apply("a|default|0", batch(removed([11], tier=Tier.GPU)))
+    assert query(table, prompt(4)) == {"a": (BS, 3 * BS, 4 * BS)}
+    table.apply("a|default|0", batch(removed([12], tier=Tier.CPU)))
+    assert query(table, prompt(4)) == {"a": (BS, 2 * BS, 2 * BS)}
+    check_invariants(table)
+
+
+def test_remove_only_touches_the_event_tier(table: PrefixCacheTable) -> None:
+    """A GPU eviction keeps the CPU copy of the same engine hash, and vice versa."""
+    register(table, src("a"))
+    table.apply("a|default|0", batch(stored([10], prompt(1))))
+    table.apply("a|default|0", batch(stored([10], prompt(1), tier=Tier.CPU)))
+    table.apply("a|default|0", batch(removed([10], tier=Tier.GPU)))
+    assert query(table, prompt(1)) == {"a": (0, BS, BS)}
+    table.apply("a|default|0", batch(removed([10], tier=Tier.DISK)))
+    assert query(table, prompt(1)) == {"a": (0, BS, BS)}
+    table.apply("a|default|0", batch(removed([10], tier=Tier.CPU)))
+    assert query(table, prompt(1)) == {"a": (0, 0, 0)}
+    check_invariants(table)
+
+
+def test_cpu_block_of_another_instance_does_not_count(table: PrefixCacheTable) -> None:
+    """An engine's CPU offload is private: only the shared store is global."""
+    register(table, src("a"), src("b"))
+    table.apply("a|default|0", batch(stored([10, 11], prompt(2))))
+    table.apply("b|default|0", batch(stored([12], toks(2), parent=11, tier=Tier.CPU)))
+    table.apply("b|default|0", batch(stored([13], toks(3), parent=12, tier=Tier.DISK)))
+    assert query(table, prompt(4)) == {"a": (8, 8, 8), "b": (0, 0, 0)}
+
+
+def test_cpu_offload_at_another_rank_does_not_count(table: PrefixCacheTable) -> None:
+    """cpu(I, r) uses the instance's own offload *at rank r* only."""
+    register(table, src("a"))
+    table.apply("a|default|0", batch(stored([10, 11], prompt(2)), dp_rank=0))
+    table.apply("a|default|0", batch(stored([12], toks(2), parent=11, tier=Tier.CPU), dp_rank=1))
+    result = table.match_tokens(ctx(), prompt(3))
+    assert result is not None
+    assert result["a"].ranks == {0: (8, 8, 8), 1: (0, 0, 0)}
+
+
+def test_shared_pool_counts_for_every_engine_and_is_not_listed(table: PrefixCacheTable) -> None:
+    """A Mooncake store pool (default tier CPU) serves every engine instance of the context."""
+    register(table, src("a"), src("b"), src("store", shared_pool=True))
+    assert src("store", shared_pool=True).default_tier is Tier.CPU
+    table.apply("a|default|0", batch(stored([10, 11], prompt(2))))
+    table.apply("store|default|0", batch(stored([10, 11, 12], prompt(3))))
+    table.apply("store|default|0", batch(stored([13], toks(3), parent=12, tier=Tier.DISK)))
+    assert query(table, prompt(5)) == {"a": (8, 12, 16), "b": (0, 12, 16)}
+    assert query(table, prompt(4), instance_id="b") == {"b": (0, 12, 16)}
+
+    table.apply("store|default|0", batch(removed([12])))  # default tier CPU for the pool too
+    assert query(table, prompt(4)) == {"a": (8, 8, 8), "b": (0, 8, 8)}
+    table.remove_stream("store|default|0")
+    assert query(table, prompt(4)) == {"a": (8, 8, 8), "b": (0, 0, 0)}
+    check_invariants(table)
+
+
+def test_shared_pool_alone_lists_nobody(table: PrefixCacheTable) -> None:
+    """A context with only a store pool has no engine to route to."""
+    register(table, src("store", shared_pool=True))
+    table.apply("store|default|0", batch(stored([10], prompt(1))))
+    assert table.match_tokens(ctx(), prompt(1)) == {}
+
+
+# -- DP ranks -----------------------------------------------------------------------------------
+def test_batch_dp_rank_overrides_registration(table: PrefixCacheTable) -> None:
+    """Per-rank values and the max over ranks; removal follows the batch rank too."""
+    register(table, src("a", dp_rank=0))
+    key = "a|default|0"
+    table.apply(key, batch(stored([10], prompt(1))))  # registration rank 0
+    table.apply(key, batch(stored([10, 11, 12], prompt(3)), dp_rank=1))
+    table.apply(key, batch(stored([10, 11], prompt(2), tier=Tier.CPU), dp_rank=2))
+    result = table.match_tokens(ctx(), prompt(3))
+    assert result is not None
+    match = result["a"]
+    assert match.ranks == {0: (4, 4, 4), 1: (12, 12, 12), 2: (0, 8, 8)}
+    assert (match.gpu, match.cpu, match.disk) == (12, 12, 12)
+
+    assert table.apply(key, batch(removed([11]), dp_rank=0)).blocks_removed == 0
+    assert table.apply(key, batch(removed([11]), dp_rank=1)).blocks_removed == 1
+    result = table.match_tokens(ctx(), prompt(3))
+    assert result is not None
+    assert result["a"].ranks == {0: (4, 4, 4), 1: (4, 4, 4), 2: (0, 8, 8)}
+    assert answer(result) == {"a": (4, 8, 8)}
+    check_invariants(table)
+
+
+def test_registration_dp_rank_is_the_default(table: PrefixCacheTable) -> None:
+    """A stream registered at rank 3 stores at rank 3 when the batch says nothing."""
+    register(table, src("a", dp_rank=3))
+    table.apply("a|default|3", batch(stored([10], prompt(1))))
+    result = table.match_tokens(ctx(), prompt(1))
+    assert result is not None
+    assert result["a"].ranks == {3: (4, 4, 4)}
+
+
+# -- salts, tenants, LoRA -----------------------------------------------------------------------
+def test_event_salt_overrides_registration_salt(table: PrefixCacheTable) -> None:
+    """A per-request salt roots the chain; the query's cache_salt selects that root."""
+    register(table, src("a", salt="reg"))
+    table.apply("a|default|0", batch(stored([10, 11], prompt(2), salt="req")))
+    assert query(table, prompt(2), salt="req") == {"a": (8, 8, 8)}
+    assert query(table, prompt(2), salt="reg") == {"a": (0, 0, 0)}
+    assert query(table, prompt(2)) == {"a": (0, 0, 0)}
+    context = table.contexts[ctx()]
+    assert engine_map(context)[10] == chain_hashes(salt_root("req"), prompt(1), BS)[0]
+
+
+def test_registration_salt_roots_unsalted_events(table: PrefixCacheTable) -> None:
+    """An event without its own salt uses the registration's additionalsalt."""
+    register(table, src("a", salt="reg"))
+    table.apply("a|default|0", batch(stored([10, 11], prompt(2))))
+    assert query(table, prompt(2), salt="reg") == {"a": (8, 8, 8)}
+    assert query(table, prompt(2)) == {"a": (0, 0, 0)}
+    # the chain continues from the parent's mapping, whatever the continuation's salt says
+    table.apply("a|default|0", batch(stored([12], toks(2), parent=11, salt="other")))
+    assert query(table, prompt(3), salt="reg") == {"a": (12, 12, 12)}
+
+
+def test_cache_salt_matches_only_its_chain(table: PrefixCacheTable) -> None:
+    """Two requests with different salts share no block even with identical tokens."""
+    register(table, src("a"), src("b"))
+    table.apply("a|default|0", batch(stored([10, 11], prompt(2), salt="s1")))
+    table.apply("b|default|0", batch(stored([20, 21], prompt(2), salt="s2")))
+    assert query(table, prompt(2), salt="s1") == {"a": (8, 8, 8), "b": (0, 0, 0)}
+    assert query(table, prompt(2), salt="s2") == {"a": (0, 0, 0), "b": (8, 8, 8)}
+    assert query(table, prompt(2)) == {"a": (0, 0, 0), "b": (0, 0, 0)}
+
+
+def test_tenants_are_isolated(table: PrefixCacheTable) -> None:
+    """Same tokens under tenant A are invisible to tenant B (Go forces 'default': bug)."""
+    register(table, src("a", tenant="A"), src("b", tenant="B"))
+    table.apply("a|A|0", batch(stored([10, 11], prompt(2))))
+    assert query(table, prompt(2), ctx(tenant="A")) == {"a": (8, 8, 8)}
+    assert query(table, prompt(2), ctx(tenant="B")) == {"b": (0, 0, 0)}
+    assert table.tenants() == {"A", "B"}
+    # the engine hashes of A are not usable by B either (no cross-tenant parent)
+    stats = table.apply("b|B|0", batch(stored([12], toks(2), parent=11)))
+    assert stats.orphaned == 1
+    assert table.apply("b|B|0", batch(stored([10], []))).dropped == {
+        "unknown_block_without_tokens": 1
+    }
+
+
+def test_same_instance_in_two_tenants(table: PrefixCacheTable) -> None:
+    """One instance registered for two tenants holds two independent memberships."""
+    register(table, src("a", tenant="A"), src("a", tenant="B"))
+    table.apply("a|A|0", batch(stored([10], prompt(1))))
+    assert query(table, prompt(1), ctx(tenant="B")) == {"a": (0, 0, 0)}
+    table.remove_stream("a|A|0")
+    assert list(table.contexts) == [ctx(tenant="B")]
+    check_invariants(table)
+
+
+def test_lora_event_uses_the_lora_context(table: PrefixCacheTable) -> None:
+    """An event's lora_name places its blocks in (tenant, model, that LoRA, block size)."""
+    register(table, src("a"))
+    table.apply("a|default|0", batch(stored([10, 11], prompt(2), lora_name="lora-x")))
+    assert query(table, prompt(2), ctx(lora="lora-x")) == {"a": (8, 8, 8)}
+    assert query(table, prompt(2)) == {"a": (0, 0, 0)}
+    # the LoRA's removal reaches the LoRA context through the stream's membership
+    assert table.apply("a|default|0", batch(removed([11]))).blocks_removed == 1
+    assert query(table, prompt(2), ctx(lora="lora-x")) == {"a": (4, 4, 4)}
+    table.apply("a|default|0", batch(AllBlocksCleared()))
+    assert query(table, prompt(2), ctx(lora="lora-x")) == {"a": (0, 0, 0)}
+    table.remove_stream("a|default|0")
+    assert_empty(table)
+
+
+def test_registration_lora_is_the_default(table: PrefixCacheTable) -> None:
+    """A stream registered for a LoRA indexes unlabelled events under that LoRA."""
+    register(table, src("a", lora="lora-y"))
+    table.apply("a|default|0", batch(stored([10], prompt(1))))
+    assert query(table, prompt(1), ctx(lora="lora-y")) == {"a": (4, 4, 4)}
+    assert table.match_tokens(ctx(), prompt(1)) is None
+
+
+# -- orphans, known blocks, duplicate engine hashes ----------------------------------------------
+def test_orphan_parent_is_counted_not_indexed(table: PrefixCacheTable) -> None:
+    """An unknown parent would put the block under a wrong chain: count it, index nothing."""
+    register(table, src("a"))
+    stats = table.apply(
+        "a|default|0",
+        batch(stored([12, 13], toks(2, 2), parent=11), stored([10], prompt(1))),
+    )
+    assert (stats.events, stats.orphaned, stats.blocks_stored) == (2, 1, 1)
+    assert 12 not in engine_map(table.contexts[ctx()])
+    # once the parent is known, the same event is placed under the right chain
+    table.apply("a|default|0", batch(stored([11], toks(1), parent=10)))
+    table.apply("a|default|0", batch(stored([12, 13], toks(2, 2), parent=11)))
+    assert query(table, prompt(4)) == {"a": (16, 16, 16)}
+    check_invariants(table)
+
+
+def test_removed_parent_makes_an_orphan(table: PrefixCacheTable) -> None:
+    """A parent no owner holds any more is unknown: the mapping dies with the last owner."""
+    register(table, src("a"))
+    table.apply("a|default|0", batch(stored([10, 11], prompt(2)), removed([11])))
+    stats = table.apply("a|default|0", batch(stored([12], toks(2), parent=11)))
+    assert stats.orphaned == 1
+
+
+def test_restoring_known_blocks_is_idempotent_and_advances_the_chain(
+    table: PrefixCacheTable,
+) -> None:
+    """Go's stale-parent bug: a new block after known ones must chain from the last known."""
+    register(table, src("a"))
+    table.apply("a|default|0", batch(stored([10, 11], prompt(2))))
+    context = table.contexts[ctx()]
+    before = (dict(engine_map(context)), context.block_counts())
+    stats = table.apply("a|default|0", batch(stored([10, 11], prompt(2))))
+    assert stats.blocks_stored == 0
+    assert (engine_map(context), context.block_counts()) == before
+
+    stats = table.apply("a|default|0", batch(stored([10, 11, 12], prompt(3))))
+    assert stats.blocks_stored == 1
+    assert engine_map(context)[12] == prefix_hashes(prompt(3), BS)[2]
+    assert query(table, prompt(3)) == {"a": (12, 12, 12)}
+    # one removal is enough even though the block was reported stored twice
+    table.apply("a|default|0", batch(removed([11])))
+    assert query(table, prompt(3)) == {"a": (4, 4, 4)}
+    check_invariants(table)
+
+
+def test_same_prefix_under_two_engine_hashes(table: PrefixCacheTable) -> None:
+    """extra_refs: the block stays while either engine hash of the owner still holds it."""
+    register(table, src("a"))
+    key = "a|default|0"
+    assert table.apply(key, batch(stored([10], prompt(1)))).blocks_stored == 1
+    assert table.apply(key, batch(stored([20], prompt(1)))).blocks_stored == 1
+    context = table.contexts[ctx()]
+    assert context.block_counts() == (1, 0, 0)
+    holdings = context.slots[("a", 0)].holdings[Tier.GPU]
+    assert holdings.extra_refs == {prefix_hashes(prompt(1), BS)[0]: 1}
+    check_invariants(table)
+
+    table.apply(key, batch(removed([10])))
+    assert query(table, prompt(1)) == {"a": (4, 4, 4)}
+    assert holdings.extra_refs == {}
+    table.apply(key, batch(removed([20])))
+    assert query(table, prompt(1)) == {"a": (0, 0, 0)}
+    assert holdings.by_engine_hash == {} and holdings.extra_refs == {}
+    assert context.blocks == ({}, {}, {})
+    # the reverse order and a third alias behave the same
+    table.apply(key, batch(stored([10], prompt(1)), stored([20], prompt(1))))
+    table.apply(key, batch(stored([30], prompt(1))))
+    assert holdings.extra_refs == {prefix_hashes(prompt(1), BS)[0]: 2}
+    table.apply(key, batch(removed([30, 20])))
+    assert query(table, prompt(1)) == {"a": (4, 4, 4)}
+    table.apply(key, batch(removed([10])))
+    assert context.blocks == ({}, {}, {})
+    check_invariants(table)
+
+
+def test_clear_with_extra_refs_leaves_nothing(table: PrefixCacheTable) -> None:
+    """AllBlocksCleared resets the duplicate counts too, so later stores start fresh."""
+    register(table, src("a"))
+    key = "a|default|0"
+    table.apply(key, batch(stored([10], prompt(1)), stored([20], prompt(1))))
+    table.apply(key, batch(AllBlocksCleared()))
+    holdings = table.contexts[ctx()].slots[("a", 0)].holdings[Tier.GPU]
+    assert holdings.by_engine_hash == {} and holdings.extra_refs == {}
+    table.apply(key, batch(stored([10], prompt(1))))
+    table.apply(key, batch(removed([10])))
+    assert query(table, prompt(1)) == {"a": (0, 0, 0)}
+    check_invariants(table)
+
+
+# -- token-less events --------------------------------------------------------------------------
+def test_tokenless_event_placed_through_known_engine_hashes(table: PrefixCacheTable) -> None:
+    """A store tier that sends only hashes: placed where an engine indexed them with tokens."""
+    register(table, src("a"), src("store", shared_pool=True))
+    table.apply("a|default|0", batch(stored([10, 11], prompt(2))))
+    table.apply("a|default|0", batch(removed([11])))  # a keeps block 0 on GPU only
+    table.apply("a|default|0", batch(stored([11], toks(1), parent=10, tier=Tier.DISK)))
+    stats = table.apply("store|default|0", batch(stored([10, 11], [])))
+    assert (stats.blocks_stored, stats.dropped) == (2, {})
+    assert query(table, prompt(2)) == {"a": (4, 8, 8)}
+
+
+def test_tokenless_event_with_unknown_hash_is_dropped(table: PrefixCacheTable) -> None:
+    """Never guess a chain: unknown first hash drops the event, a later one stops placement."""
+    register(table, src("a"), src("store", shared_pool=True))
+    stats = table.apply("store|default|0", batch(stored([10], [])))
+    assert (stats.blocks_stored, stats.dropped) == (0, {"unknown_block_without_tokens": 1})
+
+    table.apply("a|default|0", batch(stored([10, 11], prompt(2))))
+    stats = table.apply("store|default|0", batch(stored([10, 99, 11], [])))
+    assert stats.blocks_stored == 1
+    assert stats.dropped == {"unknown_block_without_tokens": 1}
+    context = table.contexts[ctx()]
+    assert engine_map(context, Tier.CPU) == {10: prefix_hashes(prompt(1), BS)[0]}
+    check_invariants(table)
+
+
+# -- malformed events ---------------------------------------------------------------------------
+def test_block_size_mismatch_dropped(table: PrefixCacheTable) -> None:
+    """An event of another block size cannot be placed in this context."""
+    register(table, src("a"))
+    stats = table.apply("a|default|0", batch(stored([10], toks(0, 4), block_size=16)))
+    assert stats.dropped == {"block_size_mismatch": 1}
+    stats = table.apply("a|default|0", batch(stored([10], prompt(1), block_size=BS)))
+    assert stats.blocks_stored == 1  # an explicit, equal block size is fine
+    assert ctx(block_size=16) not in table.contexts
+
+
+@pytest.mark.parametrize("n_tokens", [1, BS - 1, BS + 1, 2 * BS])
+def test_token_count_mismatch_dropped(table: PrefixCacheTable, n_tokens: int) -> None:
+    """Tokens must cover exactly the stored blocks (Go panics or silently truncates)."""
+    register(table, src("a"))
+    stats = table.apply("a|default|0", batch(stored([10], list(range(n_tokens)))))
+    assert stats.dropped == {"token_count_mismatch": 1}
+    assert table.block_count() == 0
+
+
+def test_secondary_kv_group_ignored(table: PrefixCacheTable) -> None:
+    """group_idx != 0 (sliding window etc.) is no reusable prefix; group 0/None is."""
+    register(table, src("a"))
+    stats = table.apply("a|default|0", batch(stored([10], prompt(1), group_idx=1)))
+    assert (stats.ignored, stats.blocks_stored) == (1, 0)
+    assert table.apply("a|default|0", batch(stored([10], prompt(1), group_idx=0))).blocks_stored
+    stats = table.apply("a|default|0", batch(removed([10], group_idx=1)))
+    assert (stats.ignored, stats.blocks_removed) == (1, 0)
+    assert query(table, prompt(1)) == {"a": (4, 4, 4)}
+
+
+def test_empty_store_ignored(table: PrefixCacheTable) -> None:
+    register(table, src("a"))
+    stats = table.apply("a|default|0", batch(stored([], [])))
+    assert (stats.ignored, stats.blocks_stored) == (1, 0)
+
+
+@pytest.mark.parametrize(
+    "bad_tokens",
+    [
+        ["x", 1, 2, 3],
+        [1, 2, 3, None],
+        [1.5, 2, 3, 4],
+        [2**40, "x", 3, 4],  # the int32-wrap fallback must fail cleanly too
+        [b"ab", 2, 3, 4],
+    ],
+)
+def test_bad_token_types_dropped_without_corruption(
+    table: PrefixCacheTable, bad_tokens: list[Any]
+) -> None:
+    """One bad event is counted and skipped; the rest of its batch is applied."""
+    register(table, src("a"))
+    table.apply("a|default|0", batch(stored([10], prompt(1))))
+    stats = table.apply(
+        "a|default|0",
+        batch(stored([11, 12], bad_tokens + toks(2), parent=10), stored([11], toks(1), 10)),
+    )
+    assert stats.dropped == {"bad_token_ids": 1}
+    assert stats.blocks_stored == 1
+    assert 12 not in engine_map(table.contexts[ctx()])
+    assert query(table, prompt(3)) == {"a": (8, 8, 8)}
+    check_invariants(table)
+
+
+@pytest.mark.parametrize(
+    "bad_event",
+    [
+        stored([10], [1, 2, 3], lora_name="bogus"),  # token_count_mismatch
+        stored([10], ["x", 2, 3, 4], lora_name="bogus"),  # bad_token_ids
+    ],
+    ids=["token_count_mismatch", "bad_token_ids"],
+)
+def test_dropped_event_leaves_no_trace(table: PrefixCacheTable, bad_event: BlockStored) -> None:
+    """A malformed event must not create a context nor list the instance for its LoRA."""
+    register(table, src("a"))
+    stats = table.apply("a|default|0", batch(bad_event))
+    assert sum(stats.dropped.values()) == 1
+    assert table.match_tokens(ctx(lora="bogus"), prompt(1)) is None
+    assert list(table.contexts) == [ctx()]
+
+
+# -- match by engine hashes ---------------------------------------------------------------------
+def test_match_engine_hashes_equals_match_tokens(table: PrefixCacheTable) -> None:
+    """/query_by_hash and /query answer the same for the same prompt."""
+    register(table, src("a"), src("b"), src("store", shared_pool=True))
+    _tiered(table)
+    table.apply("b|default|0", batch(stored([10], prompt(1))))
+    table.apply("store|default|0", batch(stored([10, 11, 12], [])))
+    engine = [10, 11, 12, 13]
+    for n in range(5):
+        by_hash = table.match_engine_hashes(ctx(), engine[:n])
+        by_tokens = table.match_tokens(ctx(), prompt(n))
+        assert by_hash == by_tokens
+    assert answer(table.match_engine_hashes(ctx(), engine)) == {
+        "a": (8, 12, 16),
+        "b": (4, 12, 12),
+    }
+    # an unknown hash stops the walk exactly like an unknown prompt block
+    assert answer(table.match_engine_hashes(ctx(), [10, 999, 12])) == {
+        "a": (4, 4, 4),
+        "b": (4, 4, 4),
+    }
+    assert answer(table.match_engine_hashes(ctx(), engine, instance_id="b")) == {"b": (4, 12, 12)}
+
+
+# -- randomized model check ---------------------------------------------------------------------
+MC_BS = 2
+MC_BLOCKS = 4
+MC_ENGINES = ("i0", "i1", "i2")
+MC_POOL = "pool"
+Prefix = tuple[tuple[int, ...], ...]
+
+
+def mc_engine_hash(prefix: Prefix, variant: int) -> int:
+    """Deterministic engine hash of a token prefix; two variants exercise extra_refs."""
+    return xxhash.xxh64_intdigest(repr((prefix, variant)).encode(), seed=12345)
+
+
+@dataclass
+class ReferenceModel:
+    """Naive index: (instance, rank, tier) -> {engine hash: token prefix}, nothing clever.
+
+    ``ranks`` are the (instance, DP rank) pairs the conductor knows: the registration's rank
+    and every rank a batch stored at, until the stream is unregistered.
+    """
+
+    registered: set[str] = field(default_factory=set)
+    ranks: set[tuple[str, int]] = field(default_factory=set)
+    held: dict[tuple[str, int, Tier], dict[int, Prefix]] = field(default_factory=dict)
+
+    def all_held(self) -> dict[int, Prefix]:
+        merged: dict[int, Prefix] = {}
+        for holdings in self.held.values():
+            merged.update(holdings)
+        return merged
+
+    def prefixes(self, instance: str, rank: int, tiers: Iterable[Tier]) -> set[Prefix]:
+        return {p for t in tiers for p in self.held.get((instance, rank, t), {}).values()}
+
+    def pool_prefixes(self, tiers: Iterable[Tier]) -> set[Prefix]:
+        tiers = tuple(tiers)
+        return {
+            p
+            for (instance, _, tier), holdings in self.held.items()
+            if instance == MC_POOL and tier in tiers
+            for p in holdings.values()
+        }
+
+    def store(
+        self,
+        instance: str,
+        rank: int,
+        tier: Tier,
+        blocks: list[tuple[int, Prefix]],
+        parent_hash: int | None,
+    ) -> bool:
+        """A parent engine hash no owner holds makes an orphan: returns False, stores nothing
+        (and, being rejected, does not make the rank known)."""
+        if parent_hash is not None and parent_hash not in self.all_held():
+            return False
+        self.ranks.add((instance, rank))
+        holdings = self.held.setdefault((instance, rank, tier), {})
+        for engine_hash, prefix in blocks:
+            holdings.setdefault(engine_hash, prefix)
+        return True
+
+    def store_tokenless(
+        self, instance: str, rank: int, tier: Tier, engine_hashes: list[int]
+    ) -> int:
+        known = self.all_held()
+        holdings = self.held.setdefault((instance, rank, tier), {})
+        placed = 0
+        for engine_hash in engine_hashes:
+            if engine_hash not in known:
+                break
+            holdings.setdefault(engine_hash, known[engine_hash])
+            placed += 1
+        if placed:
+            self.ranks.add((instance, rank))
+        return placed
+
+    def remove(
+        self, instance: str, rank: int, tier: Tier | None, engine_hashes: list[int]
+    ) -> None:
+        """A removal that names no medium removes the block from every tier."""
+        for each in Tier if tier is None else (tier,):
+            holdings = self.held.get((instance, rank, each), {})
+            for engine_hash in engine_hashes:
+                holdings.pop(engine_hash, None)
+
+    def clear(self, instance: str, rank: int | None) -> None:
+        for (i, r, _), holdings in self.held.items():
+            if i == instance and (rank is None or r == rank):
+                holdings.clear()
+
+    def register(self, instance: str) -> None:
+        self.registered.add(instance)
+        self.ranks.add((instance, 0))
+
+    def unregister(self, instance: str) -> None:
+        self.clear(instance, None)
+        self.registered.discard(instance)
+        self.ranks = {(i, r) for i, r in self.ranks if i != instance}
+
+    def answer(self, query: list[Prefix | None]) -> dict[str, dict[int, tuple[int, int, int]]]:
+        """Per engine instance and rank, the cumulative (GPU, CPU, DISK) match in tokens."""
+
+        def run(available: set[Prefix]) -> int:
+            n = 0
+            for prefix in query:
+                if prefix is None or prefix not in available:
+                    break
+                n += 1
+            return n * MC_BS
+
+        pool_cpu = self.pool_prefixes([Tier.CPU])
+        pool_disk = self.pool_prefixes([Tier.CPU, Tier.DISK])
+        result: dict[str, dict[int, tuple[int, int, int]]] = {}
+        for instance, rank in self.ranks:
+            if instance == MC_POOL:
+                continue
+            gpu = self.prefixes(instance, rank, [Tier.GPU])
+            cpu = gpu | self.prefixes(instance, rank, [Tier.CPU]) | pool_cpu
+            disk = cpu | self.prefixes(instance, rank, [Tier.DISK]) | pool_disk
+            result.setdefault(instance, {})[rank] = (run(gpu), run(cpu), run(disk))
+        return result
+
+
+def _compare(
+    got: dict[str, InstanceMatch] | None,
+    want: dict[str, dict[int, tuple[int, int, int]]],
+    where: str,
+) -> None:
+    got = got or {}
+    assert set(got) == set(want), where
+    for instance, ranks in want.items():
+        match = got[instance]
+        assert match.ranks == ranks, where
+        best = tuple(max(v[t] for v in ranks.values()) for t in range(3))
+        assert (match.gpu, match.cpu, match.disk) == best, where
+        assert match.gpu <= match.cpu <= match.disk, where
+
+
+def _mc_prompts(rng: random.Random, count: int) -> list[Prefix]:
+    """Prompts over a tiny block alphabet, so prefixes are shared often."""
+    alphabet = [tuple(rng.randrange(1000) for _ in range(MC_BS)) for _ in range(3)]
+    return [tuple(rng.choice(alphabet) for _ in range(MC_BLOCKS)) for _ in range(count)]
+
+
+def _flat(blocks: Iterable[tuple[int, ...]]) -> list[int]:
+    return [t for block in blocks for t in block]
+
+
+class ModelCheck:
+    """Drives the table and the reference model with the same random operations."""
+
+    ENGINE_TIERS = (None, Tier.GPU, Tier.GPU, Tier.CPU, Tier.DISK)  # GPU most often
+    POOL_TIERS = (None, Tier.CPU, Tier.DISK)  # a pool's GPU blocks have no defined meaning
+    OPS = ("store", "tokenless", "remove", "clear", "toggle")
+    OP_WEIGHTS = (45, 10, 30, 5, 5)
+
+    def __init__(self, seed: int) -> None:
+        self.seed = seed
+        self.rng = random.Random(seed)
+        self.prompts = _mc_prompts(self.rng, 8)
+        self.table = PrefixCacheTable()
+        self.model = ReferenceModel()
+        self.context_key = ContextKey("default", MODEL, "", MC_BS)
+        self.sources = {
+            i: StreamSource(f"{i}|default|0", i, "default", MODEL, "", MC_BS, 0, "", i == MC_POOL)
+            for i in (*MC_ENGINES, MC_POOL)
+        }
+        self.seen: Counter[str] = Counter()  # proves the run reached the interesting cases
+
+    # -- one random operation ---------------------------------------------------------------
+    def step(self) -> str:
+        rng = self.rng
+        instance = rng.choice(list(self.sources))
+        op = rng.choices(self.OPS, self.OP_WEIGHTS)[0]
+        if instance not in self.model.registered or op == "toggle":
+            self.toggle(instance)
+            return "toggle"
+        is_pool = instance == MC_POOL
+        batch_rank = None if is_pool else rng.choice([None, 0, 1])
+        rank = 0 if batch_rank is None else batch_rank
+        tier_choice = rng.choice(self.POOL_TIERS if is_pool else self.ENGINE_TIERS)
+        tier = tier_choice if tier_choice is not None else (Tier.CPU if is_pool else Tier.GPU)
+        p = rng.choice(self.prompts)
+        start = rng.randrange(MC_BLOCKS)
+        end = rng.randrange(start + 1, MC_BLOCKS + 1)
+        variant = rng.randrange(2)
+        blocks = [(mc_engine_hash(p[: j + 1], variant), p[: j + 1]) for j in range(start, end)]
+        hashes = [h for h, _ in blocks]
+        key = self.sources[instance].key
+        if op == "store":
+            parent_hash = mc_engine_hash(p[:start], rng.randrange(2)) if start else None
+            placed = self.model.store(instance, rank, tier, blocks, parent_hash)
+            event = stored(hashes, _flat(p[start:end]), parent_hash, tier=tier_choice)
+            stats = self.table.apply(key, batch(event, dp_rank=batch_rank))
+            assert stats.orphaned == (0 if placed else 1), self.where(op)
+            self.seen["orphan" if not placed else "store"] += 1
+        elif op == "tokenless":
+            placed_n = self.model.store_tokenless(instance, rank, tier, hashes)
+            event = stored(hashes, [], None, tier=tier_choice)
+            stats = self.table.apply(key, batch(event, dp_rank=batch_rank))
+            assert stats.dropped == (
+                {} if placed_n == len(hashes) else {"unknown_block_without_tokens": 1}
+            ), self.where(op)
+            self.seen["tokenless_placed" if placed_n else "tokenless_dropped"] += 1
+        elif op == "remove":
+            picked = [h for h in hashes if rng.random() < 0.7]
+            self.model.remove(instance, rank, tier_choice, picked)
+            self.table.apply(key, batch(removed(picked, tier=tier_choice), dp_rank=batch_rank))
+        else:
+            self.model.clear(instance, rank)
+            self.table.apply(key, batch(AllBlocksCleared(), dp_rank=batch_rank))
+        return op
+
+    def toggle(self, instance: str) -> None:
+        """Unregister a registered stream, register an unregistered one."""
+        if instance in self.model.registered:
+            self.table.remove_stream(self.sources[instance].key)
+            self.model.unregister(instance)
+        else:
+            self.table.add_stream(self.sources[instance])
+            self.model.register(instance)
+
+    # -- checks -----------------------------------------------------------------------------
+    def where(self, op: str) -> str:
+        return f"seed {self.seed} op {op} seen {dict(self.seen)}"
+
+    def check(self, op: str) -> None:
+        check_invariants(self.table)
+        known = self.model.all_held()
+        for p in self.prompts:
+            full = [p[: j + 1] for j in range(MC_BLOCKS)]
+            where = f"{self.where(op)} prompt {p}"
+            got = self.table.match_tokens(self.context_key, _flat(p))
+            _compare(got, self.model.answer(full), where)
+            self.note(got)
+            engine = [mc_engine_hash(prefix, self.rng.randrange(2)) for prefix in full]
+            by_hash = [known.get(h) for h in engine]
+            got = self.table.match_engine_hashes(self.context_key, engine)
+            _compare(got, self.model.answer(by_hash), where)
+        context = self.table.contexts.get(self.context_key)
+        if context is not None and any(
+            h.extra_refs for slot in context.slots.values() for h in slot.holdings
+        ):
+            self.seen["extra_refs"] += 1
+
+    def note(self, got: dict[str, InstanceMatch] | None) -> None:
+        for match in (got or {}).values():
+            self.seen["cpu_beyond_gpu"] += match.cpu > match.gpu
+            self.seen["disk_beyond_cpu"] += match.disk > match.cpu
+            self.seen["full_gpu"] += match.gpu == MC_BLOCKS * MC_BS
+            self.seen["rank1_hit"] += match.ranks.get(1, (0, 0, 0))[2] > 0
+
+
+@pytest.mark.parametrize("seed", [1, 2, 3])
+def test_randomized_against_reference_model(seed: int) -> None:
+    """Random store/remove/clear/unregister sequences on 3 engines and a store pool.
+
+    After every step each prompt is queried by tokens and by engine hashes, and the answer
+    must equal the naive model's; the table's internal bookkeeping must stay exact. At the
+    end every stream is unregistered and nothing may be left behind.
+    """
+    mc = ModelCheck(seed)
+    for _ in range(2000):
+        mc.check(mc.step())
+    for case in (
+        "store",
+        "orphan",
+        "tokenless_placed",
+        "tokenless_dropped",
+        "extra_refs",
+        "cpu_beyond_gpu",
+        "disk_beyond_cpu",
+        "full_gpu",
+        "rank1_hit",
+    ):
+        assert mc.seen[case] > 0, f"the random run never reached {case!r}: {dict(mc.seen)}"
+    for instance in list(mc.model.registered):
+        mc.table.remove_stream(mc.sources[instance].key)
+    assert_empty(mc.table)
