@@ -904,9 +904,7 @@ class ReferenceModel:
             self.ranks.add((instance, rank))
         return placed
 
-    def remove(
-        self, instance: str, rank: int, tier: Tier | None, engine_hashes: list[int]
-    ) -> None:
+    def remove(self, instance: str, rank: int, tier: Tier | None, engine_hashes: list[int]) -> None:
         """A removal that names no medium removes the block from every tier."""
         for each in Tier if tier is None else (tier,):
             holdings = self.held.get((instance, rank, each), {})
