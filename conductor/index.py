@@ -138,18 +138,31 @@ class PrefixContext:
         self._free.append(slot.index)
 
     # -- blocks --------------------------------------------------------------------------
-    def hold(self, slot: _Slot, tier: Tier, engine_hash: int, prefix_hash: int) -> bool:
+    def hold(
+        self, slot: _Slot, tier: Tier, engine_hashes: list[int], prefix_hashes: list[int]
+    ) -> int:
+        """Record that ``slot`` holds these blocks on ``tier``; returns how many are new.
+
+        The ingestion hot path: one call per stored event, locals bound once.
+        """
         holdings = slot.holdings[tier]
-        if engine_hash in holdings.by_engine_hash:
-            return False
-        holdings.by_engine_hash[engine_hash] = prefix_hash
+        by_engine_hash = holdings.by_engine_hash
         blocks = self.blocks[tier]
-        mask = blocks.get(prefix_hash, 0)
-        if mask & slot.bit:
-            holdings.extra_refs[prefix_hash] = holdings.extra_refs.get(prefix_hash, 0) + 1
-        else:
-            blocks[prefix_hash] = mask | slot.bit if mask else slot.bit
-        return True
+        bit = slot.bit
+        added = 0
+        for engine_hash, prefix_hash in zip(engine_hashes, prefix_hashes, strict=False):
+            if engine_hash in by_engine_hash:
+                continue
+            by_engine_hash[engine_hash] = prefix_hash
+            added += 1
+            mask = blocks.get(prefix_hash)
+            if mask is None:
+                blocks[prefix_hash] = bit
+            elif mask & bit:  # this owner holds it already, under another engine hash
+                holdings.extra_refs[prefix_hash] = holdings.extra_refs.get(prefix_hash, 0) + 1
+            else:
+                blocks[prefix_hash] = mask | bit
+        return added
 
     def release(self, slot: _Slot, tier: Tier, engine_hash: int) -> bool:
         holdings = slot.holdings[tier]
@@ -343,9 +356,7 @@ class PrefixCacheTable:
             return  # counted by _prefixes; nothing created for a rejected event
         context, slot = self._slot_for(source, context_key, dp_rank)
         tier = source.default_tier if event.tier is None else event.tier
-        hold = context.hold
-        for engine_hash, prefix_hash in zip(event.block_hashes, prefixes, strict=False):
-            stats.blocks_stored += hold(slot, tier, engine_hash, prefix_hash)
+        stats.blocks_stored += context.hold(slot, tier, event.block_hashes, prefixes)
 
     @staticmethod
     def _prefixes(
