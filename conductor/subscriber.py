@@ -150,8 +150,8 @@ class StreamSubscriber:
     async def _handle_live(self, message: Message) -> None:
         last = self.last_sequence
         if last is not None and message.seq <= last:
-            if message.seq == last:
-                return  # a duplicate delivery: already applied
+            # PUB/SUB never redelivers and replays stop below the live sequence, so a
+            # sequence that does not advance means a new publisher counting from scratch.
             self._callbacks.on_event("restart")
             log.warning(
                 "stream=%s publisher restarted (seq %d after %d): clearing its blocks",

@@ -1,0 +1,1 @@
+"""Engine side of the system: the vLLM-wire KV-event publisher, engine simulator and store tier."""

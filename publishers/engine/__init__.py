@@ -1,0 +1,1 @@
+"""Engine simulator: a GPU-less vLLM look-alike (tokenizer, KV block manager, timing model)."""

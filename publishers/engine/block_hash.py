@@ -1,0 +1,147 @@
+"""vLLM 0.33 prefix-caching block hashes (WIRE.md §d), bit for bit.
+
+The simulator must publish the hashes a real vLLM 0.33 engine would publish for the same
+request, so that an index fed by simulated engines behaves like one fed by real ones and the
+golden vectors in ``tests/fixtures/vllm_hash_vectors.json`` hold:
+
+- ``hash_fn`` serializes its argument with pickle (protocol 5) or canonical CBOR and digests
+  it with SHA-256 (32 bytes) or XXH3-128 (16 bytes);
+- the chain root is ``NONE_HASH = hash_fn(seed)`` — the seed *string* is hashed;
+- block ``i`` is ``hash_fn((parent_digest, tuple(tokens_i), extra_keys_i))`` with the root as
+  the parent of block 0 and extra keys tagged as 0.31+ does (``("lora", name, path)`` on every
+  block, ``("cache_salt", salt)`` on block 0), None when there are none;
+- events carry ``int.from_bytes(digest, "big") & (2**64 - 1)`` and *untagged* extra keys
+  (the LoRA name without its path, the bare salt).
+
+Only what text requests need is implemented: no multimodal, prompt-embeds or lookahead keys.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import pickle
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import xxhash
+
+HASH_ALGORITHMS = ("sha256", "sha256_cbor", "xxhash", "xxhash_cbor")
+DEFAULT_NONE_HASH_SEED = "vllm-none-hash"  # sha256 variants with PYTHONHASHSEED unset, >= 0.29
+PICKLE_PROTOCOL = 5  # pickle.HIGHEST_PROTOCOL of every Python vLLM 0.33 supports
+EVENT_HASH_MASK = 2**64 - 1
+
+HashFunction = Callable[[object], bytes]
+ExtraKeys = tuple[object, ...] | None
+
+
+def _pickled(value: object) -> bytes:
+    return pickle.dumps(value, protocol=PICKLE_PROTOCOL)
+
+
+def _cbor(value: object) -> bytes:
+    try:
+        import cbor2
+    except ImportError:
+        raise ImportError("the *_cbor hash algorithms need cbor2: pip install cbor2") from None
+    return cbor2.dumps(value, canonical=True)
+
+
+def hash_function(algorithm: str) -> HashFunction:
+    """vLLM's ``--prefix-caching-hash-algo`` as a function of any picklable/CBOR value."""
+    if algorithm == "sha256":
+        return lambda value: hashlib.sha256(_pickled(value)).digest()
+    if algorithm == "sha256_cbor":
+        _cbor(None)  # fail when configured, not on the first request
+        return lambda value: hashlib.sha256(_cbor(value)).digest()
+    if algorithm == "xxhash":
+        return lambda value: xxhash.xxh3_128_digest(_pickled(value))
+    if algorithm == "xxhash_cbor":
+        _cbor(None)
+        return lambda value: xxhash.xxh3_128_digest(_cbor(value))
+    raise ValueError(f"unknown hash algorithm {algorithm!r}; expected one of {HASH_ALGORITHMS}")
+
+
+def none_hash_seed(algorithm: str, python_hash_seed: str | None) -> str:
+    """The string vLLM hashes into NONE_HASH.
+
+    ``python_hash_seed`` is the PYTHONHASHSEED value as the engine would see it (read the
+    environment at the CLI edge and pass it here): used verbatim when set. Unset, the sha256
+    variants use a fixed string and the xxhash variants a random one, so two xxhash engines
+    without PYTHONHASHSEED never share hashes — exactly like vLLM.
+    """
+    if python_hash_seed is not None:
+        return python_hash_seed
+    if algorithm in ("sha256", "sha256_cbor"):
+        return DEFAULT_NONE_HASH_SEED
+    return os.urandom(32).hex()
+
+
+@dataclass(frozen=True, slots=True)
+class LoraAdapter:
+    """The parts of vLLM's ``LoRARequest`` that reach hashes and events."""
+
+    name: str
+    adapter_id: int  # ``lora_int_id``: sent as the event's deprecated ``lora_id``
+    path: str = ""  # hashed, never published
+
+
+def hash_extra_keys(
+    block_index: int, lora: LoraAdapter | None, cache_salt: str | None
+) -> ExtraKeys:
+    """Tagged extra keys that enter block ``block_index``'s hash (vLLM >= 0.31)."""
+    keys: list[object] = []
+    if lora is not None:
+        keys.append(("lora", lora.name, lora.path))
+    if block_index == 0 and cache_salt:
+        keys.append(("cache_salt", cache_salt))
+    return tuple(keys) if keys else None
+
+
+def event_extra_keys(
+    block_index: int, lora: LoraAdapter | None, cache_salt: str | None
+) -> ExtraKeys:
+    """The same keys as BlockStored publishes them: untagged, LoRA name without its path."""
+    keys: list[object] = []
+    if lora is not None:
+        keys.append(lora.name)
+    if block_index == 0 and cache_salt:
+        keys.append(cache_salt)
+    return tuple(keys) if keys else None
+
+
+def event_hash(digest: bytes) -> int:
+    """The integer form of a digest in events (``VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES=1``)."""
+    return int.from_bytes(digest, "big") & EVENT_HASH_MASK
+
+
+class BlockHasher:
+    """One engine's hash configuration: the algorithm and its NONE_HASH root."""
+
+    def __init__(self, algorithm: str = "sha256", python_hash_seed: str | None = None) -> None:
+        self.algorithm = algorithm
+        self._hash = hash_function(algorithm)
+        self.none_hash = self._hash(none_hash_seed(algorithm, python_hash_seed))
+
+    def digest(
+        self, parent: bytes | None, token_ids: Sequence[int], extra_keys: ExtraKeys
+    ) -> bytes:
+        """One block's digest; ``parent`` None means block 0 (chained from NONE_HASH)."""
+        return self._hash((parent or self.none_hash, tuple(token_ids), extra_keys))
+
+    def block_digests(
+        self,
+        token_ids: Sequence[int],
+        block_size: int,
+        *,
+        lora: LoraAdapter | None = None,
+        cache_salt: str | None = None,
+    ) -> list[bytes]:
+        """Digests of every complete block of a request, as vLLM's request block hasher."""
+        digests: list[bytes] = []
+        parent: bytes | None = None
+        for index in range(len(token_ids) // block_size):
+            tokens = token_ids[index * block_size : (index + 1) * block_size]
+            parent = self.digest(parent, tokens, hash_extra_keys(index, lora, cache_salt))
+            digests.append(parent)
+        return digests

@@ -1,0 +1,362 @@
+"""A paged KV block pool with prefix caching that behaves — and publishes — like vLLM 0.33.
+
+The simulator's cache must make the same decisions a real engine would (which prefix hits,
+which block is evicted) and announce them with the same KV events, because the conductor's
+index and the router's choices are only as right as those events. So this mirrors vLLM's
+``KVCacheManager`` + ``BlockPool``:
+
+- A request's complete blocks are identified by chained block hashes (``block_hash``). The
+  longest prefix of them cached on the GPU is reused; at least one prompt token is always
+  recomputed (vLLM caps the hit at ``len(prompt) - 1`` tokens).
+- Free blocks sit in one queue, least recently used first; cached blocks stay cached while
+  free and are evicted only when popped for reuse (one ``BlockRemoved`` per evicted hash).
+  ``free`` releases a request's blocks in *reverse* order, as vLLM does, so a chain's tail is
+  evicted before its head and shared prefixes survive longest.
+- Blocks are cached (one ``BlockStored`` per call, parent = previous block's hash) as soon
+  as they are full: the whole prompt at ``allocate`` (vLLM caches at scheduling time), each
+  decode block when ``append_tokens`` fills it. A block whose hash is already cached is
+  cached again (a duplicate), and announced again, as vLLM does.
+- Optional CPU tier (``num_cpu_blocks > 0``): a victim cache. Unlike vLLM's offloading
+  connector, which copies blocks out as they are computed, a block moves to the CPU only
+  when the GPU evicts it, so the CPU holds what the GPU lost: ``BlockStored`` medium CPU,
+  then the GPU ``BlockRemoved``. The CPU tier evicts LRU (``BlockRemoved`` medium CPU). A
+  prefix hit continues from the GPU hit into consecutive CPU blocks, which are loaded back
+  into fresh GPU blocks (cached and announced on the GPU) and stay on the CPU. As with
+  vLLM's connector, the CPU walk starts where the GPU hit ends and stops at the first block
+  the CPU does not hold.
+
+Everything is synchronous and O(blocks touched) per call: the asyncio shell calls it once
+per request and step, and the trace simulator thousands of times a second. Events
+accumulate until ``take_events`` (the shell publishes one batch per engine step). Each
+event is a ``WireEvent`` (``publishers.encoding``): the typed event plus the fields only
+vLLM's wire carries — the per-block untagged ``extra_keys`` and the LoRA ``lora_id`` — so
+the publisher encodes exactly what vLLM would send.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import NamedTuple
+
+from conductor.wire.events import AllBlocksCleared, BlockRemoved, BlockStored, Tier
+
+from ..encoding import WireEvent
+from .block_hash import (
+    BlockHasher,
+    ExtraKeys,
+    LoraAdapter,
+    event_extra_keys,
+    event_hash,
+    hash_extra_keys,
+)
+
+KV_CACHE_GROUP = 0  # vLLM's BlockPool tags every event with the (single) KV-cache group 0
+
+
+class CapacityError(ValueError):
+    """The request needs more blocks than the pool has: it can never run on this engine."""
+
+
+@dataclass(frozen=True, slots=True)
+class Allocation:
+    """What the scheduler and timing model need to know about an admitted prompt."""
+
+    num_prompt_tokens: int
+    num_cached_tokens: int  # not recomputed: the GPU hit plus the CPU-loaded tokens
+    num_cpu_loaded_tokens: int  # part of ``num_cached_tokens`` copied back from the CPU tier
+    block_hashes: tuple[int, ...]  # event hashes of the prompt's complete blocks
+
+    @property
+    def num_new_tokens(self) -> int:
+        """Tokens the prefill must compute."""
+        return self.num_prompt_tokens - self.num_cached_tokens
+
+
+@dataclass(frozen=True, slots=True)
+class CacheStats:
+    """Cumulative prefix-cache counters (vLLM's ``prefix_cache_queries/hits``, in tokens)."""
+
+    requests: int = 0
+    query_tokens: int = 0
+    gpu_hit_tokens: int = 0
+    cpu_hit_tokens: int = 0
+
+
+class _CachedBlock(NamedTuple):  # a tuple: built once per hashed block, so it must be cheap
+    """A full block's identity and everything needed to announce it again later (offload)."""
+
+    digest: bytes
+    event_hash: int
+    parent_event_hash: int | None
+    token_ids: tuple[int, ...]
+    extra_keys: ExtraKeys  # untagged, as events carry them
+    lora: LoraAdapter | None
+    cache_salt: str | None  # set on block 0 only: what a consumer reads from its extra keys
+
+
+@dataclass(slots=True)
+class _Request:
+    token_ids: list[int]
+    lora: LoraAdapter | None
+    cache_salt: str | None
+    blocks: list[_CachedBlock] = field(default_factory=list)  # its complete blocks, in order
+    block_ids: list[int] = field(default_factory=list)  # GPU blocks, in order
+
+
+class BlockManager:
+    """One engine's (one DP rank's) KV cache: ``num_gpu_blocks`` blocks of ``block_size``."""
+
+    def __init__(
+        self,
+        num_gpu_blocks: int,
+        block_size: int,
+        *,
+        num_cpu_blocks: int = 0,
+        hasher: BlockHasher | None = None,
+    ) -> None:
+        if num_gpu_blocks <= 0 or block_size <= 0 or num_cpu_blocks < 0:
+            raise ValueError("num_gpu_blocks and block_size must be > 0, num_cpu_blocks >= 0")
+        self.num_gpu_blocks = num_gpu_blocks
+        self.block_size = block_size
+        self.num_cpu_blocks = num_cpu_blocks
+        self._hasher = hasher or BlockHasher()
+        self._ref_counts = [0] * num_gpu_blocks
+        self._gpu_blocks: list[_CachedBlock | None] = [None] * num_gpu_blocks
+        self._gpu_cache: dict[bytes, list[int]] = {}  # digest -> block ids (duplicates)
+        self._free: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_gpu_blocks))
+        self._cpu_cache: OrderedDict[bytes, _CachedBlock] = OrderedDict()  # LRU first
+        self._requests: dict[str, _Request] = {}
+        self._events: list[WireEvent] = []
+        self._stats = CacheStats()
+
+    # -- request lifecycle -------------------------------------------------------------
+
+    def allocate(
+        self,
+        request_id: str,
+        token_ids: Sequence[int],
+        *,
+        lora: LoraAdapter | None = None,
+        cache_salt: str | None = None,
+    ) -> Allocation | None:
+        """Admit a prompt: reuse its cached prefix, take blocks for the rest, cache it.
+
+        Returns None, changing nothing, when the blocks are not free now (they will be once
+        running requests finish); raises CapacityError when the pool can never hold it.
+        ``stats`` count admitted prompts only, so a retried request is counted once.
+        """
+        if request_id in self._requests:
+            raise ValueError(f"request {request_id!r} is already allocated")
+        if not token_ids:
+            raise ValueError("a prompt needs at least one token")
+        num_blocks = self._blocks_for(len(token_ids))
+        request = _Request(list(token_ids), lora, cache_salt)
+        request.blocks = self._complete_blocks(request, 0)
+
+        hit_limit = (len(token_ids) - 1) // self.block_size
+        gpu_hits: list[int] = []
+        for block in request.blocks[:hit_limit]:
+            cached = self._gpu_cache.get(block.digest)
+            if cached is None:
+                break
+            gpu_hits.append(cached[0])
+        num_cpu_hits = 0
+        for block in request.blocks[len(gpu_hits) : hit_limit]:
+            if block.digest not in self._cpu_cache:
+                break
+            num_cpu_hits += 1
+
+        num_new_blocks = num_blocks - len(gpu_hits)
+        free_hits = sum(1 for block_id in gpu_hits if self._ref_counts[block_id] == 0)
+        if num_new_blocks > len(self._free) - free_hits:
+            return None
+
+        for block_id in gpu_hits:  # before taking new blocks, so hits cannot be evicted
+            if self._ref_counts[block_id] == 0:
+                del self._free[block_id]
+            self._ref_counts[block_id] += 1
+        for block in request.blocks[len(gpu_hits) : len(gpu_hits) + num_cpu_hits]:
+            self._cpu_cache.move_to_end(block.digest)
+        new_block_ids = [self._take_free_block() for _ in range(num_new_blocks)]
+        request.block_ids = gpu_hits + new_block_ids
+        self._cache_on_gpu(request, len(gpu_hits))
+        self._requests[request_id] = request
+
+        gpu_hit_tokens = len(gpu_hits) * self.block_size
+        cpu_hit_tokens = num_cpu_hits * self.block_size
+        stats = self._stats
+        self._stats = CacheStats(
+            stats.requests + 1,
+            stats.query_tokens + len(token_ids),
+            stats.gpu_hit_tokens + gpu_hit_tokens,
+            stats.cpu_hit_tokens + cpu_hit_tokens,
+        )
+        return Allocation(
+            num_prompt_tokens=len(token_ids),
+            num_cached_tokens=gpu_hit_tokens + cpu_hit_tokens,
+            num_cpu_loaded_tokens=cpu_hit_tokens,
+            block_hashes=tuple(block.event_hash for block in request.blocks),
+        )
+
+    def append_tokens(self, request_id: str, token_ids: Sequence[int]) -> bool:
+        """Add decoded tokens (their KV written this step); cache blocks they complete.
+
+        Returns False, changing nothing, when a new block is needed and none is free (vLLM
+        would preempt a request); raises CapacityError past the pool's size.
+        """
+        request = self._requests[request_id]
+        num_blocks = self._blocks_for(len(request.token_ids) + len(token_ids))
+        num_new_blocks = num_blocks - len(request.block_ids)
+        if num_new_blocks > len(self._free):
+            return False
+        request.token_ids.extend(token_ids)
+        request.block_ids.extend(self._take_free_block() for _ in range(num_new_blocks))
+        num_cached = len(request.blocks)
+        request.blocks.extend(self._complete_blocks(request, num_cached))
+        self._cache_on_gpu(request, num_cached)
+        return True
+
+    def free(self, request_id: str) -> None:
+        """Release a finished or aborted request's blocks; they stay cached until evicted.
+
+        Tail first, as vLLM does, so the end of a chain is evicted before its prefix.
+        Unknown ids are ignored: an abort may race with a request that never got blocks.
+        """
+        request = self._requests.pop(request_id, None)
+        if request is None:
+            return
+        for block_id in reversed(request.block_ids):
+            self._ref_counts[block_id] -= 1
+            if self._ref_counts[block_id] == 0:
+                self._free[block_id] = None
+
+    def reset(self) -> bool:
+        """Drop every cached block (vLLM's ``reset_prefix_cache``); False while requests run.
+
+        The CPU tier is cleared too: consumers drop all of an engine's blocks on
+        AllBlocksCleared, so keeping any would make their view wrong.
+        """
+        if self._requests:
+            return False
+        self._gpu_blocks = [None] * self.num_gpu_blocks
+        self._gpu_cache.clear()
+        self._cpu_cache.clear()
+        self._events.append(WireEvent(AllBlocksCleared()))
+        return True
+
+    def take_events(self) -> list[WireEvent]:
+        """Events since the last call, in the order the changes happened."""
+        events, self._events = self._events, []
+        return events
+
+    # -- load ------------------------------------------------------------------------
+
+    @property
+    def usage(self) -> float:
+        """Fraction of GPU blocks held by running requests (vLLM's ``kv_cache_usage``)."""
+        return 1.0 - len(self._free) / self.num_gpu_blocks
+
+    @property
+    def num_free_blocks(self) -> int:
+        """Blocks a new allocation may take now, cached-but-unused ones included."""
+        return len(self._free)
+
+    @property
+    def stats(self) -> CacheStats:
+        return self._stats
+
+    # -- internals -------------------------------------------------------------------
+
+    def _blocks_for(self, num_tokens: int) -> int:
+        num_blocks = -(-num_tokens // self.block_size)
+        if num_blocks > self.num_gpu_blocks:
+            raise CapacityError(
+                f"{num_tokens} tokens need {num_blocks} blocks of {self.block_size}; "
+                f"the pool has {self.num_gpu_blocks}"
+            )
+        return num_blocks
+
+    def _complete_blocks(self, request: _Request, start: int) -> list[_CachedBlock]:
+        """Hash the request's complete blocks from index ``start`` on."""
+        size = self.block_size
+        tokens = request.token_ids
+        parent = request.blocks[start - 1] if start else None
+        blocks: list[_CachedBlock] = []
+        for index in range(start, len(tokens) // size):
+            block_tokens = tuple(tokens[index * size : (index + 1) * size])
+            digest = self._hasher.digest(
+                parent.digest if parent else None,
+                block_tokens,
+                hash_extra_keys(index, request.lora, request.cache_salt),
+            )
+            parent = _CachedBlock(
+                digest=digest,
+                event_hash=event_hash(digest),
+                parent_event_hash=parent.event_hash if parent else None,
+                token_ids=block_tokens,
+                extra_keys=event_extra_keys(index, request.lora, request.cache_salt),
+                lora=request.lora,
+                cache_salt=(request.cache_salt or None) if index == 0 else None,
+            )
+            blocks.append(parent)
+        return blocks
+
+    def _take_free_block(self) -> int:
+        """Pop the least recently used free block, evicting what it caches."""
+        block_id, _ = self._free.popitem(last=False)
+        block = self._gpu_blocks[block_id]
+        if block is not None:
+            self._gpu_blocks[block_id] = None
+            holders = self._gpu_cache[block.digest]
+            holders.remove(block_id)
+            if not holders:
+                del self._gpu_cache[block.digest]
+            if self.num_cpu_blocks:
+                self._offload(block)
+            removed = BlockRemoved([block.event_hash], Tier.GPU, KV_CACHE_GROUP)
+            self._events.append(WireEvent(removed))
+        self._ref_counts[block_id] = 1
+        return block_id
+
+    def _offload(self, block: _CachedBlock) -> None:
+        if block.digest in self._cpu_cache:
+            self._cpu_cache.move_to_end(block.digest)
+            return
+        if len(self._cpu_cache) >= self.num_cpu_blocks:
+            _, victim = self._cpu_cache.popitem(last=False)
+            removed = BlockRemoved([victim.event_hash], Tier.CPU, KV_CACHE_GROUP)
+            self._events.append(WireEvent(removed))
+        self._cpu_cache[block.digest] = block
+        self._events.append(self._stored([block], Tier.CPU))
+
+    def _cache_on_gpu(self, request: _Request, start: int) -> None:
+        """Cache the request's complete blocks from ``start`` on and announce them."""
+        blocks = request.blocks[start:]
+        if not blocks:
+            return
+        for block_id, block in zip(request.block_ids[start:], blocks, strict=False):
+            self._gpu_blocks[block_id] = block
+            self._gpu_cache.setdefault(block.digest, []).append(block_id)
+        self._events.append(self._stored(blocks, Tier.GPU))
+
+    def _stored(self, blocks: Sequence[_CachedBlock], tier: Tier) -> WireEvent:
+        """One BlockStored for consecutive blocks of one chain, as BlockPool builds it."""
+        first = blocks[0]
+        lora = first.lora
+        stored = BlockStored(
+            block_hashes=[block.event_hash for block in blocks],
+            parent_hash=first.parent_event_hash,
+            token_ids=[token for block in blocks for token in block.token_ids],
+            block_size=self.block_size,
+            tier=tier,
+            lora_name=lora.name if lora else None,
+            salt=first.cache_salt,
+            group_idx=KV_CACHE_GROUP,
+        )
+        return WireEvent(
+            stored,
+            lora_id=lora.adapter_id if lora else None,
+            extra_keys=[block.extra_keys for block in blocks],
+        )
