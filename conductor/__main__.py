@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import gc
 import logging
 import os
 import signal
@@ -70,6 +71,7 @@ async def serve(settings: Settings, config: ConductorConfig) -> None:
         shutdown_timeout=SHUTDOWN_GRACE_SECONDS,
     )
     await runner.setup()
+    gc.freeze()  # start-up objects live forever: keep full collections off the query path
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for signum in (signal.SIGINT, signal.SIGTERM):

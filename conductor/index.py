@@ -230,33 +230,17 @@ class PrefixContext:
         blocks_needed = len(hashes)
         lengths = {s.index: [blocks_needed, blocks_needed, blocks_needed] for s in engine_slots}
         gpu_blocks, cpu_blocks, disk_blocks = self.blocks
-        shared = self.shared_mask
-        alive_gpu = alive_cpu = alive_disk = interest
-        for position, prefix_hash in enumerate(hashes):
-            if not alive_disk:
-                break
-            on_gpu = gpu_blocks.get(prefix_hash, 0)
-            on_cpu = cpu_blocks.get(prefix_hash, 0) if cpu_blocks else 0
-            if on_cpu & shared:
-                on_cpu = interest
-            on_cpu |= on_gpu
-            on_disk = disk_blocks.get(prefix_hash, 0) if disk_blocks else 0
-            if on_disk & shared:
-                on_disk = interest
-            on_disk |= on_cpu
-            for tier, alive, present in (
-                (0, alive_gpu, on_gpu),
-                (1, alive_cpu, on_cpu),
-                (2, alive_disk, on_disk),
-            ):
-                stopped = alive & ~present
-                while stopped:
-                    low = stopped & -stopped
-                    lengths[low.bit_length() - 1][tier] = position
-                    stopped ^= low
-            alive_gpu &= on_gpu
-            alive_cpu &= on_cpu
-            alive_disk &= on_disk
+        if not cpu_blocks and not disk_blocks:  # GPU-only context: one walk serves all tiers
+            alive = interest
+            for position, prefix_hash in enumerate(hashes):
+                present = gpu_blocks.get(prefix_hash, 0)
+                if alive & ~present:
+                    _record_stops(lengths, alive & ~present, position, (0, 1, 2))
+                    alive &= present
+                    if not alive:
+                        break
+        else:
+            self._walk_tiers(hashes, interest, lengths)
         size = self.key.block_size
         matches: dict[str, InstanceMatch] = {}
         for slot in engine_slots:
@@ -269,6 +253,45 @@ class PrefixContext:
                 max(match.disk, disk),
             )
         return matches
+
+    def _walk_tiers(self, hashes: Sequence[int | None], interest: int, lengths: dict) -> None:
+        """The general walk: GPU, then CPU (own offload or a shared pool), then DISK."""
+        gpu_blocks, cpu_blocks, disk_blocks = self.blocks
+        shared = self.shared_mask
+        alive_gpu = alive_cpu = alive_disk = interest
+        for position, prefix_hash in enumerate(hashes):
+            on_gpu = gpu_blocks.get(prefix_hash, 0)
+            on_cpu = cpu_blocks.get(prefix_hash, 0)
+            if on_cpu & shared:
+                on_cpu = interest
+            on_cpu |= on_gpu
+            on_disk = disk_blocks.get(prefix_hash, 0)
+            if on_disk & shared:
+                on_disk = interest
+            on_disk |= on_cpu
+            if alive_gpu & ~on_gpu:
+                _record_stops(lengths, alive_gpu & ~on_gpu, position, (0,))
+                alive_gpu &= on_gpu
+            if alive_cpu & ~on_cpu:
+                _record_stops(lengths, alive_cpu & ~on_cpu, position, (1,))
+                alive_cpu &= on_cpu
+            if alive_disk & ~on_disk:
+                _record_stops(lengths, alive_disk & ~on_disk, position, (2,))
+                alive_disk &= on_disk
+                if not alive_disk:
+                    break
+
+
+def _record_stops(
+    lengths: dict[int, list[int]], stopped: int, position: int, tiers: tuple[int, ...]
+) -> None:
+    """Slots whose bits are in ``stopped`` matched ``position`` blocks on these tiers."""
+    while stopped:
+        low = stopped & -stopped
+        slot_lengths = lengths[low.bit_length() - 1]
+        for tier in tiers:
+            slot_lengths[tier] = position
+        stopped ^= low
 
 
 class PrefixCacheTable:

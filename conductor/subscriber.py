@@ -146,6 +146,9 @@ class StreamSubscriber:
                 log.warning("stream=%s dropped malformed message: %s", self.name, error)
                 continue
             await self._handle_live(message)
+            # pyzmq completes a recv at once while messages are queued: yield so a burst of
+            # batches cannot hold /query and the other streams back.
+            await asyncio.sleep(0)
 
     async def _handle_live(self, message: Message) -> None:
         last = self.last_sequence
