@@ -1,0 +1,224 @@
+"""Routing policies: pure functions of (cache hits, load, request) -> the chosen instance.
+
+They hold no state and do no I/O, so the proxy, the unit tests and the trace simulator all
+call the very same code. Cache hits are the conductor's cumulative answer per instance
+(GPU <= CPU <= DISK tokens); load is what the router itself tracks per instance.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+POLICIES = ("round_robin", "least_loaded", "max_prefix", "kv_cost", "ttft")
+
+
+@dataclass(frozen=True, slots=True)
+class Candidate:
+    """One healthy prefill instance as the router sees it for one request."""
+
+    instance_id: str
+    gpu_tokens: int = 0  # prompt prefix already on its GPU
+    cpu_tokens: int = 0  # ... on its GPU or a CPU tier it can load from (>= gpu_tokens)
+    disk_tokens: int = 0  # ... adding DISK tiers (>= cpu_tokens)
+    in_flight: int = 0  # requests sent and not finished
+    queued_prefill_tokens: int = 0  # uncached prompt tokens sent and not yet prefilled
+
+
+@dataclass(frozen=True, slots=True)
+class PrefillCostModel:
+    """What the router believes an instance's prefill costs; learned or configured.
+
+    ``prefill(n, p)`` = overhead + per_token × n + attention × n × (n + 2p), the shape of
+    the engine's FLOPs (linear layers per new token, attention over the whole context).
+    """
+
+    overhead_s: float = 0.02
+    per_token_s: float = 1.1e-4
+    attention_s: float = 1.0e-9  # per new token × context token
+    cpu_load_per_token_s: float = 3.3e-6  # 320 KiB/token at 100 GB/s
+    disk_load_per_token_s: float = 1.6e-5  # ~20 GB/s
+    transfer_per_token_s: float = 3.3e-6  # pulling a peer's KV over the network
+
+    def prefill_s(self, new_tokens: int, cached_tokens: int = 0) -> float:
+        if new_tokens <= 0:
+            return 0.0
+        attention = self.attention_s * new_tokens * (new_tokens + 2 * cached_tokens)
+        return self.overhead_s + self.per_token_s * new_tokens + attention
+
+    def load_s(self, cpu_tokens: int, disk_tokens: int) -> float:
+        return self.cpu_load_per_token_s * cpu_tokens + self.disk_load_per_token_s * disk_tokens
+
+
+@dataclass(frozen=True, slots=True)
+class Decision:
+    """The chosen instance and what the choice was based on (for headers and metrics)."""
+
+    instance_id: str
+    policy: str
+    cached_tokens: int  # the hit the decision used (tokens not recomputed)
+    estimated_ttft_s: float | None = None
+    scores: dict[str, float] = field(default_factory=dict)
+
+
+class SloViolation(Exception):
+    """Even the best instance's estimated TTFT breaks the SLO: reject (HTTP 429)."""
+
+    def __init__(self, best: Decision, slo_s: float) -> None:
+        super().__init__(
+            f"estimated time to first token {best.estimated_ttft_s * 1000:.0f} ms on the best "
+            f"instance ({best.instance_id}) exceeds the {slo_s * 1000:.0f} ms SLO"
+        )
+        self.best = best
+        self.slo_s = slo_s
+
+
+def _argmin(candidates: Sequence[Candidate], key: Callable[[Candidate], float], turn: int):
+    """The lowest-``key`` candidate; ties rotate with ``turn`` so equals share the load."""
+    best = min(key(c) for c in candidates)
+    leaders = [c for c in candidates if key(c) == best]
+    return leaders[turn % len(leaders)]
+
+
+def round_robin(candidates: Sequence[Candidate], turn: int) -> Decision:
+    chosen = candidates[turn % len(candidates)]
+    return Decision(chosen.instance_id, "round_robin", chosen.gpu_tokens)
+
+
+def least_loaded(candidates: Sequence[Candidate], turn: int) -> Decision:
+    chosen = _argmin(candidates, lambda c: (c.queued_prefill_tokens, c.in_flight), turn)
+    return Decision(chosen.instance_id, "least_loaded", chosen.gpu_tokens)
+
+
+def max_prefix(candidates: Sequence[Candidate], turn: int) -> Decision:
+    """The upstream Mooncake proxy: the longest match wins (ties rotate), load ignored."""
+    chosen = _argmin(candidates, lambda c: -c.disk_tokens, turn)
+    return Decision(chosen.instance_id, "max_prefix", chosen.disk_tokens)
+
+
+def kv_cost(
+    candidates: Sequence[Candidate],
+    turn: int,
+    block_size: int,
+    overlap_weight: float = 1.0,
+    temperature: float = 0.0,
+    rng: random.Random | None = None,
+) -> Decision:
+    """Dynamo-style: score = overlap_weight × cached blocks − load in blocks (queued prefill
+    blocks + in-flight requests); softmax over scores at ``temperature`` (0 = argmax)."""
+    scores = {
+        c.instance_id: overlap_weight * (c.gpu_tokens / block_size)
+        - (c.queued_prefill_tokens / block_size + c.in_flight)
+        for c in candidates
+    }
+    if temperature > 0:
+        top = max(scores.values())
+        weights = [math.exp((scores[c.instance_id] - top) / temperature) for c in candidates]
+        chosen = (rng or random.Random()).choices(list(candidates), weights)[0]
+    else:
+        chosen = _argmin(candidates, lambda c: -scores[c.instance_id], turn)
+    return Decision(chosen.instance_id, "kv_cost", chosen.gpu_tokens, scores=scores)
+
+
+def ttft_estimate(
+    candidate: Candidate,
+    prompt_tokens: int,
+    model: PrefillCostModel,
+    best_tokens: int = 0,
+    balance_threshold: float = math.inf,
+) -> tuple[float, int]:
+    """Mooncake's Algorithm 1 for one instance: (estimated TTFT, tokens not recomputed).
+
+    Queue time is the prefill work already sent there. The instance reuses its GPU hit,
+    loads the CPU/DISK part of its cumulative hit, and computes the rest. When the best
+    instance's prefix is at least ``balance_threshold`` times longer, pulling that prefix
+    over the network is considered too (Mooncake's KV-cache balancing).
+    """
+    queue_s = model.per_token_s * candidate.queued_prefill_tokens
+    reusable = min(candidate.disk_tokens, prompt_tokens)
+    local_s = model.load_s(
+        candidate.cpu_tokens - candidate.gpu_tokens, candidate.disk_tokens - candidate.cpu_tokens
+    ) + model.prefill_s(prompt_tokens - reusable, reusable)
+    estimate, cached = local_s, reusable
+    if best_tokens > max(reusable, 0) * balance_threshold:
+        pulled = min(best_tokens, prompt_tokens)
+        transfer_s = model.transfer_per_token_s * (pulled - candidate.gpu_tokens)
+        remote_s = transfer_s + model.prefill_s(prompt_tokens - pulled, pulled)
+        if remote_s < local_s:
+            estimate, cached = remote_s, pulled
+    return queue_s + estimate, cached
+
+
+def ttft(
+    candidates: Sequence[Candidate],
+    turn: int,
+    prompt_tokens: int,
+    model: PrefillCostModel,
+    balance_threshold: float = math.inf,
+    slo_s: float | None = None,
+) -> Decision:
+    """The instance with the lowest estimated TTFT; raises SloViolation past the SLO."""
+    best_tokens = max(c.disk_tokens for c in candidates)
+    estimates = {
+        c.instance_id: ttft_estimate(c, prompt_tokens, model, best_tokens, balance_threshold)
+        for c in candidates
+    }
+    chosen = _argmin(candidates, lambda c: estimates[c.instance_id][0], turn)
+    estimate, cached = estimates[chosen.instance_id]
+    decision = Decision(
+        chosen.instance_id,
+        "ttft",
+        cached,
+        estimate,
+        {name: seconds for name, (seconds, _) in estimates.items()},
+    )
+    if slo_s is not None and estimate > slo_s:
+        raise SloViolation(decision, slo_s)
+    return decision
+
+
+@dataclass(frozen=True, slots=True)
+class RoutingParams:
+    """A policy and its parameters (the router config's ``routing`` section)."""
+
+    policy: str = "ttft"
+    block_size: int = 16
+    overlap_weight: float = 1.0
+    temperature: float = 0.0
+    balance_threshold: float = math.inf  # inf: never pull a peer's KV (needs a transfer path)
+    ttft_slo_s: float | None = None
+    cost: PrefillCostModel = PrefillCostModel()
+
+
+def choose(
+    params: RoutingParams,
+    candidates: Sequence[Candidate],
+    turn: int,
+    prompt_tokens: int,
+    rng: random.Random | None = None,
+) -> Decision:
+    """Run ``params.policy`` over non-empty ``candidates``; ``turn`` rotates ties."""
+    if not candidates:
+        raise ValueError("no candidate instances")
+    if params.policy == "round_robin":
+        return round_robin(candidates, turn)
+    if params.policy == "least_loaded":
+        return least_loaded(candidates, turn)
+    if params.policy == "max_prefix":
+        return max_prefix(candidates, turn)
+    if params.policy == "kv_cost":
+        return kv_cost(
+            candidates, turn, params.block_size, params.overlap_weight, params.temperature, rng
+        )
+    if params.policy == "ttft":
+        return ttft(
+            candidates,
+            turn,
+            prompt_tokens,
+            params.cost,
+            params.balance_threshold,
+            params.ttft_slo_s,
+        )
+    raise ValueError(f"unknown policy {params.policy!r}; choose one of {', '.join(POLICIES)}")
