@@ -1,0 +1,55 @@
+"""``mooncake-router``: the cache-aware OpenAI-compatible proxy."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+
+from aiohttp import web
+from pydantic import ValidationError
+
+from conductor.config import one_line
+
+from . import config as router_config
+from .app import Router, create_app
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(
+        prog="mooncake-router", description="Cache-aware OpenAI-compatible proxy."
+    )
+    router_config.add_cli_flags(parser)
+    parser.add_argument("--max-body-bytes", type=int, default=32 * 1024 * 1024)
+    parser.add_argument("--log-level", default=os.environ.get("ROUTER_LOG_LEVEL", "INFO"))
+    args = parser.parse_args(argv)
+    try:
+        config = router_config.load(args)
+    except (OSError, ValueError) as error:
+        reason = one_line(error) if isinstance(error, ValidationError) else str(error)
+        sys.exit(f"mooncake-router: invalid configuration: {reason}")
+    logging.basicConfig(
+        level=args.log_level.upper(),
+        format="%(asctime)s level=%(levelname)s logger=%(name)s %(message)s",
+    )
+    try:
+        import uvloop
+    except ImportError:
+        loop = None
+    else:
+        loop = uvloop.new_event_loop()
+    web.run_app(
+        create_app(Router(config, args.max_body_bytes)),
+        host=args.host,
+        port=args.port,
+        access_log=None,
+        handler_cancellation=True,  # a client that goes away cancels its upstream request
+        shutdown_timeout=1.5,
+        loop=loop,
+        print=None,
+    )
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,473 @@
+"""The proxy: tokenize → ask the conductor → choose → forward (or prefill → decode).
+
+Everything that decides is in ``policy`` (pure) and ``pool`` (state); this module owns
+sockets, timeouts, retries and streaming. A response carries the decision in
+``x-conductor-*`` headers so operators can see why a request went where it went.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+import json
+import logging
+import random
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, replace
+from typing import Any
+
+import aiohttp
+from aiohttp import web
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+
+from . import disagg
+from .conductor_client import ConductorClient, ConductorUnavailable, Hits
+from .config import RouterConfig
+from .metrics import RouterMetrics
+from .policy import Decision, RoutingParams, SloViolation, choose
+from .pool import CostLearner, InstancePool, Ticket, Upstream
+
+log = logging.getLogger(__name__)
+
+FORWARDED_HEADERS = ("Authorization", "X-Request-Id")
+HOP_BY_HOP = {"content-length", "transfer-encoding", "connection", "keep-alive", "content-encoding"}
+PROBE_INTERVAL_S = 0.5
+METRICS_REFRESH_S = 2.0
+REREGISTER_INTERVAL_S = 15.0
+UPSTREAM_TIMEOUT = aiohttp.ClientTimeout(total=None, sock_connect=2.0)
+SERVICE_KEY = web.AppKey("router", "Router")
+
+
+class ApiError(Exception):
+    """An OpenAI-style error answer."""
+
+    def __init__(self, status: int, message: str, kind: str, param: str | None = None):
+        super().__init__(message)
+        self.status, self.message, self.kind, self.param = status, message, kind, param
+
+    def response(self) -> web.Response:
+        body = {"message": self.message, "type": self.kind, "param": self.param}
+        return web.json_response({"error": {**body, "code": self.status}}, status=self.status)
+
+
+class UpstreamFailed(Exception):
+    """Connection refused/reset or a 5xx before anything reached the client: retry."""
+
+
+@dataclass(slots=True)
+class Routed:
+    """The decision for one request, and what it is based on."""
+
+    decision: Decision
+    prompt_tokens: int
+    fallback: str | None = None
+
+
+class Router:
+    def __init__(self, config: RouterConfig, max_body_bytes: int) -> None:
+        self.config = config
+        self.max_body_bytes = max_body_bytes
+        self.params: RoutingParams = config.routing_params()
+        self.learner = CostLearner(self.params.cost) if config.routing.learn_cost_model else None
+        self.pool = InstancePool.build(
+            ((i.instance_id, i.http_endpoint) for i in config.prefill.instances),
+            (
+                (i.instance_id or f"decode-{n}", i.http_endpoint)
+                for n, i in enumerate(config.decode.instances)
+            ),
+        )
+        self.metrics = RouterMetrics()
+        self._turn = itertools.count()
+        self._rng = random.Random()
+        self._sessions: dict[str, aiohttp.ClientSession] = {}
+        self._control: aiohttp.ClientSession | None = None
+        self.conductor: ConductorClient | None = None
+        self._tasks: list[asyncio.Task[None]] = []
+
+    # -- lifecycle -----------------------------------------------------------------------
+    async def start(self) -> None:
+        self._control = aiohttp.ClientSession()
+        for upstream in self.pool.all():  # one pooled session (connection pool) per upstream
+            self._sessions[upstream.instance_id] = aiohttp.ClientSession(
+                upstream.url, timeout=UPSTREAM_TIMEOUT
+            )
+            self.metrics.healthy.labels(upstream.instance_id).set(1)
+        self.conductor = ConductorClient(
+            self._control, self.config.conductor, self.config.prefill.config
+        )
+        try:
+            await self.conductor.register(self.config.prefill.instances)
+        except RuntimeError as error:  # keep serving (fallback) and keep trying
+            log.error("registration with the conductor failed: %s", error)
+        self._tasks = [
+            asyncio.create_task(self._probe_unhealthy()),
+            asyncio.create_task(self._refresh_engine_load()),
+            asyncio.create_task(self._keep_registered()),
+        ]
+
+    async def stop(self) -> None:
+        for task in self._tasks:
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        for session in [*self._sessions.values(), self._control]:
+            if session is not None:
+                await session.close()
+
+    def session(self, upstream: Upstream) -> aiohttp.ClientSession:
+        return self._sessions[upstream.instance_id]
+
+    # -- background ----------------------------------------------------------------------
+    async def _probe_unhealthy(self) -> None:
+        while True:
+            await asyncio.sleep(PROBE_INTERVAL_S)
+            for upstream in self.pool.due_for_probe():
+                with contextlib.suppress(aiohttp.ClientError, TimeoutError):
+                    async with self.session(upstream).get(
+                        "/health", timeout=aiohttp.ClientTimeout(total=1.0)
+                    ) as response:
+                        if response.status == 200:
+                            self.pool.mark_healthy(upstream)
+                            self.metrics.healthy.labels(upstream.instance_id).set(1)
+                            log.info("upstream back instance=%s", upstream.instance_id)
+                            continue
+                self.pool.mark_failed(upstream)
+
+    async def _refresh_engine_load(self) -> None:
+        """Engines' own running+waiting counts, for load that other clients put on them."""
+        while True:
+            await asyncio.sleep(METRICS_REFRESH_S)
+            for upstream in self.pool.all():
+                if not upstream.healthy:
+                    continue
+                with contextlib.suppress(aiohttp.ClientError, TimeoutError, ValueError):
+                    async with self.session(upstream).get(
+                        "/metrics", timeout=aiohttp.ClientTimeout(total=1.0)
+                    ) as response:
+                        upstream.engine_in_flight = engine_in_flight(await response.text())
+
+    async def _keep_registered(self) -> None:
+        """Re-register periodically (idempotent) so a restarted conductor relearns us."""
+        assert self.conductor is not None
+        while True:
+            await asyncio.sleep(REREGISTER_INTERVAL_S)
+            try:
+                await self.conductor.register(self.config.prefill.instances)
+            except RuntimeError as error:
+                log.warning("re-registration failed: %s", error)
+
+    # -- deciding ------------------------------------------------------------------------
+    async def tokenize(self, path: str, body: dict[str, Any]) -> list[int] | None:
+        """Token ids from a prefill instance's ``/tokenize`` (the engine's own tokenizer)."""
+        request: dict[str, Any] = {"model": body.get("model")}
+        if path.endswith("chat/completions"):
+            request["messages"] = body.get("messages")
+        else:
+            request["prompt"] = body.get("prompt")
+        for upstream in self._rotation(self.pool.prefill.values()):
+            try:
+                async with self.session(upstream).post(
+                    "/tokenize", json=request, timeout=aiohttp.ClientTimeout(total=2.0)
+                ) as response:
+                    if response.status == 200:
+                        tokens = (await response.json()).get("tokens")
+                        if isinstance(tokens, list):
+                            return tokens
+                    if 400 <= response.status < 500:
+                        detail = await response.text()
+                        raise ApiError(
+                            response.status, _upstream_message(detail), "BadRequestError"
+                        )
+            except (aiohttp.ClientError, TimeoutError):
+                continue
+        return None
+
+    def _rotation(self, upstreams) -> list[Upstream]:
+        healthy = [u for u in upstreams if u.healthy]
+        if not healthy:
+            return []
+        start = next(self._turn) % len(healthy)
+        return healthy[start:] + healthy[:start]
+
+    async def decide(self, path: str, body: dict[str, Any], exclude: set[str]) -> Routed:
+        """Tokenize, query the conductor and run the policy; degrade to least_loaded."""
+        tokens = await self.tokenize(path, body)
+        hits: Hits = {}
+        fallback = None
+        if tokens is None:
+            fallback = "tokenize_failed"
+        else:
+            try:
+                assert self.conductor is not None
+                hits = await self.conductor.query(tokens, body.get("cache_salt"))
+            except ConductorUnavailable as error:
+                fallback = "conductor_unavailable"
+                log.warning("conductor unavailable, routing by load: %s", error)
+        candidates = [c for c in self.pool.candidates(hits) if c.instance_id not in exclude]
+        if not candidates:
+            raise ApiError(503, "no healthy prefill instance", "ServiceUnavailableError")
+        params = self.params
+        if self.learner is not None:
+            params = replace(params, cost=self.learner.model)
+        if fallback:
+            params = replace(params, policy="least_loaded")
+            self.metrics.fallbacks.labels(fallback).inc()
+        decision = choose(params, candidates, next(self._turn), len(tokens or ()), self._rng)
+        return Routed(decision, len(tokens or ()), fallback)
+
+    # -- handlers ------------------------------------------------------------------------
+    async def completions(self, request: web.Request) -> web.StreamResponse:
+        started = time.perf_counter()
+        body = await read_json_body(request, self.max_body_bytes)
+        model = body.get("model")
+        served = self.config.prefill.config.modelname
+        if model != served:
+            raise ApiError(404, f"The model `{model}` does not exist.", "NotFoundError", "model")
+        failed: set[str] = set()
+        for _ in range(len(self.pool.prefill)):
+            routed = await self.decide(request.path, body, failed)
+            upstream = self.pool.prefill[routed.decision.instance_id]
+            self.metrics.proxy_seconds.observe(time.perf_counter() - started)
+            try:
+                return await self._serve(request, body, routed, upstream, started)
+            except UpstreamFailed as error:
+                log.warning("upstream failed instance=%s: %s", upstream.instance_id, error)
+                failed.add(upstream.instance_id)
+                self.pool.mark_failed(upstream)
+                self.metrics.healthy.labels(upstream.instance_id).set(0)
+                self.metrics.retries.labels(upstream.instance_id).inc()
+        raise ApiError(502, "every prefill instance failed", "BadGatewayError")
+
+    async def _serve(
+        self,
+        request: web.Request,
+        body: dict[str, Any],
+        routed: Routed,
+        prefill: Upstream,
+        started: float,
+    ) -> web.StreamResponse:
+        decision = routed.decision
+        self.metrics.decisions.labels(decision.policy, prefill.instance_id).inc()
+        self.metrics.cached_tokens.inc(decision.cached_tokens)
+        self.metrics.prompt_tokens.inc(routed.prompt_tokens)
+        headers = {
+            "x-conductor-prefill-instance": prefill.instance_id,
+            "x-conductor-cached-tokens": str(decision.cached_tokens),
+            "x-conductor-policy": decision.policy,
+        }
+        if routed.fallback:
+            headers["x-conductor-fallback"] = routed.fallback
+        forwarded = {k: v for k in FORWARDED_HEADERS if (v := request.headers.get(k))}
+        new_tokens = max(routed.prompt_tokens - decision.cached_tokens, 0)
+        ticket = self.pool.claim(prefill, new_tokens)
+        queued_before = prefill.queued_prefill_tokens - new_tokens
+        self.metrics.in_flight.labels(prefill.instance_id).inc()
+        try:
+            decode_upstreams = self.pool.healthy_decode()
+            if self.pool.decode:
+                if not decode_upstreams:
+                    raise ApiError(503, "no healthy decode instance", "ServiceUnavailableError")
+                decode = min(decode_upstreams, key=lambda u: (u.load, u.requests))
+                headers["x-conductor-decode-instance"] = decode.instance_id
+                params = await self._prefill_only(request.path, body, prefill, forwarded)
+                ticket.first_token()
+                self._observe(new_tokens, queued_before, time.perf_counter() - started)
+                decode_ticket = self.pool.claim(decode, 0)
+                try:
+                    upstream_body = disagg.decode_request(body, params)
+                    return await self._stream(
+                        request, decode, upstream_body, forwarded, headers, decode_ticket, started
+                    )
+                finally:
+                    decode_ticket.release()
+            return await self._stream(
+                request,
+                prefill,
+                body,
+                forwarded,
+                headers,
+                ticket,
+                started,
+                learn=(new_tokens, queued_before),
+            )
+        finally:
+            ticket.release()
+            self.metrics.in_flight.labels(prefill.instance_id).dec()
+
+    def _observe(self, new_tokens: int, queued_tokens: int, ttft_s: float) -> None:
+        self.metrics.ttft_seconds.observe(ttft_s)
+        if self.learner is not None:
+            self.learner.observe(new_tokens, queued_tokens, ttft_s)
+
+    async def _prefill_only(
+        self, path: str, body: dict[str, Any], prefill: Upstream, headers: dict[str, str]
+    ) -> dict[str, Any]:
+        """The prefill leg of disaggregation: returns the kv_transfer_params for decode."""
+        try:
+            async with self.session(prefill).post(
+                path, json=disagg.prefill_request(body), headers=headers
+            ) as response:
+                if response.status >= 500:
+                    raise UpstreamFailed(f"prefill answered {response.status}")
+                answer = await response.json(content_type=None)
+                if response.status != 200:
+                    raise ApiError(response.status, _upstream_message(answer), "UpstreamError")
+        except (aiohttp.ClientConnectionError, TimeoutError) as error:
+            raise UpstreamFailed(repr(error)) from None
+        return disagg.transfer_params(answer)
+
+    async def _stream(
+        self,
+        request: web.Request,
+        upstream: Upstream,
+        body: dict[str, Any],
+        forwarded: dict[str, str],
+        headers: dict[str, str],
+        ticket: Ticket,
+        started: float,
+        learn: tuple[int, int] | None = None,
+    ) -> web.StreamResponse:
+        """Forward and pass the answer through chunk by chunk (SSE stays SSE)."""
+        try:
+            upstream_response = await self.session(upstream).post(
+                request.path, json=body, headers=forwarded
+            )
+        except (aiohttp.ClientConnectionError, TimeoutError) as error:
+            raise UpstreamFailed(repr(error)) from None
+        async with upstream_response:
+            if upstream_response.status >= 500:
+                raise UpstreamFailed(f"answered {upstream_response.status}")
+            response = web.StreamResponse(status=upstream_response.status)
+            for name, value in upstream_response.headers.items():
+                if name.lower() not in HOP_BY_HOP:
+                    response.headers[name] = value
+            response.headers.update(headers)
+            first = True
+            async for chunk in _chunks(upstream_response):
+                if first:
+                    first = False
+                    ticket.first_token()
+                    if learn is not None:
+                        self._observe(*learn, time.perf_counter() - started)
+                    await response.prepare(request)
+                await response.write(chunk)
+            if first:
+                await response.prepare(request)
+            await response.write_eof()
+            return response
+
+    async def models(self, request: web.Request) -> web.Response:
+        model = self.config.prefill.config.modelname
+        return web.json_response(
+            {
+                "object": "list",
+                "data": [{"id": model, "object": "model", "owned_by": "conductor-router"}],
+            }
+        )
+
+    async def health(self, request: web.Request) -> web.Response:
+        healthy = [u.instance_id for u in self.pool.prefill.values() if u.healthy]
+        return web.json_response(
+            {
+                "status": "ok" if healthy else "degraded",
+                "prefill_instances": healthy,
+                "decode_instances": [u.instance_id for u in self.pool.healthy_decode()],
+                "policy": self.params.policy,
+            },
+            status=200 if healthy else 503,
+        )
+
+    async def prometheus(self, request: web.Request) -> web.Response:
+        response = web.Response(body=generate_latest(self.metrics.registry))
+        response.content_type = CONTENT_TYPE_LATEST.split(";")[0]
+        return response
+
+
+async def _chunks(response: aiohttp.ClientResponse) -> AsyncIterator[bytes]:
+    try:
+        async for chunk in response.content.iter_any():
+            yield chunk
+    except aiohttp.ClientPayloadError as error:  # upstream died mid-answer: nothing to retry
+        log.warning("upstream answer cut short: %s", error)
+
+
+def _upstream_message(answer: Any) -> str:
+    if isinstance(answer, str):
+        with contextlib.suppress(ValueError):
+            answer = json.loads(answer)
+    if isinstance(answer, dict) and isinstance(answer.get("error"), dict):
+        return str(answer["error"].get("message", answer["error"]))
+    return str(answer)[:500]
+
+
+def engine_in_flight(metrics_text: str) -> int:
+    """``vllm:num_requests_running`` + ``vllm:num_requests_waiting`` from /metrics text."""
+    total = 0.0
+    for line in metrics_text.splitlines():
+        if line.startswith(("vllm:num_requests_running", "vllm:num_requests_waiting")):
+            total += float(line.rsplit(" ", 1)[1])
+    return int(total)
+
+
+async def read_json_body(request: web.Request, max_bytes: int) -> dict[str, Any]:
+    if request.content_length is not None and request.content_length > max_bytes:
+        raise ApiError(413, f"request body over {max_bytes} bytes", "RequestTooLargeError")
+    try:
+        raw = await request.read()
+    except web.HTTPRequestEntityTooLarge:
+        raise ApiError(
+            413, f"request body over {max_bytes} bytes", "RequestTooLargeError"
+        ) from None
+    try:
+        body = json.loads(raw)
+    except ValueError:
+        raise ApiError(400, "request body is not valid JSON", "BadRequestError") from None
+    if not isinstance(body, dict):
+        raise ApiError(400, "request body must be a JSON object", "BadRequestError")
+    for key, kind in (("model", str), ("stream", bool), ("max_tokens", int)):
+        if key in body and body[key] is not None and not isinstance(body[key], kind):
+            raise ApiError(400, f"`{key}` must be a {kind.__name__}", "BadRequestError", key)
+    if "model" not in body:
+        raise ApiError(400, "`model` is required", "BadRequestError", "model")
+    return body
+
+
+def create_app(router: Router) -> web.Application:
+    @web.middleware
+    async def errors(request: web.Request, handler) -> web.StreamResponse:
+        try:
+            response = await handler(request)
+        except ApiError as error:
+            response = error.response()
+        except SloViolation as violation:
+            router.metrics.rejections.labels("ttft_slo").inc()
+            response = ApiError(429, str(violation), "RateLimitError").response()
+        except web.HTTPException as error:
+            if error.status < 400:
+                raise
+            response = ApiError(error.status, error.reason, "BadRequestError").response()
+        router.metrics.requests.labels(request.path, str(response.status)).inc()
+        if response.status in (502, 503):
+            router.metrics.rejections.labels(f"http_{response.status}").inc()
+        return response
+
+    app = web.Application(client_max_size=router.max_body_bytes + 1, middlewares=[errors])
+    app[SERVICE_KEY] = router
+    app.add_routes(
+        [
+            web.post("/v1/completions", router.completions),
+            web.post("/v1/chat/completions", router.completions),
+            web.get("/v1/models", router.models),
+            web.get("/health", router.health),
+            web.get("/metrics", router.prometheus),
+        ]
+    )
+
+    async def lifecycle(app: web.Application) -> AsyncIterator[None]:
+        await router.start()
+        yield
+        await router.stop()
+
+    app.cleanup_ctx.append(lifecycle)
+    return app

@@ -1,0 +1,67 @@
+"""The router's Prometheus metrics: every decision, fallback, retry and rejection."""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+
+class RouterMetrics:
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry(auto_describe=True)
+        registry = self.registry
+        self.requests = Counter(
+            "router_requests_total",
+            "Requests answered, by route and HTTP status",
+            ["route", "status"],
+            registry=registry,
+        )
+        self.decisions = Counter(
+            "router_decisions_total",
+            "Routing decisions, by policy used and chosen prefill instance",
+            ["policy", "instance"],
+            registry=registry,
+        )
+        self.fallbacks = Counter(
+            "router_fallbacks_total",
+            "Decisions made without the conductor (least_loaded instead)",
+            ["reason"],
+            registry=registry,
+        )
+        self.retries = Counter(
+            "router_retries_total",
+            "Requests retried on another instance after an upstream failure",
+            ["instance"],
+            registry=registry,
+        )
+        self.rejections = Counter(
+            "router_rejections_total", "Requests rejected", ["reason"], registry=registry
+        )
+        self.cached_tokens = Counter(
+            "router_cached_tokens_total",
+            "Prompt tokens the chosen instances already held (per the decision)",
+            registry=registry,
+        )
+        self.prompt_tokens = Counter(
+            "router_prompt_tokens_total", "Prompt tokens routed", registry=registry
+        )
+        self.proxy_seconds = Histogram(
+            "router_overhead_seconds",
+            "Time spent in the router before the request is forwarded",
+            buckets=(0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.25),
+            registry=registry,
+        )
+        self.ttft_seconds = Histogram(
+            "router_time_to_first_token_seconds",
+            "Time from receiving the request to its first byte from upstream",
+            buckets=(0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30),
+            registry=registry,
+        )
+        self.in_flight = Gauge(
+            "router_in_flight_requests", "Requests in flight", ["instance"], registry=registry
+        )
+        self.healthy = Gauge(
+            "router_upstream_healthy",
+            "1 when the upstream is in rotation",
+            ["instance"],
+            registry=registry,
+        )

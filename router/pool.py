@@ -1,0 +1,138 @@
+"""The router's view of its engines: health and load per instance, and the prefill cost
+model it learns from observed TTFTs. Synchronous; the app's tasks feed it."""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+
+from .policy import Candidate, PrefillCostModel
+
+RETRY_AFTER_FAILURE_S = 1.0
+
+
+@dataclass(slots=True)
+class Upstream:
+    """One engine instance (prefill or decode) and the load the router put on it."""
+
+    instance_id: str
+    url: str
+    in_flight: int = 0
+    queued_prefill_tokens: int = 0
+    engine_in_flight: int = 0  # running + waiting, as the engine's /metrics last said
+    healthy: bool = True
+    failures: int = 0
+    requests: int = 0
+
+    @property
+    def load(self) -> int:
+        """In-flight requests: ours, or the engine's own count when others use it too."""
+        return max(self.in_flight, self.engine_in_flight)
+
+
+@dataclass(slots=True)
+class Ticket:
+    """One request's claim on an upstream; release exactly once, whatever happens."""
+
+    upstream: Upstream
+    prefill_tokens: int
+    prefilled: bool = False
+    released: bool = False
+
+    def first_token(self) -> None:
+        if not self.prefilled:
+            self.prefilled = True
+            self.upstream.queued_prefill_tokens -= self.prefill_tokens
+
+    def release(self) -> None:
+        if not self.released:
+            self.first_token()
+            self.released = True
+            self.upstream.in_flight -= 1
+
+
+@dataclass(slots=True)
+class CostLearner:
+    """Fits the per-token prefill cost from observed TTFTs (exponential moving average).
+
+    Only ``per_token_s`` is learned: it dominates prefill time and one scalar converges
+    from few samples; the other constants stay as configured.
+    """
+
+    model: PrefillCostModel
+    weight: float = 0.1
+    samples: int = 0
+
+    def observe(self, new_tokens: int, queued_tokens: int, ttft_s: float) -> None:
+        """A request with ``new_tokens`` to compute, sent behind ``queued_tokens``, took
+        ``ttft_s`` to its first token."""
+        work = new_tokens + queued_tokens
+        if work <= 0 or ttft_s <= self.model.overhead_s:
+            return
+        per_token = (ttft_s - self.model.overhead_s) / work
+        learned = (1 - self.weight) * self.model.per_token_s + self.weight * per_token
+        self.model = dataclasses.replace(self.model, per_token_s=learned)
+        self.samples += 1
+
+
+@dataclass
+class InstancePool:
+    prefill: dict[str, Upstream]
+    decode: dict[str, Upstream] = field(default_factory=dict)
+    _retry_at: dict[str, float] = field(default_factory=dict)
+
+    @classmethod
+    def build(
+        cls, prefill: Iterable[tuple[str, str]], decode: Iterable[tuple[str, str]] = ()
+    ) -> InstancePool:
+        return cls(
+            {name: Upstream(name, url.rstrip("/")) for name, url in prefill},
+            {name: Upstream(name, url.rstrip("/")) for name, url in decode},
+        )
+
+    def all(self) -> list[Upstream]:
+        return [*self.prefill.values(), *self.decode.values()]
+
+    def candidates(self, hits: Mapping[str, tuple[int, int, int]]) -> list[Candidate]:
+        """Healthy prefill instances with their (GPU, CPU, DISK) hit and load."""
+        return [
+            Candidate(
+                up.instance_id,
+                *hits.get(up.instance_id, (0, 0, 0)),
+                in_flight=up.load,
+                queued_prefill_tokens=up.queued_prefill_tokens,
+            )
+            for up in self.prefill.values()
+            if up.healthy
+        ]
+
+    def healthy_decode(self) -> list[Upstream]:
+        return [up for up in self.decode.values() if up.healthy]
+
+    def claim(self, upstream: Upstream, prefill_tokens: int) -> Ticket:
+        upstream.in_flight += 1
+        upstream.requests += 1
+        upstream.queued_prefill_tokens += prefill_tokens
+        return Ticket(upstream, prefill_tokens)
+
+    def mark_failed(self, upstream: Upstream, now: float | None = None) -> None:
+        """Take it out of rotation; the health prober brings it back."""
+        upstream.healthy = False
+        upstream.failures += 1
+        self._retry_at[upstream.instance_id] = (
+            time.monotonic() if now is None else now
+        ) + RETRY_AFTER_FAILURE_S
+
+    def due_for_probe(self, now: float | None = None) -> list[Upstream]:
+        now = time.monotonic() if now is None else now
+        return [
+            up
+            for up in self.all()
+            if not up.healthy and self._retry_at.get(up.instance_id, 0.0) <= now
+        ]
+
+    def mark_healthy(self, upstream: Upstream) -> None:
+        upstream.healthy = True
+        self._retry_at.pop(upstream.instance_id, None)

@@ -1,0 +1,195 @@
+"""Router pieces without sockets: config layouts, load accounting, learning, parsing."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+
+import pytest
+from pydantic import ValidationError
+
+from router import config as router_config
+from router import disagg
+from router.app import engine_in_flight
+from router.conductor_client import parse_hits
+from router.policy import PrefillCostModel
+from router.pool import CostLearner, InstancePool
+from tests.conftest import REPO
+
+
+def parse(argv: list[str]) -> argparse.Namespace:
+    parser = argparse.ArgumentParser()
+    router_config.add_cli_flags(parser)
+    return parser.parse_args(argv)
+
+
+def test_example_config_loads():
+    config = router_config.load(parse(["--config", str(REPO / "config" / "router.json")]))
+    assert [i.instance_id for i in config.prefill.instances] == ["prefill-0", "prefill-1"]
+    params = config.routing_params()
+    assert params.policy == "ttft" and params.ttft_slo_s == 30.0
+    assert params.balance_threshold == math.inf and params.block_size == 16
+
+
+def test_upstream_proxy_layout_with_hash_profile_is_accepted(tmp_path):
+    upstream = {
+        "conductor": {"address": "127.0.0.1:13333", "query_timeout_seconds": 1},
+        "prefill": {
+            "config": {
+                "modelname": "m",
+                "block_size": 64,
+                "hash_profile": {"algorithm": "sha256_cbor"},
+            },
+            "instances": [
+                {
+                    "instance_id": "p",
+                    "http_endpoint": "http://h:1",
+                    "registrations": [{"endpoint": "tcp://h:2", "dp_rank": 0}],
+                }
+            ],
+        },
+        "decode": {"instances": [{"http_endpoint": "http://h:3"}]},
+    }
+    path = tmp_path / "proxy.json"
+    path.write_text(json.dumps(upstream))
+    config = router_config.load(parse(["--config", str(path)]))
+    assert config.conductor.address == "http://127.0.0.1:13333"
+    assert config.routing.policy == "ttft"
+    assert config.decode.instances[0].http_endpoint == "http://h:3"
+
+
+def test_cli_flags_build_the_same_layout():
+    args = parse(
+        "--prefiller-hosts 127.0.0.1 127.0.0.1 --prefiller-ports 8100 8101 --modelname m "
+        "--prefiller-instance-ids a b --prefiller-registration a 0 tcp://127.0.0.1:5557 "
+        "--decoder-hosts 127.0.0.1 --decoder-ports 8200 --policy kv_cost".split()
+    )
+    config = router_config.load(args)
+    assert [i.http_endpoint for i in config.prefill.instances] == [
+        "http://127.0.0.1:8100",
+        "http://127.0.0.1:8101",
+    ]
+    assert config.prefill.instances[0].registrations[0].endpoint == "tcp://127.0.0.1:5557"
+    assert config.prefill.instances[1].registrations == []
+    assert config.routing.policy == "kv_cost"
+
+
+@pytest.mark.parametrize(
+    ("argv", "reason"),
+    [
+        (["--prefiller-hosts", "h", "--prefiller-ports", "1", "2", "--modelname", "m"], "pair"),
+        (["--modelname", "m"], "--config"),
+        (
+            [
+                "--prefiller-hosts",
+                "h",
+                "--prefiller-ports",
+                "1",
+                "--modelname",
+                "m",
+                "--prefiller-registration",
+                "ghost",
+                "0",
+                "tcp://h:1",
+            ],
+            "unknown instance",
+        ),
+    ],
+)
+def test_bad_cli_is_a_clear_error(argv, reason):
+    with pytest.raises(ValueError, match=reason):
+        router_config.load(parse(argv))
+
+
+def test_bad_routing_section_names_the_field(tmp_path):
+    path = tmp_path / "bad.json"
+    path.write_text(
+        json.dumps(
+            {
+                "prefill": {
+                    "config": {"modelname": "m", "block_size": 16},
+                    "instances": [{"instance_id": "a", "http_endpoint": "http://h:1"}],
+                },
+                "routing": {"policy": "fastest"},
+            }
+        )
+    )
+    with pytest.raises(ValidationError, match="routing.policy"):
+        router_config.load(parse(["--config", str(path)]))
+
+
+def test_tickets_account_load_exactly_once():
+    pool = InstancePool.build([("a", "http://a"), ("b", "http://b")])
+    upstream = pool.prefill["a"]
+    ticket = pool.claim(upstream, 1000)
+    assert (upstream.in_flight, upstream.queued_prefill_tokens) == (1, 1000)
+    ticket.first_token()
+    ticket.first_token()
+    assert upstream.queued_prefill_tokens == 0
+    ticket.release()
+    ticket.release()
+    assert upstream.in_flight == 0
+
+
+def test_failed_upstreams_leave_rotation_until_probed():
+    pool = InstancePool.build([("a", "http://a"), ("b", "http://b")])
+    pool.mark_failed(pool.prefill["a"], now=100.0)
+    assert [c.instance_id for c in pool.candidates({})] == ["b"]
+    assert pool.due_for_probe(now=100.5) == []
+    assert [u.instance_id for u in pool.due_for_probe(now=101.5)] == ["a"]
+    pool.mark_healthy(pool.prefill["a"])
+    assert len(pool.candidates({"a": (16, 32, 48)})) == 2
+    assert pool.candidates({"a": (16, 32, 48)})[0].disk_tokens == 48
+
+
+def test_engine_reported_load_counts_when_higher():
+    pool = InstancePool.build([("a", "http://a")])
+    pool.prefill["a"].engine_in_flight = 7
+    assert pool.candidates({})[0].in_flight == 7
+
+
+def test_cost_learner_converges_to_observed_speed():
+    learner = CostLearner(PrefillCostModel(overhead_s=0.0, per_token_s=1e-3), weight=0.3)
+    for _ in range(40):
+        learner.observe(new_tokens=1000, queued_tokens=1000, ttft_s=0.2)  # 1e-4 s/token
+    assert learner.model.per_token_s == pytest.approx(1e-4, rel=0.01)
+    learner.observe(0, 0, 1.0)  # nothing to learn from
+    assert learner.samples == 40
+
+
+def test_parse_hits_understands_both_conductor_shapes():
+    go = {"default": {"a": {"longest_matched": 48, "GPU": 16, "CPU": 32, "DISK": 48, "DP": {}}}}
+    cpp = {"instances": {"a": {"gpu": 16, "cpu": 32, "disk": 48, "longest_matched": 48}}}
+    assert parse_hits(go, "default") == parse_hits(cpp, "default") == {"a": (16, 32, 48)}
+    assert parse_hits({"other": {}}, "default") == {}
+    assert parse_hits({"default": {"a": "junk", "b": {"GPU": 4}}}, "default") == {"b": (4, 4, 4)}
+
+
+def test_engine_in_flight_from_vllm_metrics():
+    text = (
+        "# HELP vllm:num_requests_running x\n"
+        'vllm:num_requests_running{model_name="m"} 3.0\n'
+        'vllm:num_requests_waiting{model_name="m"} 2.0\n'
+        "vllm:gpu_cache_usage_perc 0.5\n"
+    )
+    assert engine_in_flight(text) == 5
+
+
+def test_disaggregation_requests():
+    body = {
+        "model": "m",
+        "prompt": "hi",
+        "stream": True,
+        "max_tokens": 50,
+        "stream_options": {"include_usage": True},
+    }
+    prefill = disagg.prefill_request(body)
+    assert prefill["max_tokens"] == 1 and prefill["stream"] is False
+    assert "stream_options" not in prefill
+    assert prefill["kv_transfer_params"]["do_remote_decode"] is True
+    params = disagg.transfer_params({"kv_transfer_params": {"remote_engine_id": "e"}})
+    decode = disagg.decode_request(body, params)
+    assert decode["kv_transfer_params"] == {"remote_engine_id": "e"}
+    assert decode["stream"] is True and decode["max_tokens"] == 50
+    assert disagg.transfer_params({"choices": []}) == {}
