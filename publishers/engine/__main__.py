@@ -1,0 +1,342 @@
+"""``mooncake-engine-sim``: a GPU-less stand-in for ``vllm serve``.
+
+Flags that exist in vLLM keep vLLM's names and meanings (``--block-size``,
+``--num-gpu-blocks-override``, ``--kv-events-config`` ...), so launch scripts and docs for a
+real fleet work with the simulator; everything only the simulator has starts with ``--sim-``.
+``PYTHONHASHSEED`` is read from the environment for the NONE_HASH seed, as vLLM does.
+
+With ``--sim-register-with URL`` the engine registers its own event stream with a conductor
+(retrying with capped backoff until the conductor answers) and unregisters on shutdown, so
+the conductor never routes to a stopped simulator's cache.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import os
+import signal
+import sys
+from dataclasses import fields
+from typing import Any, Literal
+
+import aiohttp
+import zmq
+from aiohttp import web
+from pydantic import BaseModel, ConfigDict, ValidationError
+
+from ..publisher import KVEventPublisher, binds, offset_endpoint
+from .block_hash import HASH_ALGORITHMS, BlockHasher
+from .block_manager import BlockManager
+from .scheduler import DEFAULT_MAX_NUM_SEQS, EngineLoop, Scheduler
+from .server import ServerSettings, create_app
+from .timing import TimingModel
+from .tokenizer import Tokenizer
+
+log = logging.getLogger("publishers.engine")
+
+DEFAULT_MODEL = "mooncake-sim"
+DEFAULT_MAX_MODEL_LEN = 131_072  # LLaMA-3.1-70B, the model the default timing describes
+DEFAULT_HBM_BYTES = 8 * 80e9  # 8 x A800-80GB, as the timing model's defaults
+WILDCARD_HOSTS = ("", "*", "0.0.0.0", "::")
+SHUTDOWN_SECONDS = 0.5  # per stage; SIGTERM to exit stays well under 2 s
+REGISTER_BACKOFF = (0.1, 5.0)  # first and largest delay between attempts, seconds
+_TIMING_FIELDS = [field for field in fields(TimingModel) if field.name != "time_scale"]
+
+
+class KVEventsConfig(BaseModel):
+    """vLLM's ``KVEventsConfig`` (the JSON of ``--kv-events-config``)."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+    enable_kv_cache_events: bool = False
+    publisher: Literal["null", "zmq"] | None = None  # None: "zmq" when enabled, as vLLM
+    endpoint: str = "tcp://*:5557"
+    replay_endpoint: str | None = None
+    buffer_steps: int = 10_000
+    hwm: int = 100_000
+    max_queue_size: int = 100_000  # accepted; the publisher's queue is unbounded
+    topic: str = ""
+
+    @property
+    def enabled(self) -> bool:
+        return self.enable_kv_cache_events and self.publisher != "null"
+
+
+def _timing_flag(name: str) -> tuple[str, float]:
+    """``prefill_overhead_s`` -> ``--sim-prefill-overhead-ms`` (times 1000), others as named."""
+    if name.endswith("_s"):
+        return f"--sim-{name[:-2].replace('_', '-')}-ms", 1000.0
+    return f"--sim-{name.replace('_', '-')}", 1.0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="mooncake-engine-sim",
+        description="A vLLM look-alike without GPUs: OpenAI API, prefix cache, KV events.",
+    )
+    vllm = parser.add_argument_group("vLLM flags (same names and meanings)")
+    vllm.add_argument("model", nargs="?", default=DEFAULT_MODEL, help="model name to report")
+    vllm.add_argument("--served-model-name", nargs="+", help="names the API accepts")
+    vllm.add_argument("--host", help="HTTP address (default: every interface)")
+    vllm.add_argument("--port", type=int, default=8000)
+    vllm.add_argument("--block-size", type=int, default=16)
+    vllm.add_argument("--num-gpu-blocks-override", type=int)
+    vllm.add_argument("--gpu-memory-utilization", type=float, default=0.9)
+    vllm.add_argument("--max-model-len", type=int, default=DEFAULT_MAX_MODEL_LEN)
+    vllm.add_argument("--max-num-seqs", type=int, default=DEFAULT_MAX_NUM_SEQS)
+    vllm.add_argument("--prefix-caching-hash-algo", choices=HASH_ALGORITHMS, default="sha256")
+    vllm.add_argument("--kv-events-config", type=_kv_events_config, default=KVEventsConfig())
+    vllm.add_argument("--data-parallel-rank", type=int, default=0)
+
+    sim = parser.add_argument_group("simulator flags")
+    sim.add_argument("--sim-instance-id", help="default: <advertised host>:<port>")
+    sim.add_argument("--sim-register-with", metavar="URL", help="conductor to register with")
+    sim.add_argument(
+        "--sim-advertise-host",
+        help="host peers use to reach this engine: in its registration and in the "
+        "kv_transfer_params of prefills (default: --host, or 127.0.0.1 for a wildcard)",
+    )
+    sim.add_argument(
+        "--sim-kv-bind",
+        action="store_true",
+        help="bind the event PUB socket whatever its endpoint (vLLM binds only '*', '::', "
+        "ipc and inproc endpoints and connects to any other)",
+    )
+    sim.add_argument("--sim-cpu-offload-blocks", type=int, default=0)
+    sim.add_argument(
+        "--sim-time-scale",
+        type=float,
+        default=1.0,
+        help="wall seconds per simulated second (0.01: a hundred times faster; 0: no waiting)",
+    )
+    sim.add_argument(
+        "--sim-kv-transfer-timeout",
+        type=float,
+        default=480.0,
+        help="wall seconds a prefill keeps its blocks for an absent decode side (vLLM NIXL's)",
+    )
+    sim.add_argument(
+        "--sim-hbm-bytes",
+        type=float,
+        default=DEFAULT_HBM_BYTES,
+        help="HBM of the instance, sizing the KV pool without --num-gpu-blocks-override",
+    )
+    sim.add_argument("--sim-log-level", default="INFO")
+    timing = parser.add_argument_group("timing model (TimingModel's fields)")
+    for field in _TIMING_FIELDS:
+        flag, factor = _timing_flag(field.name)
+        default = field.default * factor  # type: ignore[operator]
+        timing.add_argument(flag, type=float, default=default, help=f"default {default:g}")
+    return parser
+
+
+def _kv_events_config(text: str) -> KVEventsConfig:
+    try:
+        return KVEventsConfig.model_validate_json(text)
+    except ValidationError as error:
+        raise argparse.ArgumentTypeError(str(error)) from None
+
+
+def timing_model(args: argparse.Namespace) -> TimingModel:
+    values: dict[str, Any] = {}
+    for field in _TIMING_FIELDS:
+        flag, factor = _timing_flag(field.name)
+        value = getattr(args, flag[2:].replace("-", "_")) / factor
+        values[field.name] = int(value) if isinstance(field.default, int) else value
+    return TimingModel(**values)
+
+
+def default_num_gpu_blocks(args: argparse.Namespace, timing: TimingModel) -> int:
+    """vLLM's sizing: what HBM leaves for KV after the weights, in blocks."""
+    free = args.sim_hbm_bytes * args.gpu_memory_utilization - timing.weight_bytes
+    return max(1, int(free // (timing.kv_bytes_per_token * args.block_size)))
+
+
+def connectable(endpoint: str, host: str) -> str:
+    """A bound endpoint as peers reach it: a wildcard host becomes ``host``."""
+    scheme, _, address = endpoint.partition("://")
+    bound_host, _, port = address.rpartition(":")
+    if scheme != "tcp" or bound_host.strip("[]") not in WILDCARD_HOSTS:
+        return endpoint
+    return f"tcp://[{host}]:{port}" if ":" in host else f"tcp://{host}:{port}"
+
+
+def create_publisher(args: argparse.Namespace) -> KVEventPublisher | None:
+    config: KVEventsConfig = args.kv_events_config
+    if not config.enabled:
+        return None
+    return KVEventPublisher(
+        config.endpoint,
+        config.replay_endpoint,
+        data_parallel_rank=args.data_parallel_rank,
+        topic=config.topic,
+        buffer_steps=config.buffer_steps,
+        hwm=config.hwm,
+        bind=True if args.sim_kv_bind else None,
+    )
+
+
+async def register(session: aiohttp.ClientSession, url: str, body: dict[str, Any]) -> bool:
+    """POST /register until the conductor answers; False if it refuses (a 4xx is final)."""
+    delay, max_delay = REGISTER_BACKOFF
+    while True:
+        try:
+            async with session.post(f"{url}/register", json=body) as response:
+                if response.status == 200:
+                    log.info("registered conductor=%s endpoint=%s", url, body["endpoint"])
+                    return True
+                answer = await response.text()
+                if response.status < 500:
+                    log.error("registration refused status=%d body=%s", response.status, answer)
+                    return False
+                log.warning("registration failed status=%d body=%s", response.status, answer)
+        except (aiohttp.ClientError, TimeoutError) as error:
+            log.warning("conductor unreachable url=%s error=%r", url, error)
+        await asyncio.sleep(delay)
+        delay = min(2 * delay, max_delay)
+
+
+async def unregister(session: aiohttp.ClientSession, url: str, body: dict[str, Any]) -> None:
+    """Best effort, bounded: a conductor that is gone must not delay shutdown."""
+    try:
+        async with session.post(
+            f"{url}/unregister",
+            json={"instance_id": body["instance_id"], "dp_rank": body["dp_rank"]},
+            timeout=aiohttp.ClientTimeout(total=SHUTDOWN_SECONDS),
+        ) as response:
+            log.info("unregistered status=%d", response.status)
+    except (aiohttp.ClientError, TimeoutError) as error:
+        log.warning("unregister failed url=%s error=%r", url, error)
+
+
+async def serve(args: argparse.Namespace) -> None:
+    """Run until SIGINT/SIGTERM; then unregister, end requests, close sockets."""
+    tokenizer = Tokenizer()
+    timing = timing_model(args)
+    hasher = BlockHasher(args.prefix_caching_hash_algo, os.environ.get("PYTHONHASHSEED"))
+    blocks = BlockManager(
+        args.num_gpu_blocks_override or default_num_gpu_blocks(args, timing),
+        args.block_size,
+        num_cpu_blocks=args.sim_cpu_offload_blocks,
+        hasher=hasher,
+    )
+    scheduler = Scheduler(
+        blocks, timing, num_ordinary_tokens=tokenizer.num_ordinary, max_num_seqs=args.max_num_seqs
+    )
+    host = args.sim_advertise_host or (
+        "127.0.0.1" if args.host in (None, *WILDCARD_HOSTS) else args.host
+    )
+    names = tuple(args.served_model_name or [args.model])
+    settings = ServerSettings(
+        served_model_names=names,
+        max_model_len=args.max_model_len,
+        instance_id=args.sim_instance_id or f"{host}:{args.port}",
+        remote_host=host,
+        remote_port=args.port,
+        data_parallel_rank=args.data_parallel_rank,
+    )
+    publisher = create_publisher(args)
+    engine = EngineLoop(
+        scheduler,
+        publisher,
+        time_scale=args.sim_time_scale,
+        kv_transfer_timeout=args.sim_kv_transfer_timeout,
+    )
+    runner = web.AppRunner(
+        create_app(engine, tokenizer, settings),
+        access_log=None,
+        handler_cancellation=True,  # a client that disconnects aborts its request
+        shutdown_timeout=SHUTDOWN_SECONDS,
+    )
+    session = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=5))
+    registration: asyncio.Task[bool] | None = None
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for signum in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(signum, stop.set)
+    try:
+        await runner.setup()
+        engine.start()
+        await web.TCPSite(runner, args.host, args.port).start()
+        log.info(
+            "serving host=%s port=%d instance_id=%s gpu_blocks=%d kv_endpoint=%s",
+            args.host or "*",
+            args.port,
+            settings.instance_id,
+            blocks.num_gpu_blocks,
+            publisher.endpoint if publisher else None,
+        )
+        if args.sim_register_with and publisher is not None:
+            body = registration_body(args, settings, publisher, host)
+            registration = asyncio.create_task(register(session, args.sim_register_with, body))
+        await stop.wait()
+        log.info("shutting down")
+    finally:
+        if registration is not None:
+            registration.cancel()
+            registered = await asyncio.gather(registration, return_exceptions=True)
+            if registered == [True]:
+                await unregister(session, args.sim_register_with, body)
+        await session.close()
+        await engine.close()
+        await runner.cleanup()
+        if publisher is not None:
+            publisher.close(timeout=SHUTDOWN_SECONDS)
+
+
+def registration_body(
+    args: argparse.Namespace, settings: ServerSettings, publisher: KVEventPublisher, host: str
+) -> dict[str, Any]:
+    """The conductor's ``/register`` body for this engine's stream, as peers reach it."""
+    replay = publisher.replay_endpoint
+    return {
+        "endpoint": connectable(publisher.endpoint, host),
+        "replay_endpoint": connectable(replay, host) if replay else "",
+        "type": "vLLM",
+        "modelname": settings.served_model_names[0],
+        "instance_id": settings.instance_id,
+        "block_size": args.block_size,
+        "dp_rank": args.data_parallel_rank,
+    }
+
+
+def check(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
+    """Refuse configurations that would start but never work."""
+    config: KVEventsConfig = args.kv_events_config
+    if args.sim_register_with:
+        if not config.enabled:
+            parser.error("--sim-register-with needs --kv-events-config with events enabled")
+        endpoint = offset_endpoint(config.endpoint, args.data_parallel_rank)
+        if not (args.sim_kv_bind or binds(endpoint)):
+            parser.error(
+                f"--sim-register-with: the PUB socket connects to {endpoint} (vLLM's rule), "
+                "so a conductor cannot subscribe to it; use a '*' endpoint or --sim-kv-bind"
+            )
+    if args.sim_time_scale < 0:
+        parser.error("--sim-time-scale must be >= 0")
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    check(args, parser)
+    logging.basicConfig(
+        level=args.sim_log_level.upper(),
+        format="%(asctime)s level=%(levelname)s logger=%(name)s %(message)s",
+    )
+    try:
+        import uvloop
+    except ImportError:
+        runner = asyncio.run
+    else:
+        runner = uvloop.run
+    try:
+        runner(serve(args))
+    except (OSError, zmq.ZMQError, ValueError) as error:
+        sys.exit(f"mooncake-engine-sim: {error}")
+
+
+if __name__ == "__main__":
+    main()
