@@ -9,13 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
 import re
-import signal
-import socket
-import subprocess
-import sys
-import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -31,8 +25,8 @@ from publishers.engine.__main__ import (
     timing_model,
 )
 from publishers.engine.timing import TimingModel
-from tests.conftest import REPO, STARTUP_TIMEOUT, ConductorProcess, free_port
 from tests.support.api import eventually, get, matched, post, query
+from tests.support.processes import ConductorProcess, EngineSim, free_port
 
 MODEL = "m"
 BLOCK_SIZE = 4
@@ -45,67 +39,6 @@ LOOPBACK_EVENTS = json.dumps(
 )
 PROMPT = "The quick brown fox jumps over the lazy dog, then naps."
 TOKEN_KEYS = {"count", "max_model_len", "tokens", "token_strs"}
-
-
-class EngineSim:
-    """``python -m publishers.engine`` on 127.0.0.1, stopped with SIGTERM."""
-
-    def __init__(self, log_dir: Path, instance_id: str, *args: str) -> None:
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        self.instance_id = instance_id
-        command = [
-            sys.executable,
-            "-m",
-            "publishers.engine",
-            "--host",
-            "127.0.0.1",
-            "--port",
-            str(self.port),
-            "--served-model-name",
-            MODEL,
-            "--block-size",
-            str(BLOCK_SIZE),
-            "--sim-instance-id",
-            instance_id,
-            "--sim-time-scale",
-            "0.01",
-            *args,
-        ]
-        self.log_path = log_dir / f"engine-{instance_id}.log"
-        self._log = self.log_path.open("wb")
-        env = {**os.environ, "PYTHONPATH": str(REPO)}
-        self.process = subprocess.Popen(
-            command, cwd=REPO, env=env, stdout=self._log, stderr=subprocess.STDOUT
-        )
-
-    def wait_ready(self) -> None:
-        deadline = time.monotonic() + STARTUP_TIMEOUT
-        while time.monotonic() < deadline:
-            if self.process.poll() is not None:
-                raise RuntimeError(f"engine exited: {self.log()}")
-            try:
-                with socket.create_connection(("127.0.0.1", self.port), timeout=0.2):
-                    return
-            except OSError:
-                time.sleep(0.05)
-        raise TimeoutError("engine did not start listening")
-
-    def stop(self, timeout: float = 5.0) -> float:
-        """SIGTERM and wait; returns how long the shutdown took."""
-        started = time.monotonic()
-        if self.process.poll() is None:
-            self.process.send_signal(signal.SIGTERM)
-            try:
-                self.process.wait(timeout)
-            except subprocess.TimeoutExpired:
-                self.process.kill()
-                self.process.wait(timeout)
-        self._log.close()
-        return time.monotonic() - started
-
-    def log(self) -> str:
-        return self.log_path.read_text(errors="replace")
 
 
 @pytest.fixture
@@ -292,8 +225,7 @@ async def test_the_engine_registers_itself_retrying_and_unregisters_on_shutdown(
         f"http://127.0.0.1:{port}",
     )
     await eventually(lambda: read_log(engine), lambda log: "unreachable" in log)
-    conductor = ConductorProcess(tmp_path, "--port", str(port))  # the last --port wins
-    conductor.port, conductor.url = port, f"http://127.0.0.1:{port}"
+    conductor = ConductorProcess(tmp_path, port=port)
     try:
         conductor.wait_ready()
         entry = await wait_subscribed(http, conductor, "sim-late")
