@@ -25,6 +25,7 @@ from .config import (
 from .index import PrefixCacheTable
 from .manager import RegistrationConflict, RegistrationFailed, ServiceManager
 from .metrics import ConductorMetrics
+from .runtime import configure_logging, run
 
 log = logging.getLogger("conductor")
 SHUTDOWN_GRACE_SECONDS = 1.5
@@ -97,18 +98,9 @@ def main(argv: list[str] | None = None) -> None:
     except (ConfigError, ValidationError) as error:
         message = one_line(error) if isinstance(error, ValidationError) else str(error)
         sys.exit(f"mooncake-conductor: invalid configuration: {message}")
-    logging.basicConfig(
-        level=settings.log_level,
-        format="%(asctime)s level=%(levelname)s logger=%(name)s %(message)s",
-    )
+    configure_logging(settings.log_level)
     try:
-        import uvloop
-    except ImportError:
-        runner = asyncio.run
-    else:
-        runner = uvloop.run
-    try:
-        runner(serve(settings, config))
+        run(serve(settings, config))
     except (RegistrationConflict, RegistrationFailed) as error:
         sys.exit(f"mooncake-conductor: invalid configuration: {error}")
     except OSError as error:

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import logging
 import os
 import sys
 
@@ -11,6 +10,7 @@ from aiohttp import web
 from pydantic import ValidationError
 
 from conductor.config import one_line
+from conductor.runtime import configure_logging, new_event_loop
 
 from . import config as router_config
 from .app import Router, create_app
@@ -29,16 +29,7 @@ def main(argv: list[str] | None = None) -> None:
     except (OSError, ValueError) as error:
         reason = one_line(error) if isinstance(error, ValidationError) else str(error)
         sys.exit(f"mooncake-router: invalid configuration: {reason}")
-    logging.basicConfig(
-        level=args.log_level.upper(),
-        format="%(asctime)s level=%(levelname)s logger=%(name)s %(message)s",
-    )
-    try:
-        import uvloop
-    except ImportError:
-        loop = None
-    else:
-        loop = uvloop.new_event_loop()
+    configure_logging(args.log_level)
     web.run_app(
         create_app(Router(config, args.max_body_bytes)),
         host=args.host,
@@ -46,7 +37,7 @@ def main(argv: list[str] | None = None) -> None:
         access_log=None,
         handler_cancellation=True,  # a client that goes away cancels its upstream request
         shutdown_timeout=1.5,
-        loop=loop,
+        loop=new_event_loop(),
         print=None,
     )
 

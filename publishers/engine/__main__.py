@@ -26,6 +26,8 @@ import zmq
 from aiohttp import web
 from pydantic import BaseModel, ConfigDict, ValidationError
 
+from conductor.runtime import configure_logging, run
+
 from ..publisher import KVEventPublisher, binds, offset_endpoint
 from .block_hash import HASH_ALGORITHMS, BlockHasher
 from .block_manager import BlockManager
@@ -322,18 +324,9 @@ def main(argv: list[str] | None = None) -> None:
     parser = build_parser()
     args = parser.parse_args(argv)
     check(args, parser)
-    logging.basicConfig(
-        level=args.sim_log_level.upper(),
-        format="%(asctime)s level=%(levelname)s logger=%(name)s %(message)s",
-    )
+    configure_logging(args.sim_log_level.upper())
     try:
-        import uvloop
-    except ImportError:
-        runner = asyncio.run
-    else:
-        runner = uvloop.run
-    try:
-        runner(serve(args))
+        run(serve(args))
     except (OSError, zmq.ZMQError, ValueError) as error:
         sys.exit(f"mooncake-engine-sim: {error}")
 
