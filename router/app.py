@@ -35,7 +35,6 @@ FORWARDED_HEADERS = ("Authorization", "X-Request-Id")
 HOP_BY_HOP = {"content-length", "transfer-encoding", "connection", "keep-alive", "content-encoding"}
 PROBE_INTERVAL_S = 0.5
 METRICS_REFRESH_S = 2.0
-REREGISTER_INTERVAL_S = 15.0
 UPSTREAM_TIMEOUT = aiohttp.ClientTimeout(total=None, sock_connect=2.0)
 SERVICE_KEY = web.AppKey("router", "Router")
 
@@ -79,7 +78,8 @@ class Router:
             ),
         )
         self.metrics = RouterMetrics()
-        self._turn = itertools.count()
+        self._turn = itertools.count()  # rotates ties between equally good instances
+        self._tokenizer_turn = itertools.count()  # spreads /tokenize calls
         self._rng = random.Random()
         self._sessions: dict[str, aiohttp.ClientSession] = {}
         self._control: aiohttp.ClientSession | None = None
@@ -151,7 +151,7 @@ class Router:
         """Re-register periodically (idempotent) so a restarted conductor relearns us."""
         assert self.conductor is not None
         while True:
-            await asyncio.sleep(REREGISTER_INTERVAL_S)
+            await asyncio.sleep(self.config.conductor.reregister_interval_seconds)
             try:
                 await self.conductor.register(self.config.prefill.instances)
             except RuntimeError as error:
@@ -179,6 +179,8 @@ class Router:
                         raise ApiError(
                             response.status, _upstream_message(detail), "BadRequestError"
                         )
+            except aiohttp.ClientConnectionError:
+                self._failed(upstream)
             except (aiohttp.ClientError, TimeoutError):
                 continue
         return None
@@ -187,7 +189,7 @@ class Router:
         healthy = [u for u in upstreams if u.healthy]
         if not healthy:
             return []
-        start = next(self._turn) % len(healthy)
+        start = next(self._tokenizer_turn) % len(healthy)
         return healthy[start:] + healthy[:start]
 
     async def decide(self, path: str, body: dict[str, Any], exclude: set[str]) -> Routed:
@@ -216,6 +218,11 @@ class Router:
         decision = choose(params, candidates, next(self._turn), len(tokens or ()), self._rng)
         return Routed(decision, len(tokens or ()), fallback)
 
+    def _failed(self, upstream: Upstream) -> None:
+        """Out of rotation until the prober sees it healthy again."""
+        self.pool.mark_failed(upstream)
+        self.metrics.healthy.labels(upstream.instance_id).set(0)
+
     # -- handlers ------------------------------------------------------------------------
     async def completions(self, request: web.Request) -> web.StreamResponse:
         started = time.perf_counter()
@@ -234,8 +241,7 @@ class Router:
             except UpstreamFailed as error:
                 log.warning("upstream failed instance=%s: %s", upstream.instance_id, error)
                 failed.add(upstream.instance_id)
-                self.pool.mark_failed(upstream)
-                self.metrics.healthy.labels(upstream.instance_id).set(0)
+                self._failed(upstream)
                 self.metrics.retries.labels(upstream.instance_id).inc()
         raise ApiError(502, "every prefill instance failed", "BadGatewayError")
 

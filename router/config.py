@@ -22,6 +22,8 @@ class ConductorSection(_Section):
     address: str = "http://127.0.0.1:13333"
     query_timeout_seconds: float = Field(default=0.2, gt=0)
     registration_timeout_seconds: float = Field(default=10.0, gt=0)
+    # ours: re-register (idempotent) this often, so a restarted conductor relearns the fleet
+    reregister_interval_seconds: float = Field(default=15.0, gt=0)
 
     @field_validator("address")
     @classmethod

@@ -123,6 +123,7 @@ class EngineSim(ServiceProcess):
         model: str = "m",
         block_size: int = 4,
         time_scale: float = 0.01,
+        port: int | None = None,
     ) -> None:
         self.instance_id = instance_id
         super().__init__(
@@ -137,4 +138,16 @@ class EngineSim(ServiceProcess):
             "--sim-time-scale",
             str(time_scale),
             *args,
+            port=port,
         )
+
+
+class RouterProcess(ServiceProcess):
+    """``mooncake-router`` with a config file written from ``config``."""
+
+    module = "router"
+
+    def __init__(self, tmp_path: Path, config: dict[str, Any], *args: str) -> None:
+        config_path = tmp_path / f"router-{free_port()}.json"
+        config_path.write_text(json.dumps(config))
+        super().__init__(tmp_path, "router", "--config", str(config_path), *args)

@@ -1,0 +1,354 @@
+"""The router as a process in front of real engine simulators and a real conductor."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import re
+from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import pytest
+from aiohttp import web
+
+from tests.support.api import eventually
+from tests.support.processes import ConductorProcess, EngineSim, RouterProcess, free_port
+
+MODEL = "m"
+BLOCK_SIZE = 4
+SHARED = "Answer as a careful assistant who explains every step in plain words. " * 3
+
+
+class Fleet:
+    """A conductor, engine simulators whose event streams the router registers, a router."""
+
+    def __init__(self, tmp_path: Path) -> None:
+        self.tmp_path = tmp_path
+        self.conductor = ConductorProcess(tmp_path)
+        self.engines: dict[str, EngineSim] = {}
+        self.kv_ports: dict[str, tuple[int, int]] = {}
+        self.router: RouterProcess | None = None
+
+    def engine(self, name: str, *args: str, time_scale: float = 0.05) -> EngineSim:
+        pub, replay = self.kv_ports.setdefault(name, (free_port(), free_port()))
+        events = {
+            "enable_kv_cache_events": True,
+            "endpoint": f"tcp://127.0.0.1:{pub}",
+            "replay_endpoint": f"tcp://127.0.0.1:{replay}",
+        }
+        engine = EngineSim(
+            self.tmp_path,
+            name,
+            "--kv-events-config",
+            json.dumps(events),
+            "--sim-kv-bind",
+            "--num-gpu-blocks-override",
+            "512",
+            *args,
+            time_scale=time_scale,
+            port=self.engines[name].port if name in self.engines else None,
+        )
+        self.engines[name] = engine
+        return engine
+
+    def config(self, prefill: list[str], decode: list[str] = (), **routing: Any) -> dict:
+        def registration(name: str) -> dict[str, Any]:
+            pub, replay = self.kv_ports[name]
+            endpoint, replay_endpoint = f"tcp://127.0.0.1:{pub}", f"tcp://127.0.0.1:{replay}"
+            return {"endpoint": endpoint, "replay_endpoint": replay_endpoint, "dp_rank": 0}
+
+        return {
+            "conductor": {
+                "address": self.conductor.url,
+                "query_timeout_seconds": 0.5,
+                "reregister_interval_seconds": 0.5,
+            },
+            "prefill": {
+                "config": {"modelname": MODEL, "block_size": BLOCK_SIZE},
+                "instances": [
+                    {
+                        "instance_id": name,
+                        "http_endpoint": self.engines[name].url,
+                        "registrations": [registration(name)],
+                    }
+                    for name in prefill
+                ],
+            },
+            "decode": {
+                "instances": [
+                    {"instance_id": name, "http_endpoint": self.engines[name].url}
+                    for name in decode
+                ]
+            },
+            "routing": routing,
+        }
+
+    def start_router(self, config: dict[str, Any], *args: str) -> RouterProcess:
+        for process in (self.conductor, *self.engines.values()):
+            process.wait_ready()
+        self.router = RouterProcess(self.tmp_path, config, *args)
+        self.router.wait_ready()
+        return self.router
+
+    def stop(self) -> None:
+        for process in (self.router, *self.engines.values(), self.conductor):
+            if process is not None:
+                process.stop()
+
+
+@pytest.fixture
+def fleet(tmp_path: Path) -> Iterator[Fleet]:
+    fleet = Fleet(tmp_path)
+    yield fleet
+    fleet.stop()
+
+
+async def complete(
+    http: aiohttp.ClientSession, router: RouterProcess, prompt: str, **body: Any
+) -> tuple[int, dict[str, str], Any]:
+    request = {"model": MODEL, "prompt": prompt, "max_tokens": 4, **body}
+    async with http.post(f"{router.url}/v1/completions", json=request) as response:
+        return response.status, dict(response.headers), await response.json(content_type=None)
+
+
+async def indexed_everywhere(http: aiohttp.ClientSession, fleet: Fleet, names: list[str]) -> None:
+    """Until the conductor lists every engine (its streams registered and connected)."""
+
+    async def services() -> list[dict[str, Any]]:
+        async with http.get(f"{fleet.conductor.url}/services") as response:
+            return (await response.json())["services"]
+
+    await eventually(
+        services,
+        lambda found: (
+            sorted(s["InstanceID"] for s in found if s["State"] == "connected") == sorted(names)
+        ),
+    )
+    await asyncio.sleep(0.2)
+
+
+async def router_metric(http: aiohttp.ClientSession, router: RouterProcess, name: str) -> float:
+    async with http.get(f"{router.url}/metrics") as response:
+        text = await response.text()
+    pattern = re.compile(rf"^{re.escape(name)}(?:{{[^}}]*}})? (\S+)$", re.MULTILINE)
+    return sum(float(value) for value in pattern.findall(text))
+
+
+async def test_routing_follows_the_cache(fleet, http):
+    for name in ("a", "b", "c"):
+        fleet.engine(name)
+    router = fleet.start_router(fleet.config(["a", "b", "c"]))
+    await indexed_everywhere(http, fleet, ["a", "b", "c"])
+    status, headers, first = await complete(http, router, SHARED + "First question?")
+    assert status == 200, first
+    owner = headers["x-conductor-prefill-instance"]
+    assert headers["x-conductor-policy"] == "ttft"
+    assert headers["x-conductor-cached-tokens"] == "0"
+
+    async def second() -> dict[str, str]:
+        return (await complete(http, router, SHARED + "Second question?"))[1]
+
+    headers = await eventually(second, lambda h: int(h["x-conductor-cached-tokens"]) > 0)
+    assert headers["x-conductor-prefill-instance"] == owner
+    assert int(headers["x-conductor-cached-tokens"]) >= len(SHARED) // 8
+
+
+async def test_a_burst_spreads_over_instances(fleet, http):
+    for name in ("a", "b"):
+        fleet.engine(name, time_scale=1.0)
+    router = fleet.start_router(fleet.config(["a", "b"]))
+    await indexed_everywhere(http, fleet, ["a", "b"])
+    prompts = [f"{SHARED} Question {i}: " + "detail " * 60 for i in range(8)]
+    answers = await asyncio.gather(*(complete(http, router, p, max_tokens=8) for p in prompts))
+    chosen = {headers["x-conductor-prefill-instance"] for _, headers, _ in answers}
+    assert all(status == 200 for status, _, _ in answers)
+    assert chosen == {"a", "b"}
+
+
+async def test_streaming_passes_through_intact(fleet, http):
+    fleet.engine("a")
+    router = fleet.start_router(fleet.config(["a"]))
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "Tell me a story."}]}
+    body["max_tokens"] = 12
+    async with http.post(f"{router.url}/v1/chat/completions", json=body) as response:
+        whole = await response.json()
+    async with http.post(
+        f"{router.url}/v1/chat/completions", json={**body, "stream": True}
+    ) as response:
+        assert response.headers["content-type"].startswith("text/event-stream")
+        assert response.headers["x-conductor-prefill-instance"] == "a"
+        raw = await response.text()
+    events = [line.removeprefix("data: ") for line in raw.split("\n\n") if line]
+    assert events[-1] == "[DONE]"
+    chunks = [json.loads(event) for event in events[:-1]]
+    text = "".join(c["choices"][0]["delta"].get("content", "") for c in chunks if c["choices"])
+    assert text == whole["choices"][0]["message"]["content"]
+
+
+async def test_disaggregated_flow_hands_kv_transfer_params_to_decode(fleet, http):
+    fleet.engine("prefill")
+    fleet.engine("decode")
+    router = fleet.start_router(fleet.config(["prefill"], decode=["decode"]))
+    status, headers, answer = await complete(http, router, SHARED, max_tokens=6)
+    assert status == 200, answer
+    assert headers["x-conductor-prefill-instance"] == "prefill"
+    assert headers["x-conductor-decode-instance"] == "decode"
+    assert answer["usage"]["completion_tokens"] == 6
+
+    async def held() -> float:
+        async with http.get(f"{fleet.engines['prefill'].url}/metrics") as response:
+            text = await response.text()
+        return float(re.search(r"^sim_kv_transfer_held_requests\S* (\S+)$", text, re.M).group(1))
+
+    await eventually(held, lambda n: n == 0)  # the decode side pulled the KV and released it
+
+
+async def test_conductor_down_falls_back_then_recovers(fleet, http):
+    for name in ("a", "b"):
+        fleet.engine(name)
+    router = fleet.start_router(fleet.config(["a", "b"]))
+    await indexed_everywhere(http, fleet, ["a", "b"])
+    await complete(http, router, SHARED + "warm up")
+    fleet.conductor.kill()
+    status, headers, _ = await complete(http, router, SHARED + "while the conductor is down")
+    assert status == 200
+    assert headers["x-conductor-policy"] == "least_loaded"
+    assert headers["x-conductor-fallback"] == "conductor_unavailable"
+    assert await router_metric(http, router, "router_fallbacks_total") >= 1
+
+    fleet.conductor = ConductorProcess(fleet.tmp_path, port=fleet.conductor.port)
+    fleet.conductor.wait_ready()
+    await indexed_everywhere(http, fleet, ["a", "b"])  # the router re-registered them
+
+    async def routed() -> dict[str, str]:
+        return (await complete(http, router, SHARED + "after recovery"))[1]
+
+    headers = await eventually(routed, lambda h: int(h["x-conductor-cached-tokens"]) > 0)
+    assert headers["x-conductor-policy"] == "ttft" and "x-conductor-fallback" not in headers
+
+
+async def test_dead_engine_is_retried_elsewhere_and_probed_back(fleet, http):
+    for name in ("a", "b"):
+        fleet.engine(name)
+    router = fleet.start_router(fleet.config(["a", "b"], policy="round_robin"))
+    fleet.engines["a"].kill()
+    answers = [await complete(http, router, f"question {i}") for i in range(4)]
+    assert all(status == 200 for status, _, _ in answers)
+    assert {h["x-conductor-prefill-instance"] for _, h, _ in answers} == {"b"}
+    assert await router_metric(http, router, 'router_upstream_healthy{instance="a"}') == 0
+
+    fleet.engine("a").wait_ready()  # back on the same port
+
+    async def chosen() -> set[str]:
+        answers = [await complete(http, router, f"again {i}") for i in range(2)]
+        return {h["x-conductor-prefill-instance"] for _, h, _ in answers}
+
+    await eventually(chosen, lambda names: names == {"a", "b"})
+
+
+@pytest.fixture
+async def broken_engine() -> AsyncIterator[str]:
+    """A real HTTP upstream that tokenizes and looks healthy but fails every completion with
+    a 500, as an engine with a crashed worker does."""
+
+    async def tokenize(request: web.Request) -> web.Response:
+        return web.json_response({"count": 3, "max_model_len": 4096, "tokens": [1, 2, 3]})
+
+    async def fail(request: web.Request) -> web.Response:
+        return web.json_response({"error": {"message": "worker died"}}, status=500)
+
+    app = web.Application()
+    app.add_routes([web.post("/tokenize", tokenize), web.post("/v1/completions", fail)])
+    runner = web.AppRunner(app)
+    await runner.setup()
+    port = free_port()
+    await web.TCPSite(runner, "127.0.0.1", port).start()
+    yield f"http://127.0.0.1:{port}"
+    await runner.cleanup()
+
+
+async def test_upstream_error_is_retried_on_the_next_instance(fleet, http, broken_engine):
+    fleet.engine("a")
+    config = fleet.config(["a"], policy="round_robin")
+    config["prefill"]["instances"].insert(
+        0, {"instance_id": "broken", "http_endpoint": broken_engine}
+    )
+    router = fleet.start_router(config)
+    answers = [await complete(http, router, f"question {i}") for i in range(2)]
+    assert [status for status, _, _ in answers] == [200, 200]
+    assert {h["x-conductor-prefill-instance"] for _, h, _ in answers} == {"a"}
+    assert await router_metric(http, router, "router_retries_total") == 1
+    assert await router_metric(http, router, 'router_upstream_healthy{instance="broken"}') == 0
+
+
+async def test_client_disconnect_cancels_the_upstream_request(fleet, http):
+    engine = fleet.engine("a", time_scale=1.0)
+    router = fleet.start_router(fleet.config(["a"]))
+    body = {"model": MODEL, "prompt": "go on and on", "max_tokens": 2000, "stream": True}
+    async with http.post(f"{router.url}/v1/completions", json=body) as response:
+        await response.content.readline()  # the first token arrived: it is running
+
+    async def running() -> float:
+        async with http.get(f"{engine.url}/metrics") as response:
+            text = await response.text()
+        return float(re.search(r"^vllm:num_requests_running\S* (\S+)$", text, re.M).group(1))
+
+    await eventually(running, lambda n: n == 0, timeout=5.0)
+
+
+BAD_REQUESTS = [
+    (b"{not json", 400, "not valid JSON"),
+    (b"[1, 2]", 400, "JSON object"),
+    (json.dumps({"model": "other", "prompt": "x"}).encode(), 404, "does not exist"),
+    (json.dumps({"model": MODEL, "prompt": "x", "stream": "yes"}).encode(), 400, "stream"),
+    (json.dumps({"prompt": "x"}).encode(), 400, "model"),
+    (json.dumps({"model": MODEL, "prompt": ""}).encode(), 400, ""),
+]
+
+
+async def test_bad_requests_get_openai_errors(fleet, http):
+    fleet.engine("a")
+    router = fleet.start_router(fleet.config(["a"]))
+    headers = {"Content-Type": "application/json"}
+    for body, status, message in BAD_REQUESTS:
+        async with http.post(
+            f"{router.url}/v1/completions", data=body, headers=headers
+        ) as response:
+            assert response.status == status, body
+            error = (await response.json())["error"]
+        assert message in error["message"] and error["code"] == status, body
+
+
+async def test_oversized_slo_and_no_upstream_statuses(fleet, http):
+    fleet.engine("a")
+    router = fleet.start_router(fleet.config(["a"], ttft_slo_ms=0.001), "--max-body-bytes", "2000")
+    status, _, answer = await complete(http, router, "x" * 5000)
+    assert status == 413 and answer["error"]["type"] == "RequestTooLargeError"
+    status, _, answer = await complete(http, router, "short")
+    assert status == 429 and "SLO" in answer["error"]["message"]
+    fleet.engines["a"].kill()
+    status, _, answer = await complete(http, router, "short")
+    assert status in (502, 503), answer
+    status, _, answer = await complete(http, router, "short")
+    assert status == 503 and "no healthy" in answer["error"]["message"]
+    assert await router_metric(http, router, "router_rejections_total") >= 2
+
+
+async def test_models_health_and_metrics(fleet, http):
+    fleet.engine("a")
+    router = fleet.start_router(fleet.config(["a"]))
+    async with http.get(f"{router.url}/v1/models") as response:
+        assert [m["id"] for m in (await response.json())["data"]] == [MODEL]
+    async with http.get(f"{router.url}/health") as response:
+        health = await response.json()
+    assert health == {
+        "status": "ok",
+        "prefill_instances": ["a"],
+        "decode_instances": [],
+        "policy": "ttft",
+    }
+    await complete(http, router, "count me")
+    assert await router_metric(http, router, "router_decisions_total") == 1
+    assert await router_metric(http, router, "router_overhead_seconds_count") == 1
