@@ -261,6 +261,7 @@ class Router:
             "x-conductor-prefill-instance": prefill.instance_id,
             "x-conductor-cached-tokens": str(decision.cached_tokens),
             "x-conductor-policy": decision.policy,
+            "x-conductor-overhead-ms": f"{(time.perf_counter() - started) * 1000:.3f}",
         }
         if routed.fallback:
             headers["x-conductor-fallback"] = routed.fallback
@@ -301,7 +302,9 @@ class Router:
             ticket.release()
             self.metrics.in_flight.labels(prefill.instance_id).dec()
 
-    def _observe(self, new_tokens: int, queued_tokens: int, ttft_s: float) -> None:
+    def _observe(self, new_tokens: int, queued_tokens: int, ttft_s: float | None) -> None:
+        if ttft_s is None:
+            return
         self.metrics.ttft_seconds.observe(ttft_s)
         if self.learner is not None:
             self.learner.observe(new_tokens, queued_tokens, ttft_s)
@@ -355,7 +358,7 @@ class Router:
                     first = False
                     ticket.first_token()
                     if learn is not None:
-                        self._observe(*learn, time.perf_counter() - started)
+                        self._observe(*learn, _ttft(upstream_response, body, started))
                     await response.prepare(request)
                 await response.write(chunk)
             if first:
@@ -388,6 +391,16 @@ class Router:
         response = web.Response(body=generate_latest(self.metrics.registry))
         response.content_type = CONTENT_TYPE_LATEST.split(";")[0]
         return response
+
+
+def _ttft(response: aiohttp.ClientResponse, body: dict[str, Any], started: float) -> float | None:
+    """The engine's own TTFT when it reports one; else, for a stream, the first byte's time
+    (a whole non-streamed answer says nothing about its first token)."""
+    reported = response.headers.get("x-engine-ttft-ms")
+    if reported is not None:
+        with contextlib.suppress(ValueError):
+            return float(reported) / 1000
+    return time.perf_counter() - started if body.get("stream") else None
 
 
 async def _chunks(response: aiohttp.ClientResponse) -> AsyncIterator[bytes]:

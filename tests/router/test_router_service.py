@@ -146,6 +146,7 @@ async def test_routing_follows_the_cache(fleet, http):
     owner = headers["x-conductor-prefill-instance"]
     assert headers["x-conductor-policy"] == "ttft"
     assert headers["x-conductor-cached-tokens"] == "0"
+    assert 0 < float(headers["x-conductor-overhead-ms"]) < 1000
 
     async def second() -> dict[str, str]:
         return (await complete(http, router, SHARED + "Second question?"))[1]
