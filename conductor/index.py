@@ -86,12 +86,18 @@ class InstanceMatch:
 class _Holdings:
     """The blocks one slot holds on one tier, keyed by the engine's own hash."""
 
-    __slots__ = ("by_engine_hash", "extra_refs")
+    __slots__ = ("by_engine_hash", "copies", "extra_refs")
 
     def __init__(self) -> None:
         self.by_engine_hash: dict[int, int] = {}
+        # engine hash -> how many *more* physical copies the owner holds (vLLM caches and
+        # announces a block again when two requests computed it; each copy is evicted alone)
+        self.copies: dict[int, int] = {}
         # prefix hash -> how many *more* engine hashes of this owner map to it
         self.extra_refs: dict[int, int] = {}
+
+    def count(self) -> int:
+        return len(self.by_engine_hash) + sum(self.copies.values())
 
 
 class _Slot:
@@ -141,7 +147,7 @@ class PrefixContext:
     def hold(
         self, slot: _Slot, tier: Tier, engine_hashes: list[int], prefix_hashes: list[int]
     ) -> int:
-        """Record that ``slot`` holds these blocks on ``tier``; returns how many are new.
+        """Record that ``slot`` holds these blocks on ``tier``; returns how many were stored.
 
         The ingestion hot path: one call per stored event, locals bound once.
         """
@@ -151,10 +157,11 @@ class PrefixContext:
         bit = slot.bit
         added = 0
         for engine_hash, prefix_hash in zip(engine_hashes, prefix_hashes, strict=False):
+            added += 1
             if engine_hash in by_engine_hash:
+                holdings.copies[engine_hash] = holdings.copies.get(engine_hash, 0) + 1
                 continue
             by_engine_hash[engine_hash] = prefix_hash
-            added += 1
             mask = blocks.get(prefix_hash)
             if mask is None:
                 blocks[prefix_hash] = bit
@@ -166,6 +173,13 @@ class PrefixContext:
 
     def release(self, slot: _Slot, tier: Tier, engine_hash: int) -> bool:
         holdings = slot.holdings[tier]
+        copies = holdings.copies.get(engine_hash)
+        if copies:  # another copy of the same block stays cached
+            if copies == 1:
+                del holdings.copies[engine_hash]
+            else:
+                holdings.copies[engine_hash] = copies - 1
+            return True
         prefix_hash = holdings.by_engine_hash.pop(engine_hash, None)
         if prefix_hash is None:
             return False
@@ -192,10 +206,11 @@ class PrefixContext:
         held = 0
         for tier in TIERS:
             holdings = slot.holdings[tier]
-            held += len(holdings.by_engine_hash)
+            held += holdings.count()
             for prefix_hash in set(holdings.by_engine_hash.values()):
                 self._unset(tier, prefix_hash, slot.bit)
             holdings.by_engine_hash.clear()
+            holdings.copies.clear()
             holdings.extra_refs.clear()
         return held
 
@@ -319,7 +334,7 @@ class PrefixCacheTable:
             if slot.streams:
                 dropped += context.clear_slot(slot)
             else:
-                dropped += sum(len(h.by_engine_hash) for h in slot.holdings)
+                dropped += sum(h.count() for h in slot.holdings)
                 context.drop_slot(slot)
             if context.is_empty():
                 del self.contexts[context_key]

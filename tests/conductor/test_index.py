@@ -202,7 +202,8 @@ def test_go_store_scenario_with_fixes(table: PrefixCacheTable) -> None:
         assert engine_map(context)[engine_hash] == final[engine_hash]
 
     stats = step(2)
-    assert stats.blocks_stored == 1  # 101 again is idempotent, only 104 is new
+    # 101 again is a second copy (vLLM announces a block each time it caches one), 104 is new
+    assert stats.blocks_stored == 2
     fixed_104 = chain_hashes(final[101], steps[2]["token_ids"][BS:], BS)[0]
     assert engine_map(context)[104] == fixed_104 != final[104]
     assert engine_map(context)[101] == final[101]
@@ -630,25 +631,29 @@ def test_removed_parent_makes_an_orphan(table: PrefixCacheTable) -> None:
     assert stats.orphaned == 1
 
 
-def test_restoring_known_blocks_is_idempotent_and_advances_the_chain(
+def test_restoring_known_blocks_counts_copies_and_advances_the_chain(
     table: PrefixCacheTable,
 ) -> None:
-    """Go's stale-parent bug: a new block after known ones must chain from the last known."""
+    """Go's stale-parent bug: a new block after known ones must chain from the last known.
+    A block stored again is a second physical copy (vLLM announces each one and evicts each
+    one alone), so it stays indexed until every copy is removed."""
     register(table, src("a"))
     table.apply("a|default|0", batch(stored([10, 11], prompt(2))))
     context = table.contexts[ctx()]
     before = (dict(engine_map(context)), context.block_counts())
     stats = table.apply("a|default|0", batch(stored([10, 11], prompt(2))))
-    assert stats.blocks_stored == 0
+    assert stats.blocks_stored == 2
     assert (engine_map(context), context.block_counts()) == before
 
     stats = table.apply("a|default|0", batch(stored([10, 11, 12], prompt(3))))
-    assert stats.blocks_stored == 1
+    assert stats.blocks_stored == 3
     assert engine_map(context)[12] == prefix_hashes(prompt(3), BS)[2]
     assert query(table, prompt(3)) == {"a": (12, 12, 12)}
-    # one removal is enough even though the block was reported stored twice
-    table.apply("a|default|0", batch(removed([11])))
-    assert query(table, prompt(3)) == {"a": (4, 4, 4)}
+    # block 11 was stored three times: it goes only with its third removal
+    for removals in range(1, 4):
+        table.apply("a|default|0", batch(removed([11])))
+        expected = (12, 12, 12) if removals < 3 else (4, 4, 4)
+        assert query(table, prompt(3)) == {"a": expected}
     check_invariants(table)
 
 
@@ -852,6 +857,15 @@ class ReferenceModel:
     registered: set[str] = field(default_factory=set)
     ranks: set[tuple[str, int]] = field(default_factory=set)
     held: dict[tuple[str, int, Tier], dict[int, Prefix]] = field(default_factory=dict)
+    copies: Counter[tuple[str, int, Tier, int]] = field(default_factory=Counter)
+
+    def hold(self, key: tuple[str, int, Tier], engine_hash: int, prefix: Prefix) -> None:
+        """A block stored again is one more copy of it."""
+        holdings = self.held.setdefault(key, {})
+        if engine_hash in holdings:
+            self.copies[(*key, engine_hash)] += 1
+        else:
+            holdings[engine_hash] = prefix
 
     def all_held(self) -> dict[int, Prefix]:
         merged: dict[int, Prefix] = {}
@@ -884,21 +898,19 @@ class ReferenceModel:
         if parent_hash is not None and parent_hash not in self.all_held():
             return False
         self.ranks.add((instance, rank))
-        holdings = self.held.setdefault((instance, rank, tier), {})
         for engine_hash, prefix in blocks:
-            holdings.setdefault(engine_hash, prefix)
+            self.hold((instance, rank, tier), engine_hash, prefix)
         return True
 
     def store_tokenless(
         self, instance: str, rank: int, tier: Tier, engine_hashes: list[int]
     ) -> int:
         known = self.all_held()
-        holdings = self.held.setdefault((instance, rank, tier), {})
         placed = 0
         for engine_hash in engine_hashes:
             if engine_hash not in known:
                 break
-            holdings.setdefault(engine_hash, known[engine_hash])
+            self.hold((instance, rank, tier), engine_hash, known[engine_hash])
             placed += 1
         if placed:
             self.ranks.add((instance, rank))
@@ -909,12 +921,17 @@ class ReferenceModel:
         for each in Tier if tier is None else (tier,):
             holdings = self.held.get((instance, rank, each), {})
             for engine_hash in engine_hashes:
-                holdings.pop(engine_hash, None)
+                if self.copies[(instance, rank, each, engine_hash)] > 0:
+                    self.copies[(instance, rank, each, engine_hash)] -= 1
+                else:
+                    holdings.pop(engine_hash, None)
 
     def clear(self, instance: str, rank: int | None) -> None:
         for (i, r, _), holdings in self.held.items():
             if i == instance and (rank is None or r == rank):
                 holdings.clear()
+        for key in [k for k in self.copies if k[0] == instance and rank in (None, k[1])]:
+            del self.copies[key]
 
     def register(self, instance: str) -> None:
         self.registered.add(instance)
