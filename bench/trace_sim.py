@@ -1,0 +1,691 @@
+"""Trace replay: the Mooncake FAST'25 traces through the router's policies, in process.
+
+A discrete-event simulation on a virtual clock (a heap of events; no sockets, no sleeping)
+of N prefill instances behind the router, wired exactly as in production:
+
+    engine BlockManager --take_events()--> EventBatch --apply()--> conductor PrefixCacheTable
+    router: match_tokens() -> InstancePool.candidates() -> policy.choose() -> claim()
+
+Everything that decides a hit or a route is the project's own code: ``BlockManager`` (vLLM
+0.33's caching decisions and events), ``PrefixCacheTable`` (the conductor's index and its
+``/query`` answer), ``router.pool`` (the proxy's load accounting) and ``router.policy``
+(the policies). This module adds only what production gets from the outside world: the
+clock, the request stream, and the time an engine spends on a prefill (``TimingModel``).
+
+What an instance models (a disaggregated *prefill* instance, as in Mooncake):
+- one prefill at a time, FIFO. A prefill is compute-bound, so batching several prompts
+  into one step would not finish the first one sooner; decode runs elsewhere, so it
+  neither delays prefills nor holds blocks here;
+- a prefill's blocks are allocated (and announced) when it starts, as vLLM caches a prompt
+  at scheduling time, and freed when it ends (its KV has gone to the decode instance);
+- its duration: ``kv_load_seconds`` for every reused token not already on its GPU (its
+  CPU tier, the optional shared store, or a peer's GPU when the ttft policy chose to pull
+  the peer's longer prefix: ``ttft-global``), then ``prefill_seconds`` for the rest after
+  the cached prefix — loading and computing are not overlapped, transfers not congested;
+- the request's first token, and so its TTFT, is the end of its prefill. The router learns
+  it at once: ``Ticket.first_token()`` and ``release()`` (the prefill request is done).
+Events reach the conductor the instant they happen (no network delay), so the router
+always sees the engines' current caches; queueing at the router is not modelled. By
+default every instance has served the trace's first request before the replay starts
+(``warm_start``): a fleet in service holds its system prompt.
+
+Run ``python bench/trace_sim.py --help``; README "Trace replay" has results and caveats.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import heapq
+import json
+import math
+import random
+import sys
+import time
+from collections import OrderedDict, deque
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+
+if __package__ in (None, ""):  # run as a script: make the repository importable
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from conductor.index import ContextKey, PrefixCacheTable, StreamSource
+from conductor.wire.events import BlockRemoved, BlockStored, Event, EventBatch, Tier
+from publishers.engine.block_manager import Allocation, BlockManager
+from publishers.engine.timing import TimingModel
+from router.policy import (
+    POLICIES,
+    Candidate,
+    Decision,
+    PrefillCostModel,
+    RoutingParams,
+    SloViolation,
+    choose,
+)
+from router.pool import InstancePool, Ticket
+
+TRACE_BLOCK_SIZE = 512  # tokens per hash_id in the Mooncake traces
+TRACES_DIR = Path(__file__).resolve().parent / "traces"
+SIM_POLICIES = ("random", *POLICIES)  # random: the paper's baseline, not a router policy
+TENANT, MODEL = "default", "trace-model"
+STORE_INSTANCE = "mooncake-store"
+DEFAULT_SLOS_S = (30.0, 5.0)  # the paper's TTFT threshold; a tighter, interactive one
+
+
+# -- the trace ---------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class TraceRequest:
+    index: int
+    arrival_s: float
+    input_length: int
+    output_length: int
+    hash_ids: tuple[int, ...]
+
+
+def trace_path(name_or_path: str) -> Path:
+    """``conversation`` / ``synthetic`` name the copies in bench/traces; else a path."""
+    candidate = TRACES_DIR / f"{name_or_path}_trace.jsonl"
+    return candidate if candidate.exists() else Path(name_or_path)
+
+
+def load_trace(
+    path: Path | str, limit: int | None = None, time_scale: float = 1.0
+) -> list[TraceRequest]:
+    """The first ``limit`` requests; arrivals in seconds, multiplied by ``time_scale``
+    (``0.5`` replays the trace twice as fast, i.e. at twice its load)."""
+    requests = []
+    with open(path, encoding="utf-8") as lines:
+        for index, line in enumerate(lines):
+            if limit is not None and index >= limit:
+                break
+            row = json.loads(line)
+            requests.append(
+                TraceRequest(
+                    index,
+                    row["timestamp"] / 1000.0 * time_scale,
+                    row["input_length"],
+                    row["output_length"],
+                    tuple(row["hash_ids"]),
+                )
+            )
+    return requests
+
+
+def block_tokens(hash_id: int) -> list[int]:
+    """The 512 tokens a hash_id stands for: a pure function of the id.
+
+    SHAKE-128 of the id, one byte per token: equal ids give equal blocks, distinct ids
+    collide with negligible probability (512 random bytes). Byte-sized token ids are
+    Python's shared small ints, which matters: every cached block keeps its tokens in the
+    engines' BlockManager, and 16-bit tokens made one full run hold 3.7 GB.
+    """
+    return list(hashlib.shake_128(hash_id.to_bytes(8, "little")).digest(TRACE_BLOCK_SIZE))
+
+
+def prompt_tokens(request: TraceRequest) -> list[int]:
+    """The request's prompt: its ids' blocks in order, the last one cut to the remainder.
+
+    Always 512 tokens per id, the trace's unit; the engines' block size may differ (a
+    divisor of 512 keeps the trace's sharing exact)."""
+    tokens: list[int] = []
+    for hash_id in request.hash_ids:
+        tokens += block_tokens(hash_id)
+    del tokens[request.input_length :]
+    return tokens
+
+
+def distinct_blocks(requests: Iterable[TraceRequest]) -> int:
+    return len({hash_id for request in requests for hash_id in request.hash_ids})
+
+
+def unbounded_block_hit_ratio(requests: Iterable[TraceRequest]) -> float:
+    """Blocks seen before / blocks requested: the trace's ideal reuse (the issue's figure).
+
+    Partial last blocks count as blocks here, as the trace counts them.
+    """
+    seen: set[int] = set()
+    hits = total = 0
+    for request in requests:
+        hits += sum(1 for hash_id in request.hash_ids if hash_id in seen)
+        total += len(request.hash_ids)
+        seen.update(request.hash_ids)
+    return hits / total if total else 0.0
+
+
+def unbounded_token_hits(
+    requests: Iterable[TraceRequest], block_size: int = TRACE_BLOCK_SIZE
+) -> tuple[int, int]:
+    """(reused, input) tokens of one never-evicting cache under the engine's own rules:
+    only complete blocks are cached, and at least the prompt's last token is recomputed
+    (vLLM caps a hit at ``len - 1`` tokens). Set arithmetic, so it runs in a second; the
+    test checks it against a BlockManager that never evicts."""
+    cached: set[int] = set()
+    reused = total = 0
+    for request in requests:
+        hit_limit = (request.input_length - 1) // block_size
+        hits = 0
+        while hits < hit_limit and request.hash_ids[hits] in cached:
+            hits += 1
+        reused += hits * block_size
+        total += request.input_length
+        cached.update(request.hash_ids[: request.input_length // block_size])
+    return reused, total
+
+
+# -- the router's cost model -------------------------------------------------------------
+
+
+def cost_model_from_timing(timing: TimingModel) -> PrefillCostModel:
+    """The router's PrefillCostModel that matches ``timing`` exactly.
+
+    TimingModel prefill = overhead + l·(a·((n+p)² − p²)·d + b·n·d²) / (G·mfu), and
+    (n+p)² − p² = n·(n + 2p), which is PrefillCostModel's shape: per_token = l·b·d²/(G·mfu),
+    attention = l·a·d/(G·mfu). Loading cached KV (CPU tier, store, a peer) costs
+    kv_bytes_per_token / B per token. All scaled by ``time_scale``.
+    """
+    flops_per_s = timing.gpu_flops * timing.mfu
+    scale = timing.time_scale
+    load_per_token = timing.kv_load_seconds(1)  # already scaled
+    return PrefillCostModel(
+        overhead_s=timing.prefill_overhead_s * scale,
+        per_token_s=timing.num_layers
+        * timing.linear_coef
+        * timing.hidden_size**2
+        / flops_per_s
+        * scale,
+        attention_s=timing.num_layers
+        * timing.attention_coef
+        * timing.hidden_size
+        / flops_per_s
+        * scale,
+        cpu_load_per_token_s=load_per_token,
+        disk_load_per_token_s=load_per_token,
+        transfer_per_token_s=load_per_token,
+    )
+
+
+# -- configuration -----------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class SimConfig:
+    """One simulated fleet. ``gpu_blocks`` None: ~1/N of the trace's distinct blocks each."""
+
+    num_instances: int = 8
+    block_size: int = TRACE_BLOCK_SIZE
+    gpu_blocks: int | None = None
+    cpu_blocks: int = 0  # per instance: BlockManager's CPU offload tier
+    store_blocks: int = 0  # one shared Mooncake-store tier for all instances (0: none)
+    timing: TimingModel = TimingModel()
+    routing: RoutingParams = RoutingParams()  # policy, block_size and cost are set per run
+    global_balance_threshold: float = 1.5  # the ttft-global variant's balance_threshold
+    seed: int = 0
+    queue_seconds: bool = False  # what-if: the router queues estimated seconds, not tokens
+    warm_start: bool = True  # every cache has served the trace's first request at t < 0
+    verify: bool = False  # check the index against the block manager at every allocation
+
+    def gpu_blocks_for(self, requests: Sequence[TraceRequest]) -> int:
+        """The per-instance GPU pool; never smaller than the longest prompt needs.
+
+        Default: the trace's distinct tokens (512 per hash_id) over N, so the pooled
+        reference (N pools in one) holds every block the trace ever uses."""
+        longest = max((-(-r.input_length // self.block_size) for r in requests), default=1)
+        distinct_tokens = distinct_blocks(requests) * TRACE_BLOCK_SIZE
+        share = math.ceil(distinct_tokens / self.block_size / self.num_instances)
+        return max(self.gpu_blocks or share, longest + 1)
+
+
+# -- the engine side ---------------------------------------------------------------------
+
+
+@dataclass(slots=True)
+class Job:
+    """A routed request waiting for, or in, its prefill."""
+
+    request: TraceRequest
+    tokens: list[int]
+    ticket: Ticket
+    pull_from: str | None = None  # the peer whose prefix the ttft policy chose to pull
+    cached_tokens: int = 0
+
+
+@dataclass(slots=True)
+class PrefillInstance:
+    """One engine: its KV cache, its FIFO of prefills and what it did."""
+
+    name: str
+    blocks: BlockManager
+    source: StreamSource
+    waiting: deque[Job] = field(default_factory=deque)
+    busy: bool = False
+    requests: int = 0
+    computed_tokens: int = 0
+    busy_s: float = 0.0
+
+
+class SharedStore:
+    """A Mooncake-store tier shared by all instances: an LRU of engine block hashes.
+
+    Instances save every complete block of a finished prefill and load, after their own
+    GPU/CPU hit, the consecutive blocks the store holds. Its events (medium CPU) go to the
+    conductor as a shared pool, so every instance's CPU answer includes them.
+    """
+
+    def __init__(self, capacity_blocks: int, block_size: int) -> None:
+        self.capacity = capacity_blocks
+        self.block_size = block_size
+        self._blocks: OrderedDict[int, None] = OrderedDict()
+
+    def continuation(self, block_hashes: Sequence[int], start: int, stop: int) -> int:
+        """How many of ``block_hashes[start:stop]`` it holds in a row (and touches them)."""
+        count = 0
+        for block_hash in block_hashes[start:stop]:
+            if block_hash not in self._blocks:
+                break
+            self._blocks.move_to_end(block_hash)
+            count += 1
+        return count
+
+    def put(self, block_hashes: Sequence[int], tokens: Sequence[int]) -> list[Event]:
+        """Save a prompt's complete blocks; one BlockStored per run of new blocks."""
+        events: list[Event] = []
+        size = self.block_size
+        run_start = None
+        for index, block_hash in enumerate([*block_hashes, None]):
+            if block_hash is not None and block_hash not in self._blocks:
+                if len(self._blocks) >= self.capacity:
+                    victim, _ = self._blocks.popitem(last=False)
+                    events.append(BlockRemoved([victim], Tier.CPU))
+                self._blocks[block_hash] = None
+                run_start = index if run_start is None else run_start
+                continue
+            if run_start is not None:
+                events.append(
+                    BlockStored(
+                        block_hashes=list(block_hashes[run_start:index]),
+                        parent_hash=block_hashes[run_start - 1] if run_start else None,
+                        token_ids=list(tokens[run_start * size : index * size]),
+                        block_size=size,
+                        tier=Tier.CPU,
+                    )
+                )
+                run_start = None
+            if block_hash is not None:
+                self._blocks.move_to_end(block_hash)
+        return events
+
+
+# -- results -----------------------------------------------------------------------------
+
+
+@dataclass(slots=True)
+class RunResult:
+    """What one policy (or reference) did with the trace."""
+
+    policy: str
+    input_tokens: int = 0
+    reused_tokens: int = 0
+    ttfts: list[float] = field(default_factory=list)
+    rejected: int = 0
+    instance_tokens: list[int] = field(default_factory=list)  # computed prefill tokens
+    instance_busy_s: list[float] = field(default_factory=list)
+    mismatches: list[str] = field(default_factory=list)  # verify mode: index != engine
+    wall_s: float = 0.0
+
+    @property
+    def hit_ratio(self) -> float:
+        return self.reused_tokens / self.input_tokens if self.input_tokens else 0.0
+
+
+# -- the simulation ----------------------------------------------------------------------
+
+_FINISH, _ARRIVAL = 0, 1  # at equal times a finishing prefill frees its load first
+
+
+class TraceSimulation:
+    """One policy over one trace on a fresh fleet, conductor table and router pool."""
+
+    def __init__(self, requests: Sequence[TraceRequest], config: SimConfig, policy: str):
+        if policy not in SIM_POLICIES:
+            raise ValueError(f"unknown policy {policy!r}; choose from {SIM_POLICIES}")
+        self.requests = requests
+        self.config = config
+        self.policy = policy
+        size = config.block_size
+        self.params = replace(
+            config.routing,
+            policy=policy,
+            block_size=size,
+            cost=cost_model_from_timing(config.timing),
+        )
+        self.rng = random.Random(config.seed)
+        self.result = RunResult(policy)
+        self.now = 0.0
+        self._heap: list[tuple[float, int, int, object]] = []
+        self._sequence = 0
+        self._turn = 0
+        self.table = PrefixCacheTable()
+        self.context = ContextKey(TENANT, MODEL, "", size)
+        gpu_blocks = config.gpu_blocks_for(requests)
+        self.instances = self._fleet(gpu_blocks)
+        self.pool = InstancePool.build((name, f"sim://{name}") for name in self.instances)
+        self.store: SharedStore | None = None
+        if config.store_blocks:  # never smaller than a pool: a prompt it saves stays whole
+            self.store = SharedStore(max(config.store_blocks, gpu_blocks), size)
+            self.store_source = StreamSource(
+                f"{STORE_INSTANCE}|{TENANT}|0", STORE_INSTANCE, TENANT, MODEL, "", size,
+                shared_pool=True,
+            )  # fmt: skip
+            self.table.add_stream(self.store_source)
+
+    def _fleet(self, gpu_blocks: int) -> dict[str, PrefillInstance]:
+        """The instances, registered with the conductor (and warmed up, if configured)."""
+        config, size = self.config, self.config.block_size
+        instances = {}
+        for index in range(config.num_instances):
+            name = f"prefill-{index}"
+            instance = PrefillInstance(
+                name,
+                BlockManager(gpu_blocks, size, num_cpu_blocks=config.cpu_blocks),
+                StreamSource(f"{name}|{TENANT}|0", name, TENANT, MODEL, "", size),
+            )
+            self.table.add_stream(instance.source)
+            if config.warm_start and self.requests:
+                warm_up(instance.blocks, self.requests[0])
+                self._publish(instance.source.key, [w.event for w in instance.blocks.take_events()])
+            instances[name] = instance
+        return instances
+
+    # -- driver ------------------------------------------------------------------------
+
+    def run(self) -> RunResult:
+        started = time.perf_counter()
+        for request in self.requests:
+            self._push(request.arrival_s, _ARRIVAL, request)
+        while self._heap:
+            self.now, kind, _, payload = heapq.heappop(self._heap)
+            if kind == _ARRIVAL:
+                self._arrive(payload)
+            else:
+                self._finish(*payload)
+        result = self.result
+        result.instance_tokens = [i.computed_tokens for i in self.instances.values()]
+        result.instance_busy_s = [i.busy_s for i in self.instances.values()]
+        result.wall_s = time.perf_counter() - started
+        return result
+
+    def _push(self, at: float, kind: int, payload: object) -> None:
+        self._sequence += 1
+        heapq.heappush(self._heap, (at, kind, self._sequence, payload))
+
+    # -- router ------------------------------------------------------------------------
+
+    def hits(self, tokens: Sequence[int]) -> dict[str, tuple[int, int, int]]:
+        """The conductor's /query answer for a prompt: (GPU, CPU, DISK) tokens per instance."""
+        matches = self.table.match_tokens(self.context, tokens) or {}
+        return {name: (m.gpu, m.cpu, m.disk) for name, m in matches.items()}
+
+    def route(self, candidates: Sequence[Candidate], prompt_length: int) -> Decision:
+        self._turn += 1
+        if self.policy == "random":
+            chosen = self.rng.choice(candidates)
+            return Decision(chosen.instance_id, "random", chosen.gpu_tokens)
+        return choose(self.params, candidates, self._turn, prompt_length, self.rng)
+
+    def _arrive(self, request: TraceRequest) -> None:
+        tokens = prompt_tokens(request)
+        candidates = self.pool.candidates(self.hits(tokens))
+        try:
+            decision = self.route(candidates, len(tokens))
+        except SloViolation:
+            self.result.rejected += 1
+            return
+        upstream = self.pool.prefill[decision.instance_id]
+        ticket = self.pool.claim(upstream, self._queued_work(decision, len(tokens)))
+        instance = self.instances[decision.instance_id]
+        instance.waiting.append(
+            Job(request, tokens, ticket, self._pull_source(decision, candidates))
+        )
+        if not instance.busy:
+            self._start(instance)
+
+    def _queued_work(self, decision: Decision, prompt_length: int) -> int:
+        """What the router adds to the instance's ``queued_prefill_tokens``: the tokens it
+        expects to be computed, as the proxy does. With ``queue_seconds`` (a what-if, see
+        the README) it adds the estimated prefill time in per-token units instead, so the
+        ttft policy's ``per_token_s × queued`` sums queued prefill *times*, as Algorithm 1
+        does."""
+        cached = min(decision.cached_tokens, prompt_length)
+        if not self.config.queue_seconds:
+            return prompt_length - cached
+        cost = self.params.cost
+        return round(cost.prefill_s(prompt_length - cached, cached) / cost.per_token_s)
+
+    @staticmethod
+    def _pull_source(decision: Decision, candidates: Sequence[Candidate]) -> str | None:
+        """The peer to pull the prefix from, when the ttft policy counted on more cached
+        tokens than the chosen instance can reach itself (Mooncake's KV-cache balancing,
+        ``RoutingParams.balance_threshold``): the instance with the longest match."""
+        chosen = next(c for c in candidates if c.instance_id == decision.instance_id)
+        if decision.cached_tokens <= chosen.disk_tokens:
+            return None
+        return max(candidates, key=lambda c: c.disk_tokens).instance_id
+
+    # -- engine ------------------------------------------------------------------------
+
+    def _start(self, instance: PrefillInstance) -> None:
+        job = instance.waiting.popleft()
+        request_id = str(job.request.index)
+        expected = self._indexed_hit(instance, job) if self.config.verify else None
+        allocation = instance.blocks.allocate(request_id, job.tokens)
+        if allocation is None:  # cannot happen: one prefill at a time and a large enough pool
+            raise RuntimeError(f"{instance.name} has no room for request {request_id}")
+        self._publish(instance.source.key, [wire.event for wire in instance.blocks.take_events()])
+        if expected is not None:
+            self._check(instance, job, allocation, expected)
+        cached = allocation.num_cached_tokens + self._store_hit(job, allocation)
+        if job.pull_from is not None:
+            cached = max(cached, self._peer_hit(job))
+        job.cached_tokens = cached
+        # Everything cached but the GPU hit crosses a link at B: the CPU tier, the store, a
+        # peer (the timing model has one bandwidth for all three, as the cost model).
+        loaded = cached - (allocation.num_cached_tokens - allocation.num_cpu_loaded_tokens)
+        new_tokens = len(job.tokens) - cached
+        timing = self.config.timing
+        duration = timing.kv_load_seconds(loaded) + timing.prefill_seconds(new_tokens, cached)
+        instance.busy = True
+        instance.requests += 1
+        instance.computed_tokens += new_tokens
+        instance.busy_s += duration
+        self._push(self.now + duration, _FINISH, (instance, job, allocation))
+
+    def _store_hit(self, job: Job, allocation: Allocation) -> int:
+        """Tokens loaded from the shared store right after the instance's own hit."""
+        if self.store is None:
+            return 0
+        size = self.config.block_size
+        start = allocation.num_cached_tokens // size
+        stop = (len(job.tokens) - 1) // size  # the engine recomputes at least one token
+        return self.store.continuation(allocation.block_hashes, start, stop) * size
+
+    def _peer_hit(self, job: Job) -> int:
+        """What the peer holds of the prompt now (it may have evicted since the decision),
+        capped as the engine caps a hit."""
+        peer = job.pull_from
+        match = (self.table.match_tokens(self.context, job.tokens, instance_id=peer) or {}).get(
+            peer
+        )
+        return min(match.disk, self._hit_limit(job)) if match else 0
+
+    def _hit_limit(self, job: Job) -> int:
+        """The most an engine reuses of a prompt: complete blocks, the last token excluded."""
+        size = self.config.block_size
+        return (len(job.tokens) - 1) // size * size
+
+    def _finish(self, instance: PrefillInstance, job: Job, allocation: Allocation) -> None:
+        request = job.request
+        ttft = self.now - request.arrival_s
+        result = self.result
+        result.ttfts.append(ttft)
+        result.input_tokens += request.input_length
+        result.reused_tokens += job.cached_tokens
+        if self.store is not None:  # saved while the blocks are still held: parents known
+            self._publish(
+                self.store_source.key, self.store.put(allocation.block_hashes, job.tokens)
+            )
+        instance.blocks.free(str(request.index))
+        job.ticket.release()  # first token out: the prefill request is done
+        instance.busy = False
+        if instance.waiting:
+            self._start(instance)
+
+    def _publish(self, stream_key: str, events: list[Event]) -> None:
+        if events:
+            self.table.apply(stream_key, EventBatch(self.now, events))
+
+    # -- verification --------------------------------------------------------------------
+
+    def _indexed_hit(self, instance: PrefillInstance, job: Job) -> tuple[int, int]:
+        """What the conductor says this instance holds of the prompt, capped as the engine
+        caps a hit (the last token is always recomputed): (GPU, GPU + own CPU) tokens."""
+        match = self.table.match_tokens(self.context, job.tokens, instance_id=instance.name)
+        found = (match or {}).get(instance.name)
+        if found is None:
+            return 0, 0
+        return min(found.gpu, self._hit_limit(job)), min(found.cpu, self._hit_limit(job))
+
+    def _check(
+        self,
+        instance: PrefillInstance,
+        job: Job,
+        allocation: Allocation,
+        expected: tuple[int, int],
+    ) -> None:
+        gpu_hit = allocation.num_cached_tokens - allocation.num_cpu_loaded_tokens
+        actual = (gpu_hit, allocation.num_cached_tokens)
+        compared = 2 if self.store is None else 1  # the store adds shared CPU hits
+        if actual[:compared] != expected[:compared]:
+            self.result.mismatches.append(
+                f"t={self.now:.3f} {instance.name} request {job.request.index}: "
+                f"engine hit {actual}, conductor {expected}"
+            )
+
+
+def warm_up(blocks: BlockManager, request: TraceRequest) -> None:
+    """Serve ``request`` before the replay starts (not measured).
+
+    A fleet in service already holds its application's system prompt. Starting cold, the
+    first instance to cache a block every prompt shares (the conversation trace's block 0)
+    is, for max_prefix, the longest match of every later request: it would get them all.
+    """
+    blocks.allocate("warm-up", prompt_tokens(request))
+    blocks.free("warm-up")
+
+
+# -- references --------------------------------------------------------------------------
+
+
+def pooled_reference(requests: Sequence[TraceRequest], config: SimConfig) -> RunResult:
+    """One LRU cache with the fleet's total GPU capacity, load ignored: every request runs
+    alone, in arrival order, on the same BlockManager. No placement of the same blocks over
+    N separate caches can reuse more (short of LRU anomalies): the hit-ratio ceiling."""
+    started = time.perf_counter()
+    blocks = BlockManager(
+        config.gpu_blocks_for(requests) * config.num_instances,
+        config.block_size,
+        num_cpu_blocks=config.cpu_blocks * config.num_instances,
+    )
+    result = RunResult("pooled")
+    if config.warm_start and requests:
+        warm_up(blocks, requests[0])
+    for request in requests:
+        allocation = blocks.allocate(str(request.index), prompt_tokens(request))
+        assert allocation is not None  # nothing else holds blocks
+        blocks.free(str(request.index))
+        blocks.take_events()
+        result.input_tokens += request.input_length
+        result.reused_tokens += allocation.num_cached_tokens
+    result.wall_s = time.perf_counter() - started
+    return result
+
+
+GLOBAL_VARIANT = "ttft-global"
+RUNS = ("random", "round_robin", "least_loaded", "max_prefix", "kv_cost", "ttft", GLOBAL_VARIANT)
+
+
+def simulate(requests: Sequence[TraceRequest], config: SimConfig, name: str) -> RunResult:
+    """One run: a policy of SIM_POLICIES, ``pooled`` (the pooled-cache reference) or
+    ``ttft-global``: the ttft policy with Mooncake's KV-cache balancing, i.e. allowed to
+    pull a peer's prefix (``balance_threshold = config.global_balance_threshold``)."""
+    if name == "pooled":
+        return pooled_reference(requests, config)
+    if name == GLOBAL_VARIANT:
+        routing = replace(config.routing, balance_threshold=config.global_balance_threshold)
+        result = TraceSimulation(requests, replace(config, routing=routing), "ttft").run()
+        result.policy = GLOBAL_VARIANT
+        return result
+    return TraceSimulation(requests, config, name).run()
+
+
+# -- summaries ---------------------------------------------------------------------------
+
+
+def percentile(sorted_values: Sequence[float], q: float) -> float:
+    """Linear interpolation between closest ranks (numpy's default), q in [0, 100]."""
+    if not sorted_values:
+        return math.nan
+    position = (len(sorted_values) - 1) * q / 100
+    low = math.floor(position)
+    high = min(low + 1, len(sorted_values) - 1)
+    return sorted_values[low] + (sorted_values[high] - sorted_values[low]) * (position - low)
+
+
+def imbalance(values: Sequence[float]) -> float:
+    """max / mean over instances: 1.0 is perfectly even."""
+    mean = sum(values) / len(values) if values else 0.0
+    return max(values) / mean if mean else math.nan
+
+
+def summarize(result: RunResult, slos_s: Sequence[float] = DEFAULT_SLOS_S) -> dict[str, object]:
+    """The JSON-ready figures of one run; the TTFT CDF as 101 quantiles.
+
+    SLO attainment counts rejected requests as misses.
+    """
+    ttfts = sorted(result.ttfts)
+    served = len(ttfts)
+    summary: dict[str, object] = {
+        "policy": result.policy,
+        "hit_ratio": result.hit_ratio,
+        "input_tokens": result.input_tokens,
+        "reused_tokens": result.reused_tokens,
+        "wall_s": result.wall_s,
+    }
+    if not served and not result.rejected:  # a reference: no timing
+        return summary
+    offered = served + result.rejected
+    return summary | {
+        "served": served,
+        "rejected": result.rejected,
+        "ttft_mean_s": sum(ttfts) / served if served else math.nan,
+        "ttft_p50_s": percentile(ttfts, 50),
+        "ttft_p90_s": percentile(ttfts, 90),
+        "ttft_p99_s": percentile(ttfts, 99),
+        "ttft_max_s": ttfts[-1] if ttfts else math.nan,
+        "slo_attainment": {
+            f"{slo:g}": sum(1 for ttft in ttfts if ttft <= slo) / offered for slo in slos_s
+        },
+        "imbalance_tokens": imbalance(result.instance_tokens),
+        "imbalance_busy": imbalance(result.instance_busy_s),
+        "instance_tokens": result.instance_tokens,
+        "instance_busy_s": result.instance_busy_s,
+        "ttft_quantiles_s": [percentile(ttfts, q) for q in range(101)],
+        "mismatches": result.mismatches[:20],
+    }
+
+
+if __name__ == "__main__":
+    from bench.trace_report import main
+
+    sys.exit(main())
