@@ -91,7 +91,11 @@ class Router:
         self._control = aiohttp.ClientSession()
         for upstream in self.pool.all():  # one pooled session (connection pool) per upstream
             self._sessions[upstream.instance_id] = aiohttp.ClientSession(
-                upstream.url, timeout=UPSTREAM_TIMEOUT
+                upstream.url,
+                timeout=UPSTREAM_TIMEOUT,
+                # no cap: a capped pool queues requests (and /tokenize) inside the router,
+                # where neither the engine's load nor the TTFT estimate can see them
+                connector=aiohttp.TCPConnector(limit=0),
             )
             self.metrics.healthy.labels(upstream.instance_id).set(1)
         self.conductor = ConductorClient(

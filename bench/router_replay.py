@@ -1,0 +1,753 @@
+"""Trace replay through the real stack: router, conductor and engine simulators as processes.
+
+``bench/trace_sim.py`` answers "which policy routes best?" in a discrete-event simulation
+that calls the project's code in process. This benchmark answers the question the
+simulation cannot: does the *deployed* stack — ``python -m router`` in front of ``python -m
+conductor`` and E ``python -m publishers.engine`` simulators, talking HTTP and ZMQ on
+127.0.0.1 — get the same hits and TTFTs, and what does the router itself cost?
+
+For each policy it starts a fresh fleet (conductor, engines, router: no cache, index, load
+accounting or learned cost model carries over from the previous policy), warms every engine
+with the trace's first request (as trace_sim's default ``warm_start``), then sends the
+first N requests at their trace arrival times divided by ``--speedup`` through the router,
+prompts as token ids, streaming. The engines run ``--sim-time-scale 1/speedup``, so their
+model clock and the compressed arrivals agree: TTFTs are read on the model clock
+(``x-engine-ttft-ms``) and are comparable with the trace's own seconds.
+
+Run ``python bench/router_replay.py --help``; bench/README.md "Router replay" has results.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import math
+import os
+import platform
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from collections import Counter
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+
+if __package__ in (None, ""):  # run as a script: make the repository importable
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from bench.trace_sim import (
+    DEFAULT_SLOS_S,
+    MODEL,
+    SimConfig,
+    TraceRequest,
+    imbalance,
+    load_trace,
+    percentile,
+    pooled_reference,
+    prompt_tokens,
+    trace_path,
+    unbounded_token_hits,
+)
+from publishers.engine.timing import TimingModel
+from router.policy import POLICIES
+
+REPO = Path(__file__).resolve().parent.parent
+RESULTS_DIR = REPO / "bench" / "results"
+HOST = "127.0.0.1"  # every process binds loopback only
+ENGINE_BLOCK_SIZE = 16  # a 512-token trace block is 32 engine blocks
+MAX_TOKENS_CAP = 4  # decode is not what routing decides; a few tokens keep the run fast
+DEFAULT_POLICIES = ("ttft", "max_prefix", "least_loaded", "round_robin")
+DEFAULT_SPEEDUP = 10.0
+QUICK = {"requests": 60, "engines": 2, "policies": "ttft,round_robin", "speedup": 20.0}
+STARTUP_TIMEOUT_S = 30.0
+WARM_UP_TIMEOUT_S = 30.0
+REQUEST_TIMEOUT_S = 900.0  # wall; an overloaded engine queues for a long time, not forever
+STOP_TIMEOUT_S = 5.0
+DEFAULT_CONCURRENCY = 1024  # above any slice's in-flight peak: arrivals stay open-loop
+LATE_WARNING_S = 0.5  # wall; a client this late no longer replays the trace's arrivals
+
+
+# -- setup -------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class ReplaySetup:
+    """Everything a run depends on, fixed before the first process starts."""
+
+    trace: str
+    requests: list[TraceRequest]  # arrivals already divided by ``speedup`` (wall seconds)
+    engines: int
+    policies: tuple[str, ...]
+    speedup: float
+    gpu_blocks: int  # per engine
+    max_model_len: int
+    concurrency: int
+    slos_s: tuple[float, ...]
+    reject_slo_ms: float | None
+    engine_speed: float  # GPU FLOPs relative to TimingModel's default engine
+
+    @property
+    def timing(self) -> TimingModel:
+        return replace(TimingModel(), gpu_flops=TimingModel().gpu_flops * self.engine_speed)
+
+    @property
+    def time_scale(self) -> float:
+        """The engines' ``--sim-time-scale``: wall seconds per model second."""
+        return 1.0 / self.speedup
+
+
+def max_tokens(request: TraceRequest) -> int:
+    return max(1, min(request.output_length, MAX_TOKENS_CAP))
+
+
+def build_setup(args: argparse.Namespace) -> ReplaySetup:
+    """The slice, and the engines' pool: ~1/E of the slice's distinct tokens each (the
+    fleet together could hold every block once, so where a prefix lives decides hits)."""
+    requests = load_trace(trace_path(args.trace), args.requests, time_scale=1 / args.speedup)
+    sizing = SimConfig(num_instances=args.engines, block_size=ENGINE_BLOCK_SIZE)
+    return ReplaySetup(
+        trace=args.trace,
+        requests=requests,
+        engines=args.engines,
+        policies=tuple(p for p in args.policies.split(",") if p),
+        speedup=args.speedup,
+        gpu_blocks=sizing.gpu_blocks_for(requests),
+        max_model_len=max(r.input_length + max_tokens(r) for r in requests),
+        concurrency=args.concurrency,
+        slos_s=tuple(args.slo_s),
+        reject_slo_ms=args.reject_slo_ms,
+        engine_speed=args.engine_speed,
+    )
+
+
+def describe(setup: ReplaySetup) -> dict[str, Any]:
+    """The setup's figures for the JSON, with the references a policy is measured against:
+    the ideal hit ratio of one never-evicting cache, the hit ratio of one LRU pool of the
+    whole fleet's size (trace_sim's ``pooled`` ceiling) and the offered load."""
+    requests = setup.requests
+    reused, total = unbounded_token_hits(requests)
+    pooled = pooled_reference(
+        requests, SimConfig(num_instances=setup.engines, block_size=ENGINE_BLOCK_SIZE)
+    )
+    span_s = (requests[-1].arrival_s - requests[0].arrival_s) * setup.speedup
+    timing = setup.timing
+    work_s = sum(timing.prefill_seconds(r.input_length) for r in requests)
+    return {
+        "trace": setup.trace,
+        "requests": len(requests),
+        "engines": setup.engines,
+        "engine_speed": setup.engine_speed,
+        "policies": list(setup.policies),
+        "speedup": setup.speedup,
+        "engine_time_scale": setup.time_scale,
+        "engine_block_size": ENGINE_BLOCK_SIZE,
+        "gpu_blocks_per_engine": setup.gpu_blocks,
+        "max_model_len": setup.max_model_len,
+        "max_tokens_cap": MAX_TOKENS_CAP,
+        "client_concurrency": setup.concurrency,
+        "trace_span_s": span_s,
+        "offered_load_uncached": work_s / (setup.engines * span_s) if span_s else math.nan,
+        "ideal_hit_ratio": reused / total if total else 0.0,
+        "pooled_hit_ratio": pooled.hit_ratio,
+        "slos_s": list(setup.slos_s),
+        "reject_slo_ms": setup.reject_slo_ms,
+    }
+
+
+# -- processes ---------------------------------------------------------------------------
+
+
+class StopSignals:
+    """SIGTERM and SIGINT unwind the stack (SystemExit), so every fleet's ``finally`` stops
+    its processes. While a child is being started and recorded the exit waits: raised
+    between ``Popen`` and the bookkeeping, it would orphan that child."""
+
+    def __init__(self) -> None:
+        self._deferring = False
+        self._pending: int | None = None
+
+    def install(self) -> None:
+        for signum in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(signum, self._handle)
+
+    def _handle(self, signum: int, frame: object) -> None:
+        if self._deferring:
+            self._pending = signum
+            return
+        raise SystemExit(128 + signum)
+
+    @contextlib.contextmanager
+    def deferred(self) -> Iterator[None]:
+        self._deferring = True
+        try:
+            yield
+        finally:
+            self._deferring = False
+            if self._pending is not None:
+                raise SystemExit(128 + self._pending)
+
+
+STOPPING = StopSignals()
+
+
+def free_port() -> int:
+    """A port the kernel had free on loopback a moment ago."""
+    with socket.socket() as sock:
+        sock.bind((HOST, 0))
+        return sock.getsockname()[1]
+
+
+class Service:
+    """``python -m <module> --host 127.0.0.1 --port P ...``, its output in a log file."""
+
+    def __init__(self, name: str, module: str, args: Sequence[str], log_dir: Path) -> None:
+        self.name = name
+        self.port = free_port()
+        self.url = f"http://{HOST}:{self.port}"
+        self.log_path = log_dir / f"{name}.log"
+        command = [sys.executable, "-m", module, "--host", HOST, "--port", str(self.port), *args]
+        env = {**os.environ, "PYTHONPATH": str(REPO), "CONDUCTOR_LOG_LEVEL": "WARN"}
+        with self.log_path.open("wb") as log:  # the child keeps its own descriptor
+            self.process = subprocess.Popen(
+                command, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT
+            )
+
+    def wait_listening(self, timeout: float = STARTUP_TIMEOUT_S) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.process.poll() is not None:
+                raise RuntimeError(f"{self.name} exited at start-up:\n{self.log_tail()}")
+            try:
+                with socket.create_connection((HOST, self.port), timeout=0.2):
+                    return
+            except OSError:
+                time.sleep(0.05)
+        raise TimeoutError(f"{self.name} did not listen within {timeout:.0f} s")
+
+    def stop(self) -> None:
+        """SIGTERM, then SIGKILL if it does not exit in time."""
+        if self.process.poll() is not None:
+            return
+        self.process.send_signal(signal.SIGTERM)
+        try:
+            self.process.wait(STOP_TIMEOUT_S)
+        except subprocess.TimeoutExpired:
+            self.process.kill()
+            self.process.wait(STOP_TIMEOUT_S)
+
+    def log_tail(self, lines: int = 20) -> str:
+        return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
+
+
+@dataclass(slots=True)
+class Engine:
+    instance_id: str
+    service: Service
+    endpoint: str  # KV-event PUB socket
+    replay_endpoint: str
+
+
+class Fleet:
+    """A fresh conductor, E engine simulators and a router with one policy.
+
+    Fresh processes per policy rather than reset caches: the conductor's index, the
+    router's load accounting and learned cost model and the engines' model clocks all start
+    from zero, so no policy inherits another's state. Use as a context manager: every
+    process is stopped on the way out, whatever happened.
+    """
+
+    def __init__(self, setup: ReplaySetup, policy: str, log_dir: Path) -> None:
+        self.setup, self.policy, self.log_dir = setup, policy, log_dir
+        self.services: list[Service] = []
+        self.engines: list[Engine] = []
+        self.conductor: Service | None = None
+        self.router: Service | None = None
+
+    def __enter__(self) -> Fleet:
+        try:
+            self._start()
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.stop()
+
+    def _start(self) -> None:
+        self.conductor = self._spawn("conductor", "conductor", "--config", "/nonexistent")
+        for index in range(self.setup.engines):
+            self.engines.append(self._engine(f"engine-{index}"))
+        for service in self.services:
+            service.wait_listening()
+        config_path = self.log_dir / f"router-{self.policy}.json"
+        config_path.write_text(json.dumps(self.router_config(), indent=2))
+        self.router = self._spawn(
+            "router", "router", "--config", str(config_path), "--log-level", "WARNING"
+        )
+        self.router.wait_listening()  # it listens once it has registered every stream
+
+    def _spawn(self, name: str, module: str, *args: str) -> Service:
+        with STOPPING.deferred():
+            service = Service(f"{self.policy}-{name}", module, args, self.log_dir)
+            self.services.append(service)
+        return service
+
+    def _engine(self, instance_id: str) -> Engine:
+        setup = self.setup
+        endpoint, replay = (f"tcp://{HOST}:{free_port()}" for _ in range(2))
+        events = {
+            "enable_kv_cache_events": True,
+            "publisher": "zmq",
+            "endpoint": endpoint,
+            "replay_endpoint": replay,
+        }
+        service = self._spawn(
+            instance_id,
+            "publishers.engine",
+            "--served-model-name", MODEL,
+            "--block-size", str(ENGINE_BLOCK_SIZE),
+            "--num-gpu-blocks-override", str(setup.gpu_blocks),
+            "--max-model-len", str(setup.max_model_len),
+            "--kv-events-config", json.dumps(events),
+            "--sim-kv-bind",  # bind the loopback endpoint (vLLM would connect to it)
+            "--sim-instance-id", instance_id,
+            "--sim-time-scale", repr(setup.time_scale),
+            "--sim-gpu-flops", repr(setup.timing.gpu_flops),
+            "--sim-log-level", "WARNING",
+        )  # fmt: skip
+        return Engine(instance_id, service, endpoint, replay)
+
+    def router_config(self) -> dict[str, Any]:
+        """The router's config file: the engines and their event streams, one policy."""
+        assert self.conductor is not None
+        routing: dict[str, Any] = {"policy": self.policy}
+        if self.setup.reject_slo_ms is not None:
+            routing["ttft_slo_ms"] = self.setup.reject_slo_ms
+        return {
+            "conductor": {"address": self.conductor.url},
+            "prefill": {
+                "config": {"modelname": MODEL, "block_size": ENGINE_BLOCK_SIZE},
+                "instances": [
+                    {
+                        "instance_id": engine.instance_id,
+                        "http_endpoint": engine.service.url,
+                        "registrations": [
+                            {
+                                "endpoint": engine.endpoint,
+                                "replay_endpoint": engine.replay_endpoint,
+                                "dp_rank": 0,
+                            }
+                        ],
+                    }
+                    for engine in self.engines
+                ],
+            },
+            "routing": routing,
+        }
+
+    def stop(self) -> None:
+        """Router first (no new work), then engines, then the conductor."""
+        for service in reversed(self.services):
+            service.stop()
+
+    def logs(self) -> str:
+        return "\n".join(f"--- {s.name} ({s.log_path})\n{s.log_tail()}" for s in self.services)
+
+
+# -- the client --------------------------------------------------------------------------
+
+
+@dataclass(slots=True)
+class Outcome:
+    """What one request got, as the client saw it."""
+
+    index: int
+    status: int = 0
+    instance: str | None = None
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
+    router_cached_tokens: int = 0  # the hit the router's decision counted on
+    ttft_s: float | None = None  # model clock, from the engine
+    client_ttft_s: float | None = None  # wall time to the first byte × speedup
+    overhead_ms: float | None = None  # wall time spent in the router before forwarding
+    fallback: str | None = None
+    send_lag_s: float = 0.0  # wall: how late the client sent it
+    error: str | None = None
+
+    @property
+    def ok(self) -> bool:
+        return self.status == 200 and self.error is None
+
+
+def request_bodies(requests: Sequence[TraceRequest]) -> list[bytes]:
+    """Every request's JSON body, encoded before the clock starts so that sending stays on
+    schedule. Streaming with usage: the client sees the first token (and the router acts
+    on it) as a production client would, and still gets cached_tokens at the end."""
+    return [
+        json.dumps(
+            {
+                "model": MODEL,
+                "prompt": prompt_tokens(request),
+                "max_tokens": max_tokens(request),
+                "stream": True,
+                "stream_options": {"include_usage": True},
+            },
+            separators=(",", ":"),
+        ).encode()
+        for request in requests
+    ]
+
+
+def last_usage(sse_text: str) -> dict[str, Any] | None:
+    """The ``usage`` of the final SSE chunk; raises ValueError on an error chunk."""
+    usage = None
+    for line in sse_text.splitlines():
+        if not line.startswith("data: ") or line == "data: [DONE]":
+            continue
+        chunk = json.loads(line[6:])
+        if "error" in chunk:
+            raise ValueError(f"error chunk: {chunk['error']}")
+        usage = chunk.get("usage") or usage
+    return usage
+
+
+def read_headers(outcome: Outcome, headers: Any) -> None:
+    outcome.instance = headers.get("x-conductor-prefill-instance")
+    outcome.fallback = headers.get("x-conductor-fallback")
+    if (cached := headers.get("x-conductor-cached-tokens")) is not None:
+        outcome.router_cached_tokens = int(cached)
+    if (overhead := headers.get("x-conductor-overhead-ms")) is not None:
+        outcome.overhead_ms = float(overhead)
+    if (ttft := headers.get("x-engine-ttft-ms")) is not None:
+        outcome.ttft_s = float(ttft) / 1000
+
+
+async def send(
+    session: aiohttp.ClientSession, url: str, body: bytes, outcome: Outcome, speedup: float
+) -> None:
+    """One request; fills ``outcome`` (never raises)."""
+    sent = time.perf_counter()
+    try:
+        async with session.post(
+            url, data=body, headers={"Content-Type": "application/json"}
+        ) as response:
+            outcome.status = response.status
+            outcome.client_ttft_s = (time.perf_counter() - sent) * speedup  # headers: 1st token
+            read_headers(outcome, response.headers)
+            text = await response.text()
+        if response.status != 200:
+            outcome.error = f"HTTP {response.status}: {text[:200]}"
+            return
+        usage = last_usage(text)
+        if usage is None or outcome.instance is None or outcome.ttft_s is None:
+            outcome.error = "answer without usage, instance or TTFT header"
+            return
+        outcome.prompt_tokens = usage["prompt_tokens"]
+        outcome.cached_tokens = usage["prompt_tokens_details"]["cached_tokens"]
+    except (aiohttp.ClientError, TimeoutError, ValueError, KeyError) as error:
+        outcome.error = f"{type(error).__name__}: {error}"
+
+
+async def replay(setup: ReplaySetup, router_url: str, bodies: list[bytes]) -> list[Outcome]:
+    """Send every request at its (compressed) arrival time; at most ``concurrency`` in
+    flight (a request over the bound waits, and its lateness is recorded)."""
+    url = f"{router_url}/v1/completions"
+    outcomes = [Outcome(r.index) for r in setup.requests]
+    bound = asyncio.Semaphore(setup.concurrency)
+    connector = aiohttp.TCPConnector(limit=setup.concurrency)
+    timeout = aiohttp.ClientTimeout(total=REQUEST_TIMEOUT_S)
+    loop = asyncio.get_running_loop()
+    start = loop.time() + 0.2
+
+    async def one(request: TraceRequest, body: bytes, outcome: Outcome) -> None:
+        async with bound:
+            outcome.send_lag_s = loop.time() - (start + request.arrival_s)
+            await send(session, url, body, outcome, setup.speedup)
+
+    async with aiohttp.ClientSession(connector=connector, timeout=timeout) as session:
+        tasks = []
+        for request, body, outcome in zip(setup.requests, bodies, outcomes, strict=True):
+            await asyncio.sleep(max(0.0, start + request.arrival_s - loop.time()))
+            tasks.append(asyncio.create_task(one(request, body, outcome)))
+        await asyncio.gather(*tasks)
+    return outcomes
+
+
+async def warm_up(fleet: Fleet, request: TraceRequest) -> None:
+    """Serve ``request`` on every engine directly (not measured), then wait until the
+    conductor reports it cached on each: proof that every event stream is subscribed.
+
+    A fleet in service already holds its application's shared prefix; starting cold, the
+    first engine to cache the conversation trace's common first block would be every later
+    request's longest match (trace_sim's ``warm_up`` explains the same choice)."""
+    tokens = prompt_tokens(request)
+    body = {"model": MODEL, "prompt": tokens, "max_tokens": 1}
+    expected = len(tokens) // ENGINE_BLOCK_SIZE * ENGINE_BLOCK_SIZE
+    assert fleet.conductor is not None
+    query = {"model": MODEL, "block_size": ENGINE_BLOCK_SIZE, "token_ids": tokens}
+    timeout = aiohttp.ClientTimeout(total=WARM_UP_TIMEOUT_S)
+    async with aiohttp.ClientSession(timeout=timeout) as session:
+        for engine in fleet.engines:
+            async with session.post(f"{engine.service.url}/v1/completions", json=body) as answer:
+                if answer.status != 200:
+                    raise RuntimeError(f"warm-up on {engine.instance_id}: {await answer.text()}")
+        deadline = time.monotonic() + WARM_UP_TIMEOUT_S
+        while time.monotonic() < deadline:
+            async with session.post(f"{fleet.conductor.url}/query", json=query) as answer:
+                hits = next(iter((await answer.json()).values()), {})
+            if all(hits.get(e.instance_id, {}).get("GPU", 0) >= expected for e in fleet.engines):
+                return
+            await asyncio.sleep(0.1)
+    raise TimeoutError(f"the conductor did not index the warm-up on every engine: {hits}")
+
+
+# -- summaries ---------------------------------------------------------------------------
+
+
+def finite(value: float) -> float | None:
+    """JSON has no NaN: an undefined figure becomes null."""
+    return None if math.isnan(value) else value
+
+
+def quantiles(values: Sequence[float], prefix: str, unit: str) -> dict[str, float | None]:
+    ordered = sorted(values)
+    figures: dict[str, float | None] = {
+        f"{prefix}_p{q}_{unit}": finite(percentile(ordered, q)) for q in (50, 90, 99)
+    }
+    figures[f"{prefix}_mean_{unit}"] = sum(ordered) / len(ordered) if ordered else None
+    figures[f"{prefix}_max_{unit}"] = ordered[-1] if ordered else None
+    return figures
+
+
+def per_instance(outcomes: Sequence[Outcome], instances: Sequence[str]) -> dict[str, dict]:
+    """Requests, prompt tokens and computed (uncached) tokens each engine served."""
+    load = {name: {"requests": 0, "prompt_tokens": 0, "computed_tokens": 0} for name in instances}
+    for outcome in outcomes:
+        if outcome.ok and outcome.instance in load:
+            entry = load[outcome.instance]
+            entry["requests"] += 1
+            entry["prompt_tokens"] += outcome.prompt_tokens
+            entry["computed_tokens"] += outcome.prompt_tokens - outcome.cached_tokens
+    return load
+
+
+def summarize(
+    policy: str, outcomes: Sequence[Outcome], setup: ReplaySetup, instances: Sequence[str]
+) -> dict[str, Any]:
+    """One policy's figures. SLO attainment is over every request sent: a rejected (429)
+    or failed request is a miss, as trace_sim counts rejections."""
+    served = [o for o in outcomes if o.ok]
+    rejected = [o for o in outcomes if o.status == 429]
+    failed = [o for o in outcomes if not o.ok and o.status != 429]
+    prompt = sum(o.prompt_tokens for o in served)
+    ttfts = [o.ttft_s for o in served if o.ttft_s is not None]
+    load = per_instance(outcomes, instances)
+    summary: dict[str, Any] = {
+        "policy": policy,
+        "requests": len(outcomes),
+        "served": len(served),
+        "rejected": len(rejected),
+        "errors": len(failed),
+        "error_samples": [f"#{o.index}: {o.error}" for o in failed[:5]],
+        "hit_ratio": sum(o.cached_tokens for o in served) / prompt if prompt else 0.0,
+        "router_expected_hit_ratio": (
+            sum(o.router_cached_tokens for o in served) / prompt if prompt else 0.0
+        ),
+        "prompt_tokens": prompt,
+        "cached_tokens": sum(o.cached_tokens for o in served),
+        **quantiles(ttfts, "ttft", "s"),
+        "slo_attainment": {
+            f"{slo:g}": sum(1 for t in ttfts if t <= slo) / len(outcomes) if outcomes else 0.0
+            for slo in setup.slos_s
+        },
+        **quantiles([o.client_ttft_s for o in served if o.client_ttft_s], "client_ttft", "s"),
+        **quantiles([o.overhead_ms for o in served if o.overhead_ms is not None], "overhead", "ms"),
+        "fallbacks": dict(Counter(o.fallback for o in served if o.fallback)),
+        "send_lag_max_s": max((o.send_lag_s for o in outcomes), default=0.0),
+        "instances": load,
+    }
+    for key in ("requests", "prompt_tokens", "computed_tokens"):
+        summary[f"imbalance_{key}"] = finite(imbalance([v[key] for v in load.values()]))
+    return summary
+
+
+def format_table(setup: dict[str, Any], runs: Sequence[dict[str, Any]]) -> str:
+    """A markdown table: paste it into the README as is."""
+    slos = [f"{slo:g}" for slo in setup["slos_s"]]
+    head = ["policy", "hit", "TTFT mean", "p50", "p90", "p99", "client p50", "p99",
+            *(f"≤{s} s" for s in slos), "imb req", "imb tok", "err", "rej", "router p50 ms",
+            "p99 ms", "fallb", "wall s"]  # fmt: skip
+    rows = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+
+    def num(value: float | None, spec: str) -> str:
+        return "–" if value is None else format(value, spec)
+
+    for run in runs:
+        cells = [
+            run["policy"],
+            f"{run['hit_ratio']:.1%}",
+            *(num(run[f"ttft_{k}_s"], ".2f") for k in ("mean", "p50", "p90", "p99")),
+            *(num(run[f"client_ttft_{k}_s"], ".2f") for k in ("p50", "p99")),
+            *(f"{run['slo_attainment'][s]:.0%}" for s in slos),
+            num(run["imbalance_requests"], ".2f"),
+            num(run["imbalance_prompt_tokens"], ".2f"),
+            str(run["errors"]),
+            str(run["rejected"]),
+            num(run["overhead_p50_ms"], ".1f"),
+            num(run["overhead_p99_ms"], ".1f"),
+            str(sum(run["fallbacks"].values())),
+            f"{run['wall_s']:.0f}",
+        ]
+        rows.append("| " + " | ".join(cells) + " |")
+    return "\n".join(rows)
+
+
+# -- driver ------------------------------------------------------------------------------
+
+
+def run_policy(setup: ReplaySetup, policy: str, bodies: list[bytes], log_dir: Path) -> dict:
+    """Start a fleet for ``policy``, warm it up, replay, stop it; the policy's summary."""
+    started = time.perf_counter()
+    with Fleet(setup, policy, log_dir) as fleet:
+        assert fleet.router is not None
+        try:
+            asyncio.run(warm_up(fleet, setup.requests[0]))
+        except (OSError, aiohttp.ClientError, RuntimeError, TimeoutError) as error:
+            raise RuntimeError(f"{policy}: warm-up failed: {error}\n{fleet.logs()}") from None
+        replay_started = time.perf_counter()
+        outcomes = asyncio.run(replay(setup, fleet.router.url, bodies))
+        replay_s = time.perf_counter() - replay_started
+        summary = summarize(policy, outcomes, setup, [e.instance_id for e in fleet.engines])
+        if summary["errors"]:
+            summary["logs"] = fleet.logs()
+    summary["replay_wall_s"] = replay_s
+    summary["wall_s"] = time.perf_counter() - started
+    return summary
+
+
+def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(
+        prog="router_replay.py",
+        description=__doc__.split("\n")[0],
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    add = parser.add_argument
+    add("--trace", default="conversation", help="conversation, synthetic or a path")
+    add("--requests", type=int, default=500, help="replay the first N requests")
+    add("--engines", type=int, default=4)
+    add(
+        "--engine-speed",
+        type=float,
+        default=2.0,
+        help="engine GPU FLOPs relative to the default LLaMA3-70B/8xA800 model: 2 lets the "
+        "4 default engines carry the conversation slice's load (about 0.95x uncached)",
+    )
+    add("--policies", default=",".join(DEFAULT_POLICIES), help="comma-separated router policies")
+    add(
+        "--speedup",
+        type=float,
+        default=DEFAULT_SPEEDUP,
+        help="trace seconds per wall second; the engines run --sim-time-scale 1/speedup",
+    )
+    add(
+        "--concurrency",
+        type=int,
+        default=DEFAULT_CONCURRENCY,
+        help="client requests in flight at most (a lower bound delays arrivals)",
+    )
+    add(
+        "--slo-s",
+        type=float,
+        nargs="+",
+        default=list(DEFAULT_SLOS_S),
+        help="TTFT SLOs (model seconds) to report attainment for",
+    )
+    add(
+        "--reject-slo-ms",
+        type=float,
+        help="the router's routing.ttft_slo_ms: ttft rejects (429) past this estimate",
+    )
+    add(
+        "--quick",
+        action="store_true",
+        help=f"smoke run: {QUICK['requests']} requests, {QUICK['engines']} engines, "
+        f"{QUICK['policies']}, speedup {QUICK['speedup']:g} (explicit flags still win)",
+    )
+    add("--log-dir", type=Path, help="keep the processes' logs and configs here")
+    add("--json", type=Path, default=RESULTS_DIR / "router_replay.json")
+    args = parser.parse_args(argv)
+    unknown = set(args.policies.split(",")) - set(POLICIES)
+    if unknown:
+        parser.error(f"unknown policies {sorted(unknown)}; choose from {', '.join(POLICIES)}")
+    if args.quick:
+        defaults = {k: parser.get_default(k) for k in QUICK}
+        for key, value in QUICK.items():
+            if getattr(args, key) == defaults[key]:
+                setattr(args, key, value)
+    return args
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = parse_args(argv)
+    STOPPING.install()
+    setup = build_setup(args)
+    described = describe(setup)
+    bodies = request_bodies(setup.requests)
+    print(
+        f"{setup.trace}: {len(setup.requests)} requests over {described['trace_span_s']:.0f} "
+        f"trace s at speedup {setup.speedup:g}, {setup.engines} engines × "
+        f"{setup.gpu_blocks} blocks of {ENGINE_BLOCK_SIZE}, offered load (uncached) "
+        f"{described['offered_load_uncached']:.2f}×",
+        file=sys.stderr,
+    )
+    started = time.perf_counter()
+    runs = []
+    with tempfile.TemporaryDirectory(prefix="router_replay-") as scratch:
+        log_dir = args.log_dir or Path(scratch)
+        log_dir.mkdir(parents=True, exist_ok=True)
+        for policy in setup.policies:
+            runs.append(run_policy(setup, policy, bodies, log_dir))
+            print(f"  {policy}: {runs[-1]['wall_s']:.1f} s", file=sys.stderr)
+    wall_s = time.perf_counter() - started
+    print(format_table(described, runs))
+    print(
+        f"ideal hit {described['ideal_hit_ratio']:.1%}, pooled-LRU hit "
+        f"{described['pooled_hit_ratio']:.1%}; {len(runs)} policies in {wall_s:.0f} s wall"
+    )
+    write_json(args.json, described, runs, wall_s)
+    print(f"wrote {args.json}")
+    late = max(run["send_lag_max_s"] for run in runs)
+    if late > LATE_WARNING_S:
+        print(
+            f"the client sent up to {late:.1f} s late: arrivals were not replayed faithfully "
+            "(raise --concurrency or lower --speedup)",
+            file=sys.stderr,
+        )
+    errors = sum(run["errors"] for run in runs)
+    if errors:
+        print(f"{errors} requests failed; samples and logs in the JSON", file=sys.stderr)
+    return 1 if errors else 0
+
+
+def write_json(path: Path, setup: dict, runs: list[dict], wall_s: float) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    report = {
+        "setup": setup,
+        "runs": {run["policy"]: run for run in runs},
+        "wall_s": wall_s,
+        "machine": {"python": platform.python_version(), "cpus": os.cpu_count()},
+    }
+    path.write_text(json.dumps(report, indent=2) + "\n", encoding="utf-8")
+
+
+if __name__ == "__main__":
+    sys.exit(main())
