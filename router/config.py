@@ -80,6 +80,7 @@ class RoutingSection(_Section):
     temperature: float = Field(default=0.0, ge=0)
     balance_threshold: float | None = Field(default=None, gt=1)
     ttft_slo_ms: float | None = Field(default=None, gt=0)
+    ttft_slack: float = Field(default=RoutingParams().ttft_slack, ge=0)
     learn_cost_model: bool = True
     cost: PrefillCostModel = PrefillCostModel()
 
@@ -106,6 +107,7 @@ class RouterConfig(_Section):
             temperature=routing.temperature,
             balance_threshold=routing.balance_threshold or math.inf,
             ttft_slo_s=None if routing.ttft_slo_ms is None else routing.ttft_slo_ms / 1000,
+            ttft_slack=routing.ttft_slack,
             cost=routing.cost,
         )
 

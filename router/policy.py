@@ -158,14 +158,22 @@ def ttft(
     model: PrefillCostModel,
     balance_threshold: float = math.inf,
     slo_s: float | None = None,
+    slack: float = 0.0,
 ) -> Decision:
-    """The instance with the lowest estimated TTFT; raises SloViolation past the SLO."""
+    """The instance with the lowest estimated TTFT (or, within ``slack`` × of it, the one
+    reusing most); raises SloViolation past the SLO."""
     best_tokens = max(c.disk_tokens for c in candidates)
     estimates = {
         c.instance_id: ttft_estimate(c, prompt_tokens, model, best_tokens, balance_threshold)
         for c in candidates
     }
-    chosen = _argmin(candidates, lambda c: estimates[c.instance_id][0], turn)
+    fastest = min(seconds for seconds, _ in estimates.values())
+    # within ``slack`` of the fastest estimate, the longest hit wins: placing a request
+    # where its prefix already is keeps that prefix hot for the conversation's next turns
+    near = [c for c in candidates if estimates[c.instance_id][0] <= fastest * (1 + slack)]
+    chosen = _argmin(
+        near, lambda c: (-estimates[c.instance_id][1], estimates[c.instance_id][0]), turn
+    )
     estimate, cached = estimates[chosen.instance_id]
     decision = Decision(
         chosen.instance_id,
@@ -189,6 +197,9 @@ class RoutingParams:
     temperature: float = 0.0
     balance_threshold: float = math.inf  # inf: never pull a peer's KV (needs a transfer path)
     ttft_slo_s: float | None = None
+    # within (1 + slack) × the fastest TTFT estimate, the longest hit wins (0: Mooncake's
+    # Algorithm 1 exactly); 0.5 measured best on the FAST'25 traces (bench/README.md)
+    ttft_slack: float = 0.5
     cost: PrefillCostModel = PrefillCostModel()
 
 
@@ -220,5 +231,6 @@ def choose(
             params.cost,
             params.balance_threshold,
             params.ttft_slo_s,
+            params.ttft_slack,
         )
     raise ValueError(f"unknown policy {params.policy!r}; choose one of {', '.join(POLICIES)}")

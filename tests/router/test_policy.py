@@ -151,3 +151,13 @@ def test_prefill_cost_model_shape():
     assert model.prefill_s(2000) > 2 * model.prefill_s(1000) - model.overhead_s
     assert model.prefill_s(1000, cached_tokens=8000) > model.prefill_s(1000)
     assert math.isclose(model.load_s(0, 0), 0.0)
+
+
+def test_ttft_slack_keeps_a_request_with_its_prefix_when_nearly_as_fast():
+    holder = hit("a", 8000, queued_prefill_tokens=10_000)  # 1.0 + 0.21 s
+    idle = hit("b")  # 1.01 s
+    assert ttft([holder, idle], 0, 10_000, MODEL).instance_id == "b"  # Algorithm 1
+    near = ttft([holder, idle], 0, 10_000, MODEL, slack=0.5)
+    assert (near.instance_id, near.cached_tokens) == ("a", 8000)
+    far = hit("a", 8000, queued_prefill_tokens=30_000)  # 3.2 s: beyond 1.5 x 1.01 s
+    assert ttft([far, idle], 0, 10_000, MODEL, slack=0.5).instance_id == "b"

@@ -30,6 +30,7 @@ def test_example_config_loads():
     params = config.routing_params()
     assert params.policy == "ttft" and params.ttft_slo_s == 30.0
     assert params.balance_threshold == math.inf and params.block_size == 16
+    assert params.ttft_slack == 0.5
 
 
 def test_upstream_proxy_layout_with_hash_profile_is_accepted(tmp_path):
