@@ -36,7 +36,6 @@ HOP_BY_HOP = {"content-length", "transfer-encoding", "connection", "keep-alive",
 PROBE_INTERVAL_S = 0.5
 METRICS_REFRESH_S = 2.0
 UPSTREAM_TIMEOUT = aiohttp.ClientTimeout(total=None, sock_connect=2.0)
-SERVICE_KEY = web.AppKey("router", "Router")
 
 
 class ApiError(Exception):
@@ -476,7 +475,6 @@ def create_app(router: Router) -> web.Application:
         return response
 
     app = web.Application(client_max_size=router.max_body_bytes + 1, middlewares=[errors])
-    app[SERVICE_KEY] = router
     app.add_routes(
         [
             web.post("/v1/completions", router.completions),
