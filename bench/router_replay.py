@@ -27,8 +27,6 @@ import math
 import os
 import platform
 import signal
-import socket
-import subprocess
 import sys
 import tempfile
 import time
@@ -57,11 +55,11 @@ from bench.trace_sim import (
     unbounded_token_hits,
 )
 from publishers.engine.timing import TimingModel
+from publishers.local import HOST, LocalService, free_port
 from router.policy import POLICIES
 
 REPO = Path(__file__).resolve().parent.parent
 RESULTS_DIR = REPO / "bench" / "results"
-HOST = "127.0.0.1"  # every process binds loopback only
 ENGINE_BLOCK_SIZE = 16  # a 512-token trace block is 32 engine blocks
 MAX_TOKENS_CAP = 4  # decode is not what routing decides; a few tokens keep the run fast
 DEFAULT_POLICIES = ("ttft", "max_prefix", "least_loaded", "round_robin")
@@ -198,59 +196,10 @@ class StopSignals:
 STOPPING = StopSignals()
 
 
-def free_port() -> int:
-    """A port the kernel had free on loopback a moment ago."""
-    with socket.socket() as sock:
-        sock.bind((HOST, 0))
-        return sock.getsockname()[1]
-
-
-class Service:
-    """``python -m <module> --host 127.0.0.1 --port P ...``, its output in a log file."""
-
-    def __init__(self, name: str, module: str, args: Sequence[str], log_dir: Path) -> None:
-        self.name = name
-        self.port = free_port()
-        self.url = f"http://{HOST}:{self.port}"
-        self.log_path = log_dir / f"{name}.log"
-        command = [sys.executable, "-m", module, "--host", HOST, "--port", str(self.port), *args]
-        env = {**os.environ, "PYTHONPATH": str(REPO), "CONDUCTOR_LOG_LEVEL": "WARN"}
-        with self.log_path.open("wb") as log:  # the child keeps its own descriptor
-            self.process = subprocess.Popen(
-                command, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT
-            )
-
-    def wait_listening(self, timeout: float = STARTUP_TIMEOUT_S) -> None:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.process.poll() is not None:
-                raise RuntimeError(f"{self.name} exited at start-up:\n{self.log_tail()}")
-            try:
-                with socket.create_connection((HOST, self.port), timeout=0.2):
-                    return
-            except OSError:
-                time.sleep(0.05)
-        raise TimeoutError(f"{self.name} did not listen within {timeout:.0f} s")
-
-    def stop(self) -> None:
-        """SIGTERM, then SIGKILL if it does not exit in time."""
-        if self.process.poll() is not None:
-            return
-        self.process.send_signal(signal.SIGTERM)
-        try:
-            self.process.wait(STOP_TIMEOUT_S)
-        except subprocess.TimeoutExpired:
-            self.process.kill()
-            self.process.wait(STOP_TIMEOUT_S)
-
-    def log_tail(self, lines: int = 20) -> str:
-        return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
-
-
 @dataclass(slots=True)
 class Engine:
     instance_id: str
-    service: Service
+    service: LocalService
     endpoint: str  # KV-event PUB socket
     replay_endpoint: str
 
@@ -266,10 +215,10 @@ class Fleet:
 
     def __init__(self, setup: ReplaySetup, policy: str, log_dir: Path) -> None:
         self.setup, self.policy, self.log_dir = setup, policy, log_dir
-        self.services: list[Service] = []
+        self.services: list[LocalService] = []
         self.engines: list[Engine] = []
-        self.conductor: Service | None = None
-        self.router: Service | None = None
+        self.conductor: LocalService | None = None
+        self.router: LocalService | None = None
 
     def __enter__(self) -> Fleet:
         try:
@@ -287,17 +236,23 @@ class Fleet:
         for index in range(self.setup.engines):
             self.engines.append(self._engine(f"engine-{index}"))
         for service in self.services:
-            service.wait_listening()
+            service.wait_ready(STARTUP_TIMEOUT_S)
         config_path = self.log_dir / f"router-{self.policy}.json"
         config_path.write_text(json.dumps(self.router_config(), indent=2))
         self.router = self._spawn(
             "router", "router", "--config", str(config_path), "--log-level", "WARNING"
         )
-        self.router.wait_listening()  # it listens once it has registered every stream
+        self.router.wait_ready(STARTUP_TIMEOUT_S)  # it listens once it has registered every stream
 
-    def _spawn(self, name: str, module: str, *args: str) -> Service:
+    def _spawn(self, name: str, module: str, *args: str) -> LocalService:
         with STOPPING.deferred():
-            service = Service(f"{self.policy}-{name}", module, args, self.log_dir)
+            service = LocalService(
+                self.log_dir,
+                f"{self.policy}-{name}",
+                module,
+                *args,
+                env={"CONDUCTOR_LOG_LEVEL": "WARN"},
+            )
             self.services.append(service)
         return service
 
@@ -357,7 +312,7 @@ class Fleet:
     def stop(self) -> None:
         """Router first (no new work), then engines, then the conductor."""
         for service in reversed(self.services):
-            service.stop()
+            service.stop(STOP_TIMEOUT_S)
 
     def logs(self) -> str:
         return "\n".join(f"--- {s.name} ({s.log_path})\n{s.log_tail()}" for s in self.services)

@@ -12,9 +12,6 @@ import argparse
 import asyncio
 import json
 import random
-import signal
-import socket
-import subprocess
 import sys
 import tempfile
 import time
@@ -23,6 +20,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import aiohttp
+
+from .local import LocalService
 
 MODEL = "demo-model"
 BLOCK_SIZE = 16
@@ -39,34 +38,22 @@ WORDS = (
 ).split()
 
 
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 @dataclass
 class Stack:
     """The conductor and the engines as subprocesses; logs go to ``log_dir``."""
 
     log_dir: Path
-    processes: list[subprocess.Popen] = field(default_factory=list)
+    services: list[LocalService] = field(default_factory=list)
 
-    def spawn(self, name: str, *command: str) -> None:
-        log = (self.log_dir / f"{name}.log").open("wb")
-        self.processes.append(
-            subprocess.Popen([sys.executable, "-m", *command], stdout=log, stderr=log)
-        )
+    def serve(self, name: str, module: str, *args: str) -> str:
+        service = LocalService(self.log_dir, name, module, *args)
+        self.services.append(service)
+        service.wait_ready()
+        return service.url
 
     def stop(self) -> None:
-        for process in self.processes:
-            if process.poll() is None:
-                process.send_signal(signal.SIGTERM)
-        for process in self.processes:
-            try:
-                process.wait(5)
-            except subprocess.TimeoutExpired:
-                process.kill()
+        for service in self.services:
+            service.stop()
 
 
 def workload(requests: int, documents: int, seed: int) -> list[str]:
@@ -179,29 +166,29 @@ class Demo:
 
 
 async def run(args: argparse.Namespace, stack: Stack) -> None:
-    conductor_port = free_port()
-    conductor = f"http://127.0.0.1:{conductor_port}"
-    stack.spawn(
-        "conductor",
-        "conductor",
-        "--host",
-        "127.0.0.1",
-        "--port",
-        str(conductor_port),
-        "--config",
-        str(stack.log_dir / "none.json"),
-    )
-    engines = {f"engine-{i}": free_port() for i in range(args.engines)}
-    for name, port in engines.items():
-        stack.spawn(
-            name, "publishers.engine", "--host", "127.0.0.1", "--port", str(port),
-            "--served-model-name", MODEL, "--block-size", str(BLOCK_SIZE),
-            "--num-gpu-blocks-override", str(args.gpu_blocks),
-            "--kv-events-config", json.dumps(EVENTS), "--sim-kv-bind",
-            "--sim-instance-id", name, "--sim-register-with", conductor,
-            "--sim-time-scale", str(args.time_scale),
+    conductor = stack.serve("conductor", "conductor", "--config", str(stack.log_dir / "none.json"))
+    urls = {
+        name: stack.serve(
+            name,
+            "publishers.engine",
+            "--served-model-name",
+            MODEL,
+            "--block-size",
+            str(BLOCK_SIZE),
+            "--num-gpu-blocks-override",
+            str(args.gpu_blocks),
+            "--kv-events-config",
+            json.dumps(EVENTS),
+            "--sim-kv-bind",
+            "--sim-instance-id",
+            name,
+            "--sim-register-with",
+            conductor,
+            "--sim-time-scale",
+            str(args.time_scale),
         )  # fmt: skip
-    urls = {name: f"http://127.0.0.1:{port}" for name, port in engines.items()}
+        for name in (f"engine-{i}" for i in range(args.engines))
+    }
     async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=60)) as http:
 
         async def all_connected() -> bool:
@@ -255,7 +242,7 @@ def main(argv: list[str] | None = None) -> None:
         stack = Stack(Path(log_dir))
         try:
             asyncio.run(run(args, stack))
-        except (TimeoutError, aiohttp.ClientError) as error:
+        except (TimeoutError, RuntimeError, aiohttp.ClientError) as error:
             print(f"mooncake-demo: {error}", file=sys.stderr)
             for log in sorted(Path(log_dir).glob("*.log")):
                 print(f"--- {log.name}\n{log.read_text(errors='replace')[-2000:]}", file=sys.stderr)

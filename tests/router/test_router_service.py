@@ -27,6 +27,7 @@ class Fleet:
     def __init__(self, tmp_path: Path) -> None:
         self.tmp_path = tmp_path
         self.conductor = ConductorProcess(tmp_path)
+        self.conductor.wait_ready()  # its URL is final once it listens
         self.engines: dict[str, EngineSim] = {}
         self.kv_ports: dict[str, tuple[int, int]] = {}
         self.router: RouterProcess | None = None
@@ -50,6 +51,7 @@ class Fleet:
             time_scale=time_scale,
             port=self.engines[name].port if name in self.engines else None,
         )
+        engine.wait_ready()  # its URL is final once it listens
         self.engines[name] = engine
         return engine
 
@@ -86,8 +88,6 @@ class Fleet:
         }
 
     def start_router(self, config: dict[str, Any], *args: str) -> RouterProcess:
-        for process in (self.conductor, *self.engines.values()):
-            process.wait_ready()
         self.router = RouterProcess(self.tmp_path, config, *args)
         self.router.wait_ready()
         return self.router

@@ -1,93 +1,20 @@
-"""The project's services as real subprocesses on 127.0.0.1, stopped with SIGTERM."""
+"""The project's services as real subprocesses on 127.0.0.1 (``publishers.local``)."""
 
 from __future__ import annotations
 
 import json
-import os
-import signal
-import socket
-import subprocess
-import sys
-import time
 from pathlib import Path
 from typing import Any
 
+from publishers.local import LocalService, free_port
+
 REPO = Path(__file__).resolve().parents[2]
-STARTUP_TIMEOUT = 15.0
+
+__all__ = ["REPO", "ConductorProcess", "EngineSim", "RouterProcess", "free_port"]
 
 
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
-class ServiceProcess:
-    """``python -m <module> --host 127.0.0.1 --port P ...`` with its output in a log file."""
-
-    module = ""
-
-    def __init__(
-        self,
-        log_dir: Path,
-        name: str,
-        *args: str,
-        port: int | None = None,
-        env: dict[str, str] | None = None,
-    ) -> None:
-        self.port = port or free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        command = [sys.executable, "-m", self.module, "--host", "127.0.0.1"]
-        command += ["--port", str(self.port), *args]
-        self.log_path = log_dir / f"{name}-{self.port}.log"
-        self._log = self.log_path.open("wb")
-        self.process = subprocess.Popen(
-            command,
-            cwd=REPO,
-            env={**os.environ, "PYTHONPATH": str(REPO), **(env or {})},
-            stdout=self._log,
-            stderr=subprocess.STDOUT,
-        )
-
-    def wait_ready(self) -> None:
-        deadline = time.monotonic() + STARTUP_TIMEOUT
-        while time.monotonic() < deadline:
-            if self.process.poll() is not None:
-                raise RuntimeError(f"{self.module} exited: {self.log()}")
-            try:
-                with socket.create_connection(("127.0.0.1", self.port), timeout=0.2):
-                    return
-            except OSError:
-                time.sleep(0.05)
-        raise TimeoutError(f"{self.module} did not start listening")
-
-    def stop(self, timeout: float = 5.0) -> float:
-        """SIGTERM and wait; returns how long the shutdown took."""
-        started = time.monotonic()
-        if self.process.poll() is None:
-            self.process.send_signal(signal.SIGTERM)
-            try:
-                self.process.wait(timeout)
-            except subprocess.TimeoutExpired:
-                self.process.kill()
-                self.process.wait(timeout)
-        self._log.close()
-        return time.monotonic() - started
-
-    def kill(self) -> None:
-        """SIGKILL: the process dies without any chance to clean up."""
-        if self.process.poll() is None:
-            self.process.kill()
-            self.process.wait(5)
-
-    def log(self) -> str:
-        return self.log_path.read_text(errors="replace")
-
-
-class ConductorProcess(ServiceProcess):
+class ConductorProcess(LocalService):
     """The conductor, with a config file (absent unless ``config`` is given)."""
-
-    module = "conductor"
 
     def __init__(
         self,
@@ -102,6 +29,7 @@ class ConductorProcess(ServiceProcess):
         super().__init__(
             tmp_path,
             "conductor",
+            "conductor",
             "--config",
             str(config_path),
             *args,
@@ -110,10 +38,8 @@ class ConductorProcess(ServiceProcess):
         )
 
 
-class EngineSim(ServiceProcess):
+class EngineSim(LocalService):
     """The engine simulator (``publishers.engine``) serving model ``model``."""
-
-    module = "publishers.engine"
 
     def __init__(
         self,
@@ -129,6 +55,7 @@ class EngineSim(ServiceProcess):
         super().__init__(
             log_dir,
             f"engine-{instance_id}",
+            "publishers.engine",
             "--served-model-name",
             model,
             "--block-size",
@@ -142,12 +69,10 @@ class EngineSim(ServiceProcess):
         )
 
 
-class RouterProcess(ServiceProcess):
+class RouterProcess(LocalService):
     """``mooncake-router`` with a config file written from ``config``."""
-
-    module = "router"
 
     def __init__(self, tmp_path: Path, config: dict[str, Any], *args: str) -> None:
         config_path = tmp_path / f"router-{free_port()}.json"
         config_path.write_text(json.dumps(config))
-        super().__init__(tmp_path, "router", "--config", str(config_path), *args)
+        super().__init__(tmp_path, "router", "router", "--config", str(config_path), *args)
