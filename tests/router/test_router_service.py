@@ -5,6 +5,8 @@ from __future__ import annotations
 import asyncio
 import json
 import re
+import signal
+import time
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 from typing import Any
@@ -12,6 +14,7 @@ from typing import Any
 import aiohttp
 import pytest
 from aiohttp import web
+from multidict import CIMultiDict
 
 from tests.support.api import eventually
 from tests.support.processes import ConductorProcess, EngineSim, RouterProcess, free_port
@@ -250,14 +253,16 @@ async def test_dead_engine_is_retried_elsewhere_and_probed_back(fleet, http):
 
 
 @pytest.fixture
-async def broken_engine() -> AsyncIterator[str]:
+async def broken_engine() -> AsyncIterator[tuple[str, list[CIMultiDict[str]]]]:
     """A real HTTP upstream that tokenizes and looks healthy but fails every completion with
-    a 500, as an engine with a crashed worker does."""
+    a 500, as an engine with a crashed worker does; it records the headers it was sent."""
+    seen: list[CIMultiDict[str]] = []
 
     async def tokenize(request: web.Request) -> web.Response:
         return web.json_response({"count": 3, "max_model_len": 4096, "tokens": [1, 2, 3]})
 
     async def fail(request: web.Request) -> web.Response:
+        seen.append(request.headers.copy())  # case-insensitive, like HTTP
         return web.json_response({"error": {"message": "worker died"}}, status=500)
 
     app = web.Application()
@@ -266,22 +271,44 @@ async def broken_engine() -> AsyncIterator[str]:
     await runner.setup()
     port = free_port()
     await web.TCPSite(runner, "127.0.0.1", port).start()
-    yield f"http://127.0.0.1:{port}"
+    yield f"http://127.0.0.1:{port}", seen
     await runner.cleanup()
 
 
 async def test_upstream_error_is_retried_on_the_next_instance(fleet, http, broken_engine):
+    broken_url, seen = broken_engine
     fleet.engine("a")
     config = fleet.config(["a"], policy="round_robin")
-    config["prefill"]["instances"].insert(
-        0, {"instance_id": "broken", "http_endpoint": broken_engine}
-    )
+    config["prefill"]["instances"].insert(0, {"instance_id": "broken", "http_endpoint": broken_url})
     router = fleet.start_router(config)
-    answers = [await complete(http, router, f"question {i}") for i in range(2)]
-    assert [status for status, _, _ in answers] == [200, 200]
-    assert {h["x-conductor-prefill-instance"] for _, h, _ in answers} == {"a"}
+    headers = {"Authorization": "Bearer secret", "X-Request-Id": "req-42"}
+    answers = []
+    for i in range(2):
+        body = {"model": MODEL, "prompt": f"question {i}", "max_tokens": 4}
+        async with http.post(f"{router.url}/v1/completions", json=body, headers=headers) as r:
+            answers.append((r.status, r.headers["x-conductor-prefill-instance"]))
+    assert answers == [(200, "a"), (200, "a")]
     assert await router_metric(http, router, "router_retries_total") == 1
     assert await router_metric(http, router, 'router_upstream_healthy{instance="broken"}') == 0
+    assert len(seen) == 1  # forwarded once, then out of rotation
+    assert (seen[0]["Authorization"], seen[0]["X-Request-Id"]) == ("Bearer secret", "req-42")
+
+
+async def test_slow_conductor_falls_back_within_the_query_timeout(fleet, http):
+    fleet.engine("a")
+    router = fleet.start_router(fleet.config(["a"]))
+    await indexed_everywhere(http, fleet, ["a"])
+    fleet.conductor.process.send_signal(signal.SIGSTOP)  # alive, listening, never answering
+    try:
+        started = time.monotonic()
+        status, headers, _ = await complete(http, router, SHARED + "while it hangs")
+        elapsed = time.monotonic() - started
+    finally:
+        fleet.conductor.process.send_signal(signal.SIGCONT)
+    assert status == 200 and headers["x-conductor-fallback"] == "conductor_unavailable"
+    assert elapsed < 2.0  # query timeout 0.5 s, then straight to least_loaded
+    status, headers, _ = await complete(http, router, SHARED + "after it resumed")
+    assert status == 200 and "x-conductor-fallback" not in headers
 
 
 async def test_client_disconnect_cancels_the_upstream_request(fleet, http):
