@@ -152,5 +152,10 @@ class ServiceManager:
         if batch.rejected:
             self.metrics.decode_errors.labels(key, "event").inc(len(batch.rejected))
             log.warning("stream=%s seq=%d skipped %s", key, message.seq, "; ".join(batch.rejected))
-        stats = self.table.apply(key, batch)
+        try:
+            stats = self.table.apply(key, batch)
+        except Exception:  # a bug must cost one batch, never the stream's reader task
+            self.metrics.decode_errors.labels(key, "apply").inc()
+            log.exception("stream=%s seq=%d batch could not be applied", key, message.seq)
+            return
         self.metrics.record_apply(key, stats, replayed)

@@ -202,9 +202,9 @@ class StreamSubscriber:
                 last = self.last_sequence
                 if start <= message.seq < stop and (last is None or message.seq > last):
                     self._apply(message, replayed=True)
-        except TimeoutError:
+        except (TimeoutError, zmq.ZMQError) as error:
             self._callbacks.on_event("replay_failed")
-            log.warning("stream=%s replay from %d timed out", self.name, start)
+            log.warning("stream=%s replay from %d failed: %r", self.name, start, error)
             self._dealer.close(0)  # late replies must not leak into the next replay
             self._dealer = self._new_dealer()
         finally:
