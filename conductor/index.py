@@ -214,9 +214,15 @@ class PrefixContext:
             holdings.extra_refs.clear()
         return held
 
-    def prefix_of(self, engine_hash: int) -> int | None:
-        """The prefix hash an engine hash was indexed under, by any owner of the context."""
-        for slot in self.slots.values():
+    def prefix_of(self, engine_hash: int, owner: tuple[str, int] | None = None) -> int | None:
+        """The prefix hash an engine hash was indexed under, by any owner of the context.
+
+        ``owner`` (instance, DP rank) is asked first: an engine's parent block is almost
+        always its own, so with many instances this saves most lookups on ingestion.
+        """
+        first = self.slots.get(owner) if owner is not None else None
+        slots = self.slots.values() if first is None else (first, *self.slots.values())
+        for slot in slots:
             for holdings in slot.holdings:
                 prefix_hash = holdings.by_engine_hash.get(engine_hash)
                 if prefix_hash is not None:
@@ -389,7 +395,8 @@ class PrefixCacheTable:
             stats.ignored += 1
             return
         context_key = source.context_key(event.lora_name)
-        prefixes = self._prefixes(self.contexts.get(context_key), source, event, stats)
+        owner = (source.instance_id, dp_rank)
+        prefixes = self._prefixes(self.contexts.get(context_key), owner, source, event, stats)
         if not prefixes:
             return  # counted by _prefixes; nothing created for a rejected event
         context, slot = self._slot_for(source, context_key, dp_rank)
@@ -398,7 +405,11 @@ class PrefixCacheTable:
 
     @staticmethod
     def _prefixes(
-        context: PrefixContext | None, source: StreamSource, event: BlockStored, stats: ApplyStats
+        context: PrefixContext | None,
+        owner: tuple[str, int],
+        source: StreamSource,
+        event: BlockStored,
+        stats: ApplyStats,
     ) -> list[int]:
         """The prefix hash of each stored block, or as many as can be placed ([] = none)."""
         hashes, size = event.block_hashes, source.block_size
@@ -409,7 +420,7 @@ class PrefixCacheTable:
             if event.parent_hash is None:
                 parent = salt_root(event.salt or source.salt)
             else:
-                parent = context.prefix_of(event.parent_hash) if context else None
+                parent = context.prefix_of(event.parent_hash, owner) if context else None
                 if parent is None:
                     stats.orphaned += 1
                     return []
@@ -420,7 +431,7 @@ class PrefixCacheTable:
                 return []
         placed = []  # no tokens: place through hashes engines already published with tokens
         for engine_hash in hashes:
-            prefix_hash = context.prefix_of(engine_hash) if context else None
+            prefix_hash = context.prefix_of(engine_hash, owner) if context else None
             if prefix_hash is None:
                 stats.drop("unknown_block_without_tokens")
                 break
