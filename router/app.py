@@ -54,13 +54,15 @@ class UpstreamFailed(Exception):
     """Connection refused/reset or a 5xx before anything reached the client: retry."""
 
 
-@dataclass(slots=True)
+@dataclass(frozen=True, slots=True)
 class Routed:
-    """The decision for one request, and what it is based on."""
+    """One request as received, and what every routing attempt for it shares."""
 
-    decision: Decision
+    body: dict[str, Any]
+    raw: bytes  # forwarded as received when nothing needs changing
     prompt_tokens: int
-    fallback: str | None = None
+    fallback: str | None  # why the conductor's answer is missing, if it is
+    started: float
 
 
 class Router:
@@ -162,12 +164,16 @@ class Router:
 
     # -- deciding ------------------------------------------------------------------------
     async def tokenize(self, path: str, body: dict[str, Any]) -> list[int] | None:
-        """Token ids from a prefill instance's ``/tokenize`` (the engine's own tokenizer)."""
+        """The prompt's token ids: given in the request, or from a prefill instance's
+        ``/tokenize`` (the engine's own tokenizer); None when no instance could say."""
+        prompt = body.get("prompt")
+        if isinstance(prompt, list) and prompt and all(type(t) is int for t in prompt):
+            return prompt
         request: dict[str, Any] = {"model": body.get("model")}
         if path.endswith("chat/completions"):
             request["messages"] = body.get("messages")
         else:
-            request["prompt"] = body.get("prompt")
+            request["prompt"] = prompt
         for upstream in self._rotation(self.pool.prefill.values()):
             try:
                 async with self.session(upstream).post(
@@ -182,9 +188,9 @@ class Router:
                         raise ApiError(
                             response.status, _upstream_message(detail), "BadRequestError"
                         )
-            except aiohttp.ClientConnectionError:
-                self._failed(upstream)
-            except (aiohttp.ClientError, TimeoutError):
+            except (aiohttp.ClientConnectionError, TimeoutError):
+                self._failed(upstream)  # refused or hung: out until a probe sees it again
+            except (aiohttp.ClientError, ValueError):
                 continue
         return None
 
@@ -195,20 +201,22 @@ class Router:
         start = next(self._tokenizer_turn) % len(healthy)
         return healthy[start:] + healthy[:start]
 
-    async def decide(self, path: str, body: dict[str, Any], exclude: set[str]) -> Routed:
-        """Tokenize, query the conductor and run the policy; degrade to least_loaded."""
-        tokens = await self.tokenize(path, body)
-        hits: Hits = {}
-        fallback = None
+    async def hits(self, tokens: list[int] | None, body: dict[str, Any]) -> tuple[Hits, str | None]:
+        """The conductor's answer for the prompt, or no hits and why (the fallback reason)."""
         if tokens is None:
-            fallback = "tokenize_failed"
-        else:
-            try:
-                assert self.conductor is not None
-                hits = await self.conductor.query(tokens, body.get("cache_salt"))
-            except ConductorUnavailable as error:
-                fallback = "conductor_unavailable"
-                log.warning("conductor unavailable, routing by load: %s", error)
+            return {}, "tokenize_failed"
+        assert self.conductor is not None
+        try:
+            return await self.conductor.query(tokens, body.get("cache_salt")), None
+        except ConductorUnavailable as error:
+            log.warning("conductor unavailable, routing by load: %s", error)
+            return {}, "conductor_unavailable"
+
+    def decide(
+        self, prompt_tokens: int, hits: Hits, fallback: str | None, exclude: set[str]
+    ) -> Decision:
+        """Run the policy over the healthy instances not yet tried; least_loaded without
+        the conductor's answer."""
         candidates = [c for c in self.pool.candidates(hits) if c.instance_id not in exclude]
         if not candidates:
             raise ApiError(503, "no healthy prefill instance", "ServiceUnavailableError")
@@ -217,9 +225,9 @@ class Router:
             params = replace(params, cost=self.learner.model)
         if fallback:
             params = replace(params, policy="least_loaded")
-            self.metrics.fallbacks.labels(fallback).inc()
-        decision = choose(params, candidates, next(self._turn), len(tokens or ()), self._rng)
-        return Routed(decision, len(tokens or ()), fallback)
+        decision = choose(params, candidates, next(self._turn), prompt_tokens, self._rng)
+        self.metrics.decisions.labels(decision.policy, decision.instance_id).inc()
+        return decision
 
     def _failed(self, upstream: Upstream) -> None:
         """Out of rotation until the prober sees it healthy again."""
@@ -229,78 +237,75 @@ class Router:
     # -- handlers ------------------------------------------------------------------------
     async def completions(self, request: web.Request) -> web.StreamResponse:
         started = time.perf_counter()
-        body = await read_json_body(request, self.max_body_bytes)
+        body, raw = await read_json_body(request, self.max_body_bytes)
         model = body.get("model")
         served = self.config.prefill.config.modelname
         if model != served:
             raise ApiError(404, f"The model `{model}` does not exist.", "NotFoundError", "model")
+        tokens = await self.tokenize(request.path, body)
+        hits, fallback = await self.hits(tokens, body)
+        if fallback:
+            self.metrics.fallbacks.labels(fallback).inc()
+        routed = Routed(body, raw, len(tokens or ()), fallback, started)
+        self.metrics.prompt_tokens.inc(routed.prompt_tokens)
         failed: set[str] = set()
-        for _ in range(len(self.pool.prefill)):
-            routed = await self.decide(request.path, body, failed)
-            upstream = self.pool.prefill[routed.decision.instance_id]
-            self.metrics.proxy_seconds.observe(time.perf_counter() - started)
+        while True:  # each failed instance is excluded, so this ends
+            decision = self.decide(routed.prompt_tokens, hits, fallback, failed)
+            if not failed:
+                self.metrics.proxy_seconds.observe(time.perf_counter() - started)
+            upstream = self.pool.prefill[decision.instance_id]
             try:
-                return await self._serve(request, body, routed, upstream, started)
+                return await self._serve(request, routed, decision, upstream)
             except UpstreamFailed as error:
                 log.warning("upstream failed instance=%s: %s", upstream.instance_id, error)
                 failed.add(upstream.instance_id)
                 self._failed(upstream)
                 self.metrics.retries.labels(upstream.instance_id).inc()
-        raise ApiError(502, "every prefill instance failed", "BadGatewayError")
 
     async def _serve(
-        self,
-        request: web.Request,
-        body: dict[str, Any],
-        routed: Routed,
-        prefill: Upstream,
-        started: float,
+        self, request: web.Request, routed: Routed, decision: Decision, prefill: Upstream
     ) -> web.StreamResponse:
-        decision = routed.decision
-        self.metrics.decisions.labels(decision.policy, prefill.instance_id).inc()
         self.metrics.cached_tokens.inc(decision.cached_tokens)
-        self.metrics.prompt_tokens.inc(routed.prompt_tokens)
         headers = {
             "x-conductor-prefill-instance": prefill.instance_id,
             "x-conductor-cached-tokens": str(decision.cached_tokens),
             "x-conductor-policy": decision.policy,
-            "x-conductor-overhead-ms": f"{(time.perf_counter() - started) * 1000:.3f}",
+            "x-conductor-overhead-ms": f"{(time.perf_counter() - routed.started) * 1000:.3f}",
         }
         if routed.fallback:
             headers["x-conductor-fallback"] = routed.fallback
         forwarded = {k: v for k in FORWARDED_HEADERS if (v := request.headers.get(k))}
+        forwarded["Content-Type"] = "application/json"
         new_tokens = max(routed.prompt_tokens - decision.cached_tokens, 0)
         ticket = self.pool.claim(prefill, new_tokens)
         queued_before = prefill.queued_prefill_tokens - new_tokens
         self.metrics.in_flight.labels(prefill.instance_id).inc()
         try:
+            if not self.pool.decode:
+                return await self._stream(
+                    request, prefill, routed, routed.raw, forwarded, headers, ticket,
+                    learn=(new_tokens, queued_before),
+                )  # fmt: skip
             decode_upstreams = self.pool.healthy_decode()
-            if self.pool.decode:
-                if not decode_upstreams:
-                    raise ApiError(503, "no healthy decode instance", "ServiceUnavailableError")
-                decode = min(decode_upstreams, key=lambda u: (u.load, u.requests))
-                headers["x-conductor-decode-instance"] = decode.instance_id
-                params = await self._prefill_only(request.path, body, prefill, forwarded)
-                ticket.first_token()
-                self._observe(new_tokens, queued_before, time.perf_counter() - started)
-                decode_ticket = self.pool.claim(decode, 0)
-                try:
-                    upstream_body = disagg.decode_request(body, params)
-                    return await self._stream(
-                        request, decode, upstream_body, forwarded, headers, decode_ticket, started
-                    )
-                finally:
-                    decode_ticket.release()
-            return await self._stream(
-                request,
-                prefill,
-                body,
-                forwarded,
-                headers,
-                ticket,
-                started,
-                learn=(new_tokens, queued_before),
-            )
+            if not decode_upstreams:
+                raise ApiError(503, "no healthy decode instance", "ServiceUnavailableError")
+            decode = min(decode_upstreams, key=lambda u: (u.load, u.requests))
+            headers["x-conductor-decode-instance"] = decode.instance_id
+            params = await self._prefill_only(request.path, routed.body, prefill, forwarded)
+            ticket.first_token()
+            self._observe(new_tokens, queued_before, time.perf_counter() - routed.started)
+            payload = json.dumps(disagg.decode_request(routed.body, params)).encode()
+            decode_ticket = self.pool.claim(decode, 0)
+            try:
+                return await self._stream(
+                    request, decode, routed, payload, forwarded, headers, decode_ticket
+                )
+            except UpstreamFailed as error:  # the prefill is fine: do not retry it
+                self._failed(decode)
+                message = f"decode instance {decode.instance_id} failed: {error}"
+                raise ApiError(502, message, "BadGatewayError") from None
+            finally:
+                decode_ticket.release()
         finally:
             ticket.release()
             self.metrics.in_flight.labels(prefill.instance_id).dec()
@@ -325,7 +330,7 @@ class Router:
                 answer = await response.json(content_type=None)
                 if response.status != 200:
                     raise ApiError(response.status, _upstream_message(answer), "UpstreamError")
-        except (aiohttp.ClientConnectionError, TimeoutError) as error:
+        except (aiohttp.ClientError, TimeoutError, ValueError) as error:
             raise UpstreamFailed(repr(error)) from None
         return disagg.transfer_params(answer)
 
@@ -333,17 +338,18 @@ class Router:
         self,
         request: web.Request,
         upstream: Upstream,
-        body: dict[str, Any],
+        routed: Routed,
+        payload: bytes,
         forwarded: dict[str, str],
         headers: dict[str, str],
         ticket: Ticket,
-        started: float,
         learn: tuple[int, int] | None = None,
     ) -> web.StreamResponse:
-        """Forward and pass the answer through chunk by chunk (SSE stays SSE)."""
+        """Forward and pass the answer through chunk by chunk (SSE stays SSE). Failing
+        before the first byte is retryable; after it, the client sees the transfer cut."""
         try:
             upstream_response = await self.session(upstream).post(
-                request.path, json=body, headers=forwarded
+                request.path, data=payload, headers=forwarded
             )
         except (aiohttp.ClientConnectionError, TimeoutError) as error:
             raise UpstreamFailed(repr(error)) from None
@@ -356,14 +362,24 @@ class Router:
                     response.headers[name] = value
             response.headers.update(headers)
             first = True
-            async for chunk in _chunks(upstream_response):
+            try:
+                async for chunk in upstream_response.content.iter_any():
+                    if first:
+                        first = False
+                        ticket.first_token()
+                        if learn is not None:
+                            ttft = _ttft(upstream_response, routed, time.perf_counter())
+                            self._observe(*learn, ttft)
+                        await response.prepare(request)
+                    await response.write(chunk)
+            except aiohttp.ClientPayloadError as error:
                 if first:
-                    first = False
-                    ticket.first_token()
-                    if learn is not None:
-                        self._observe(*learn, _ttft(upstream_response, body, started))
-                    await response.prepare(request)
-                await response.write(chunk)
+                    raise UpstreamFailed(f"answer cut before any byte: {error!r}") from None
+                log.warning("upstream answer cut short instance=%s", upstream.instance_id)
+                self._failed(upstream)
+                assert request.transport is not None
+                request.transport.close()  # the client must see a truncated answer, not EOF
+                return response
             if first:
                 await response.prepare(request)
             await response.write_eof()
@@ -396,22 +412,14 @@ class Router:
         return response
 
 
-def _ttft(response: aiohttp.ClientResponse, body: dict[str, Any], started: float) -> float | None:
+def _ttft(response: aiohttp.ClientResponse, routed: Routed, now: float) -> float | None:
     """The engine's own TTFT when it reports one; else, for a stream, the first byte's time
     (a whole non-streamed answer says nothing about its first token)."""
     reported = response.headers.get("x-engine-ttft-ms")
     if reported is not None:
         with contextlib.suppress(ValueError):
             return float(reported) / 1000
-    return time.perf_counter() - started if body.get("stream") else None
-
-
-async def _chunks(response: aiohttp.ClientResponse) -> AsyncIterator[bytes]:
-    try:
-        async for chunk in response.content.iter_any():
-            yield chunk
-    except aiohttp.ClientPayloadError as error:  # upstream died mid-answer: nothing to retry
-        log.warning("upstream answer cut short: %s", error)
+    return now - routed.started if routed.body.get("stream") else None
 
 
 def _upstream_message(answer: Any) -> str:
@@ -432,7 +440,7 @@ def engine_in_flight(metrics_text: str) -> int:
     return int(total)
 
 
-async def read_json_body(request: web.Request, max_bytes: int) -> dict[str, Any]:
+async def read_json_body(request: web.Request, max_bytes: int) -> tuple[dict[str, Any], bytes]:
     if request.content_length is not None and request.content_length > max_bytes:
         raise ApiError(413, f"request body over {max_bytes} bytes", "RequestTooLargeError")
     try:
@@ -447,12 +455,12 @@ async def read_json_body(request: web.Request, max_bytes: int) -> dict[str, Any]
         raise ApiError(400, "request body is not valid JSON", "BadRequestError") from None
     if not isinstance(body, dict):
         raise ApiError(400, "request body must be a JSON object", "BadRequestError")
-    for key, kind in (("model", str), ("stream", bool), ("max_tokens", int)):
+    for key, kind in (("model", str), ("stream", bool), ("max_tokens", int), ("cache_salt", str)):
         if key in body and body[key] is not None and not isinstance(body[key], kind):
             raise ApiError(400, f"`{key}` must be a {kind.__name__}", "BadRequestError", key)
     if "model" not in body:
         raise ApiError(400, "`model` is required", "BadRequestError", "model")
-    return body
+    return body, raw
 
 
 def create_app(router: Router) -> web.Application:
@@ -469,7 +477,14 @@ def create_app(router: Router) -> web.Application:
             if error.status < 400:
                 raise
             response = ApiError(error.status, error.reason, "BadRequestError").response()
-        router.metrics.requests.labels(request.path, str(response.status)).inc()
+        except (asyncio.CancelledError, ConnectionError):
+            raise  # the client went away: nothing to answer
+        except Exception:
+            log.exception("unhandled error on %s %s", request.method, request.path)
+            response = ApiError(500, "internal error", "InternalServerError").response()
+        resource = request.match_info.route.resource
+        route = resource.canonical if resource is not None else "unmatched"
+        router.metrics.requests.labels(route, str(response.status)).inc()
         if response.status in (502, 503):
             router.metrics.rejections.labels(f"http_{response.status}").inc()
         return response

@@ -9,13 +9,14 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import struct
 import time
 from collections.abc import Sequence
 from typing import Any
 
 import aiohttp
 import msgpack
+
+from conductor.hashing import token_bytes
 
 from .config import ConductorSection, PrefillInstance, PrefillModelConfig
 
@@ -89,10 +90,14 @@ class ConductorClient:
 
     async def query(self, token_ids: Sequence[int], cache_salt: str | None = None) -> Hits:
         """Cumulative (GPU, CPU, DISK) hit in tokens per instance of the model's context."""
+        try:
+            packed = token_bytes(token_ids)  # int32 wrapping as the conductor hashes them
+        except TypeError as error:
+            raise ConductorUnavailable(f"token ids are not integers: {error}") from None
         body: dict[str, Any] = {
             "model": self._model.modelname,
             "block_size": self._model.block_size,
-            "token_ids": struct.pack(f"<{len(token_ids)}i", *token_ids),
+            "token_ids": packed,
             "tenant_id": self._model.tenant_id,
             "lora_name": self._model.lora_name,
         }

@@ -23,7 +23,6 @@ class Upstream:
     queued_prefill_tokens: int = 0
     engine_in_flight: int = 0  # running + waiting, as the engine's /metrics last said
     healthy: bool = True
-    failures: int = 0
     requests: int = 0
 
     @property
@@ -120,7 +119,6 @@ class InstancePool:
     def mark_failed(self, upstream: Upstream, now: float | None = None) -> None:
         """Take it out of rotation; the health prober brings it back."""
         upstream.healthy = False
-        upstream.failures += 1
         self._retry_at[upstream.instance_id] = (
             time.monotonic() if now is None else now
         ) + RETRY_AFTER_FAILURE_S

@@ -275,6 +275,85 @@ async def broken_engine() -> AsyncIterator[tuple[str, list[CIMultiDict[str]]]]:
     await runner.cleanup()
 
 
+@pytest.fixture
+async def cutting_engine() -> AsyncIterator[tuple[str, dict[str, str]]]:
+    """A real HTTP upstream whose completions die: before any byte ("mode": "early") or
+    after part of the answer ("late"), as an engine process killed mid-request."""
+    mode = {"mode": "early"}
+
+    async def tokenize(request: web.Request) -> web.Response:
+        return web.json_response({"count": 3, "max_model_len": 4096, "tokens": [1, 2, 3]})
+
+    async def health(request: web.Request) -> web.Response:
+        return web.json_response({})
+
+    async def die(request: web.Request) -> web.StreamResponse:
+        await request.read()
+        assert request.transport is not None
+        if mode["mode"] == "late":
+            response = web.StreamResponse()
+            await response.prepare(request)
+            await response.write(b'{"choices": [{"text": "par')
+        request.transport.close()
+        return web.Response()
+
+    app = web.Application()
+    app.add_routes(
+        [
+            web.post("/tokenize", tokenize),
+            web.get("/health", health),
+            web.post("/v1/completions", die),
+        ]
+    )
+    runner = web.AppRunner(app)
+    await runner.setup()
+    port = free_port()
+    await web.TCPSite(runner, "127.0.0.1", port).start()
+    yield f"http://127.0.0.1:{port}", mode
+    await runner.cleanup()
+
+
+async def test_an_answer_cut_before_any_byte_is_retried_after_it_is_not(
+    fleet, http, cutting_engine
+):
+    url, mode = cutting_engine
+    fleet.engine("a")
+    config = fleet.config(["a"], policy="round_robin")
+    config["prefill"]["instances"].insert(0, {"instance_id": "cut", "http_endpoint": url})
+    router = fleet.start_router(config)
+    status, headers, _ = await complete(http, router, "first")  # round robin: "cut" first
+    assert (status, headers["x-conductor-prefill-instance"]) == (200, "a")
+    assert await router_metric(http, router, "router_retries_total") == 1
+
+    mode["mode"] = "late"
+    await eventually(  # the prober brings "cut" back (its /health answers)
+        lambda: router_metric(http, router, 'router_upstream_healthy{instance="cut"}'),
+        lambda healthy: healthy == 1,
+    )
+    outcomes = set()
+    for i in range(2):  # one of two round-robin turns lands on "cut"
+        try:
+            status, headers, _ = await complete(http, router, f"again {i}")
+            outcomes.add((status, headers["x-conductor-prefill-instance"]))
+        except aiohttp.ClientPayloadError:
+            outcomes.add("truncated")
+    assert outcomes == {(200, "a"), "truncated"}  # never a clean 200 for a cut answer
+
+
+async def test_dead_decode_instance_is_a_502_not_a_dead_prefill(fleet, http):
+    fleet.engine("prefill")
+    fleet.engine("decode")
+    router = fleet.start_router(fleet.config(["prefill"], decode=["decode"]))
+    fleet.engines["decode"].kill()
+    status, _, answer = await complete(http, router, SHARED, max_tokens=4)
+    assert status == 502 and "decode instance decode failed" in answer["error"]["message"]
+    async with http.get(f"{router.url}/health") as response:
+        health = await response.json()
+    assert (health["prefill_instances"], health["decode_instances"]) == (["prefill"], [])
+    status, _, answer = await complete(http, router, SHARED, max_tokens=4)
+    assert status == 503 and "no healthy decode" in answer["error"]["message"]
+
+
 async def test_upstream_error_is_retried_on_the_next_instance(fleet, http, broken_engine):
     broken_url, seen = broken_engine
     fleet.engine("a")
@@ -332,7 +411,9 @@ BAD_REQUESTS = [
     (json.dumps({"model": "other", "prompt": "x"}).encode(), 404, "does not exist"),
     (json.dumps({"model": MODEL, "prompt": "x", "stream": "yes"}).encode(), 400, "stream"),
     (json.dumps({"prompt": "x"}).encode(), 400, "model"),
-    (json.dumps({"model": MODEL, "prompt": ""}).encode(), 400, ""),
+    (json.dumps({"model": MODEL, "prompt": ""}).encode(), 400, "cannot be empty"),
+    (json.dumps({"model": MODEL, "prompt": [2**40, 1, 2]}).encode(), 400, "out of vocabulary"),
+    (json.dumps({"model": MODEL, "prompt": "x", "cache_salt": 5}).encode(), 400, "cache_salt"),
 ]
 
 
