@@ -214,12 +214,7 @@ def _wire(item: Event | WireEvent) -> WireEvent:
     return wire
 
 
-def _array_header(length: int) -> bytes:
-    if length < 16:
-        return bytes([0x90 | length])
-    if length < 1 << 16:
-        return b"\xdc" + length.to_bytes(2, "big")
-    return b"\xdd" + length.to_bytes(4, "big")
+_PACKER = msgpack.Packer()
 
 
 def encode_batch(
@@ -239,7 +234,7 @@ def encode_batch(
         (
             b"\x93",
             msgpack.packb(float(timestamp)),
-            _array_header(len(encoded)),
+            _PACKER.pack_array_header(len(encoded)),
             *encoded,
             msgpack.packb(dp_rank),
         )

@@ -219,7 +219,9 @@ async def serve(args: argparse.Namespace) -> None:
     timing = timing_model(args)
     hasher = BlockHasher(args.prefix_caching_hash_algo, os.environ.get("PYTHONHASHSEED"))
     blocks = BlockManager(
-        args.num_gpu_blocks_override or default_num_gpu_blocks(args, timing),
+        args.num_gpu_blocks_override
+        if args.num_gpu_blocks_override is not None
+        else default_num_gpu_blocks(args, timing),
         args.block_size,
         num_cpu_blocks=args.sim_cpu_offload_blocks,
         hasher=hasher,

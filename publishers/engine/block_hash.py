@@ -29,8 +29,6 @@ import xxhash
 HASH_ALGORITHMS = ("sha256", "sha256_cbor", "xxhash", "xxhash_cbor")
 DEFAULT_NONE_HASH_SEED = "vllm-none-hash"  # sha256 variants with PYTHONHASHSEED unset, >= 0.29
 PICKLE_PROTOCOL = 5  # pickle.HIGHEST_PROTOCOL of every Python vLLM 0.33 supports
-EVENT_HASH_MASK = 2**64 - 1
-
 HashFunction = Callable[[object], bytes]
 ExtraKeys = tuple[object, ...] | None
 
@@ -112,7 +110,7 @@ def event_extra_keys(
 
 def event_hash(digest: bytes) -> int:
     """The integer form of a digest in events (``VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES=1``)."""
-    return int.from_bytes(digest, "big") & EVENT_HASH_MASK
+    return int.from_bytes(digest[-8:], "big")  # the low 64 bits, as ``normalize_hash`` reads
 
 
 class BlockHasher:

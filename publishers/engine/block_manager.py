@@ -130,6 +130,9 @@ class BlockManager:
         self._requests: dict[str, _Request] = {}
         self._events: list[WireEvent] = []
         self._stats = CacheStats()
+        # the last refused prompt's hashes: the scheduler retries its queue head every step,
+        # and hashing a long prompt again each time would dominate the simulator
+        self._refused: tuple[str, int, list[_CachedBlock]] | None = None
 
     # -- request lifecycle -------------------------------------------------------------
 
@@ -153,7 +156,11 @@ class BlockManager:
             raise ValueError("a prompt needs at least one token")
         num_blocks = self._blocks_for(len(token_ids))
         request = _Request(list(token_ids), lora, cache_salt)
-        request.blocks = self._complete_blocks(request, 0)
+        refused, self._refused = self._refused, None
+        if refused is not None and refused[:2] == (request_id, len(token_ids)):
+            request.blocks = refused[2]
+        else:
+            request.blocks = self._complete_blocks(request, 0)
 
         hit_limit = (len(token_ids) - 1) // self.block_size
         gpu_hits: list[int] = []
@@ -171,6 +178,7 @@ class BlockManager:
         num_new_blocks = num_blocks - len(gpu_hits)
         free_hits = sum(1 for block_id in gpu_hits if self._ref_counts[block_id] == 0)
         if num_new_blocks > len(self._free) - free_hits:
+            self._refused = (request_id, len(token_ids), request.blocks)
             return None
 
         for block_id in gpu_hits:  # before taking new blocks, so hits cannot be evicted

@@ -178,7 +178,9 @@ class Scheduler:
         if not (decoded or admitted or preempted or rejected):
             return None
         duration = sum(self._admit(request, allocation) for request, allocation in admitted)
-        context = sum(len(request.token_ids) for request in decoded)
+        context = sum(
+            len(request.prompt_token_ids) + len(request.output_token_ids) for request in decoded
+        )  # lengths only: ``token_ids`` copies the whole sequence
         duration += self.timing.decode_step_seconds(len(decoded), context)
         return StepPlan(
             admitted=tuple(request for request, _ in admitted),
@@ -348,6 +350,17 @@ class EngineLoop:
 
     def start(self) -> None:
         self._task = asyncio.create_task(self._run(), name="engine-loop")
+        self._task.add_done_callback(self._died)
+
+    def _died(self, task: asyncio.Task[None]) -> None:
+        """A crashed loop must not leave every request waiting forever: fail them, loudly."""
+        if task.cancelled() or task.exception() is None:
+            return
+        log.error("engine loop crashed", exc_info=task.exception())
+        for stream in list(self._streams.values()):
+            if self.scheduler.finish(stream.request, "error"):
+                stream.request.error = "engine loop crashed"
+        self._wake_streams(list(self._streams))
 
     async def close(self) -> None:
         """Stop stepping and end every request's stream (held prefills are dropped)."""
@@ -388,7 +401,8 @@ class EngineLoop:
 
     def reset_prefix_cache(self) -> bool:
         reset = self.scheduler.reset_prefix_cache()
-        self._publish()
+        if reset:  # a refused reset changed nothing: the running step publishes its own batch
+            self._publish()
         return reset
 
     async def _run(self) -> None:

@@ -415,6 +415,8 @@ class EngineApi:
     ) -> web.StreamResponse:
         model = self._check_model(body.model)
         transfer = body.kv_transfer_params or KVTransferParams()
+        if transfer.do_remote_decode and body.stream:  # its answer carries the transfer params
+            raise ApiError(400, "kv_transfer_params.do_remote_decode needs stream=false", "stream")
         max_tokens = 1 if transfer.do_remote_decode else max_tokens or DEFAULT_MAX_TOKENS
         self._check_prompt(token_ids, max_tokens)
         request = EngineRequest(
