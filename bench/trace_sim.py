@@ -183,23 +183,14 @@ def cost_model_from_timing(timing: TimingModel) -> PrefillCostModel:
     TimingModel prefill = overhead + l·(a·((n+p)² − p²)·d + b·n·d²) / (G·mfu), and
     (n+p)² − p² = n·(n + 2p), which is PrefillCostModel's shape: per_token = l·b·d²/(G·mfu),
     attention = l·a·d/(G·mfu). Loading cached KV (CPU tier, store, a peer) costs
-    kv_bytes_per_token / B per token. All scaled by ``time_scale``.
+    kv_bytes_per_token / B per token.
     """
     flops_per_s = timing.gpu_flops * timing.mfu
-    scale = timing.time_scale
-    load_per_token = timing.kv_load_seconds(1)  # already scaled
+    load_per_token = timing.kv_load_seconds(1)
     return PrefillCostModel(
-        overhead_s=timing.prefill_overhead_s * scale,
-        per_token_s=timing.num_layers
-        * timing.linear_coef
-        * timing.hidden_size**2
-        / flops_per_s
-        * scale,
-        attention_s=timing.num_layers
-        * timing.attention_coef
-        * timing.hidden_size
-        / flops_per_s
-        * scale,
+        overhead_s=timing.prefill_overhead_s,
+        per_token_s=timing.num_layers * timing.linear_coef * timing.hidden_size**2 / flops_per_s,
+        attention_s=timing.num_layers * timing.attention_coef * timing.hidden_size / flops_per_s,
         cpu_load_per_token_s=load_per_token,
         disk_load_per_token_s=load_per_token,
         transfer_per_token_s=load_per_token,

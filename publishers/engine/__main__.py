@@ -44,7 +44,7 @@ DEFAULT_HBM_BYTES = 8 * 80e9  # 8 x A800-80GB, as the timing model's defaults
 WILDCARD_HOSTS = ("", "*", "0.0.0.0", "::")
 SHUTDOWN_SECONDS = 0.5  # per stage; SIGTERM to exit stays well under 2 s
 REGISTER_BACKOFF = (0.1, 5.0)  # first and largest delay between attempts, seconds
-_TIMING_FIELDS = [field for field in fields(TimingModel) if field.name != "time_scale"]
+_TIMING_FIELDS = list(fields(TimingModel))
 
 
 class KVEventsConfig(BaseModel):

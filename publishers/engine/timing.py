@@ -25,13 +25,13 @@ sequence; both terms are added (no overlap), which keeps the model monotone in b
 and context. Defaults give ≈ 25 ms per step for one 8k-token sequence — the paper's Figure
 14b shows ≈ 27 ms per token at 8k (128 tokens in ≈ 3.4 s).
 
-Every constant is a field so the same model can describe a smaller engine; ``time_scale``
-multiplies every result so tests and demos can run the same schedule faster.
+Every constant is a field so the same model can describe a smaller engine. Results are model
+seconds; the engine loop's ``--sim-time-scale`` maps them to wall time.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 
 @dataclass(frozen=True, slots=True)
@@ -51,7 +51,6 @@ class TimingModel:
     mbu: float = 0.6  # achieved fraction of HBM bandwidth when decoding
     weight_bytes: float = 141e9  # 70.6e9 parameters in BF16
     decode_overhead_s: float = 0.010  # launch, all-reduce latency and sampling per step
-    time_scale: float = 1.0  # multiplies every duration
 
     @property
     def kv_bytes_per_token(self) -> float:
@@ -75,11 +74,11 @@ class TimingModel:
         if new_tokens <= 0:
             return 0.0
         compute = self.prefill_flops(new_tokens, cached_tokens) / (self.gpu_flops * self.mfu)
-        return (self.prefill_overhead_s + compute) * self.time_scale
+        return self.prefill_overhead_s + compute
 
     def kv_load_seconds(self, tokens: int) -> float:
         """Time to bring ``tokens`` of cached KV into HBM (CPU tier or remote store)."""
-        return tokens * self.kv_bytes_per_token / self.kv_load_bandwidth * self.time_scale
+        return tokens * self.kv_bytes_per_token / self.kv_load_bandwidth
 
     def decode_step_seconds(self, batch_size: int, context_tokens: int) -> float:
         """One decode step for ``batch_size`` sequences holding ``context_tokens`` KV in all.
@@ -97,8 +96,4 @@ class TimingModel:
             + batch_size * self.linear_coef * d * d
         )
         compute = flops / (self.gpu_flops * self.mfu)
-        return (self.decode_overhead_s + memory + compute) * self.time_scale
-
-    def scaled(self, factor: float) -> TimingModel:
-        """The same model running ``factor`` times as long (``0.01``: a hundred times faster)."""
-        return replace(self, time_scale=self.time_scale * factor)
+        return self.decode_overhead_s + memory + compute

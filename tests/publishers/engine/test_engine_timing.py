@@ -79,14 +79,7 @@ def test_decode_step_matches_the_paper() -> None:
     assert MODEL.decode_step_seconds(1, 8192) == pytest.approx(0.027, rel=0.15)
 
 
-def test_scaled_and_overridable() -> None:
-    fast = MODEL.scaled(0.01)
-    assert fast.prefill_seconds(8192) == pytest.approx(MODEL.prefill_seconds(8192) / 100)
-    assert fast.kv_load_seconds(100) == pytest.approx(MODEL.kv_load_seconds(100) / 100)
-    assert fast.decode_step_seconds(4, 100) == pytest.approx(
-        MODEL.decode_step_seconds(4, 100) / 100
-    )
-    assert fast.scaled(10).time_scale == pytest.approx(0.1)
+def test_overridable() -> None:
     small = TimingModel(num_layers=32, hidden_size=4096, gpu_flops=312e12, weight_bytes=16e9)
     assert small.kv_bytes_per_token == 32 * 2 * 512 * 2
     assert small.prefill_seconds(8192) < MODEL.prefill_seconds(8192)
