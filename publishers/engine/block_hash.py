@@ -134,11 +134,13 @@ class BlockHasher:
         *,
         lora: LoraAdapter | None = None,
         cache_salt: str | None = None,
+        start: int = 0,
+        parent: bytes | None = None,
     ) -> list[bytes]:
-        """Digests of every complete block of a request, as vLLM's request block hasher."""
+        """Digests of a request's complete blocks from index ``start`` on (``parent`` is block
+        ``start - 1``'s digest), as vLLM's request block hasher chains them."""
         digests: list[bytes] = []
-        parent: bytes | None = None
-        for index in range(len(token_ids) // block_size):
+        for index in range(start, len(token_ids) // block_size):
             tokens = token_ids[index * block_size : (index + 1) * block_size]
             parent = self.digest(parent, tokens, hash_extra_keys(index, lora, cache_salt))
             digests.append(parent)

@@ -49,7 +49,6 @@ from .block_hash import (
     LoraAdapter,
     event_extra_keys,
     event_hash,
-    hash_extra_keys,
 )
 
 KV_CACHE_GROUP = 0  # vLLM's BlockPool tags every event with the (single) KV-cache group 0
@@ -291,19 +290,21 @@ class BlockManager:
         size = self.block_size
         tokens = request.token_ids
         parent = request.blocks[start - 1] if start else None
+        digests = self._hasher.block_digests(
+            tokens,
+            size,
+            lora=request.lora,
+            cache_salt=request.cache_salt,
+            start=start,
+            parent=parent.digest if parent else None,
+        )
         blocks: list[_CachedBlock] = []
-        for index in range(start, len(tokens) // size):
-            block_tokens = tuple(tokens[index * size : (index + 1) * size])
-            digest = self._hasher.digest(
-                parent.digest if parent else None,
-                block_tokens,
-                hash_extra_keys(index, request.lora, request.cache_salt),
-            )
+        for index, digest in enumerate(digests, start):
             parent = _CachedBlock(
                 digest=digest,
                 event_hash=event_hash(digest),
                 parent_event_hash=parent.event_hash if parent else None,
-                token_ids=block_tokens,
+                token_ids=tuple(tokens[index * size : (index + 1) * size]),
                 extra_keys=event_extra_keys(index, request.lora, request.cache_salt),
                 lora=request.lora,
                 cache_salt=(request.cache_salt or None) if index == 0 else None,
