@@ -47,6 +47,7 @@ from bench.trace_sim import (
     SimConfig,
     TraceRequest,
     imbalance,
+    json_safe,
     load_trace,
     percentile,
     pooled_reference,
@@ -56,6 +57,7 @@ from bench.trace_sim import (
 )
 from publishers.engine.timing import TimingModel
 from publishers.local import HOST, LocalService, free_port
+from router.conductor_client import parse_hits
 from router.policy import POLICIES
 
 REPO = Path(__file__).resolve().parent.parent
@@ -458,8 +460,8 @@ async def warm_up(fleet: Fleet, request: TraceRequest) -> None:
         deadline = time.monotonic() + WARM_UP_TIMEOUT_S
         while time.monotonic() < deadline:
             async with session.post(f"{fleet.conductor.url}/query", json=query) as answer:
-                hits = next(iter((await answer.json()).values()), {})
-            if all(hits.get(e.instance_id, {}).get("GPU", 0) >= expected for e in fleet.engines):
+                hits = parse_hits(await answer.json(), "default")
+            if all(hits.get(e.instance_id, (0, 0, 0))[0] >= expected for e in fleet.engines):
                 return
             await asyncio.sleep(0.1)
     raise TimeoutError(f"the conductor did not index the warm-up on every engine: {hits}")
@@ -468,15 +470,10 @@ async def warm_up(fleet: Fleet, request: TraceRequest) -> None:
 # -- summaries ---------------------------------------------------------------------------
 
 
-def finite(value: float) -> float | None:
-    """JSON has no NaN: an undefined figure becomes null."""
-    return None if math.isnan(value) else value
-
-
 def quantiles(values: Sequence[float], prefix: str, unit: str) -> dict[str, float | None]:
     ordered = sorted(values)
     figures: dict[str, float | None] = {
-        f"{prefix}_p{q}_{unit}": finite(percentile(ordered, q)) for q in (50, 90, 99)
+        f"{prefix}_p{q}_{unit}": percentile(ordered, q) for q in (50, 90, 99)
     }
     figures[f"{prefix}_mean_{unit}"] = sum(ordered) / len(ordered) if ordered else None
     figures[f"{prefix}_max_{unit}"] = ordered[-1] if ordered else None
@@ -531,7 +528,7 @@ def summarize(
         "instances": load,
     }
     for key in ("requests", "prompt_tokens", "computed_tokens"):
-        summary[f"imbalance_{key}"] = finite(imbalance([v[key] for v in load.values()]))
+        summary[f"imbalance_{key}"] = imbalance([v[key] for v in load.values()])
     return summary
 
 
@@ -701,7 +698,7 @@ def write_json(path: Path, setup: dict, runs: list[dict], wall_s: float) -> None
         "wall_s": wall_s,
         "machine": {"python": platform.python_version(), "cpus": os.cpu_count()},
     }
-    path.write_text(json.dumps(report, indent=2) + "\n", encoding="utf-8")
+    path.write_text(json.dumps(json_safe(report), indent=2) + "\n", encoding="utf-8")
 
 
 if __name__ == "__main__":

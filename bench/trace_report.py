@@ -30,6 +30,7 @@ from bench.trace_sim import (
     TraceRequest,
     cost_model_from_timing,
     distinct_blocks,
+    json_safe,
     load_trace,
     simulate,
     summarize,
@@ -344,15 +345,4 @@ def write_json(path: Path, reports: dict, config: SimConfig, args, wall_s: float
         "traces": reports,
     }
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(_strict(document), indent=1, default=str))
-
-
-def _strict(value: Any) -> Any:
-    """Standard JSON: non-finite floats (an infinite threshold, a NaN ratio) as strings."""
-    if isinstance(value, float) and not math.isfinite(value):
-        return str(value)
-    if isinstance(value, dict):
-        return {key: _strict(item) for key, item in value.items()}
-    if isinstance(value, list | tuple):
-        return [_strict(item) for item in value]
-    return value
+    path.write_text(json.dumps(json_safe(document), indent=1, default=str))

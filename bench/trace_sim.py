@@ -45,6 +45,7 @@ from collections import OrderedDict, deque
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
+from typing import Any
 
 if __package__ in (None, ""):  # run as a script: make the repository importable
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
@@ -251,7 +252,6 @@ class PrefillInstance:
     source: StreamSource
     waiting: deque[Job] = field(default_factory=deque)
     busy: bool = False
-    requests: int = 0
     computed_tokens: int = 0
     busy_s: float = 0.0
 
@@ -487,7 +487,6 @@ class TraceSimulation:
         timing = self.config.timing
         duration = timing.kv_load_seconds(loaded) + timing.prefill_seconds(new_tokens, cached)
         instance.busy = True
-        instance.requests += 1
         instance.computed_tokens += new_tokens
         instance.busy_s += duration
         self._push(self.now + duration, _FINISH, (instance, job, allocation))
@@ -621,6 +620,17 @@ def simulate(requests: Sequence[TraceRequest], config: SimConfig, name: str) -> 
 
 
 # -- summaries ---------------------------------------------------------------------------
+
+
+def json_safe(value: Any) -> Any:
+    """Standard JSON: non-finite floats (an infinite threshold, a NaN ratio) as strings."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return str(value)
+    if isinstance(value, dict):
+        return {key: json_safe(item) for key, item in value.items()}
+    if isinstance(value, list | tuple):
+        return [json_safe(item) for item in value]
+    return value
 
 
 def percentile(sorted_values: Sequence[float], q: float) -> float:
