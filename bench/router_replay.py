@@ -133,7 +133,7 @@ def describe(setup: ReplaySetup) -> dict[str, Any]:
     the ideal hit ratio of one never-evicting cache, the hit ratio of one LRU pool of the
     whole fleet's size (trace_sim's ``pooled`` ceiling) and the offered load."""
     requests = setup.requests
-    reused, total = unbounded_token_hits(requests)
+    reused, total = unbounded_token_hits(requests, warm_start=True)  # as the fleet is
     pooled = pooled_reference(
         requests, SimConfig(num_instances=setup.engines, block_size=ENGINE_BLOCK_SIZE)
     )

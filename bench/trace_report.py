@@ -269,7 +269,7 @@ def config_from(args: argparse.Namespace) -> SimConfig:
 
 
 def trace_setup(trace: str, requests: list[TraceRequest], config: SimConfig, args) -> dict:
-    reused, total = unbounded_token_hits(requests)
+    reused, total = unbounded_token_hits(requests, warm_start=config.warm_start)
     return {
         "trace": trace,
         "setup": {

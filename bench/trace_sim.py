@@ -156,13 +156,18 @@ def unbounded_block_hit_ratio(requests: Iterable[TraceRequest]) -> float:
 
 
 def unbounded_token_hits(
-    requests: Iterable[TraceRequest], block_size: int = TRACE_BLOCK_SIZE
+    requests: Sequence[TraceRequest], warm_start: bool = False
 ) -> tuple[int, int]:
     """(reused, input) tokens of one never-evicting cache under the engine's own rules:
     only complete blocks are cached, and at least the prompt's last token is recomputed
-    (vLLM caps a hit at ``len - 1`` tokens). Set arithmetic, so it runs in a second; the
+    (vLLM caps a hit at ``len - 1`` tokens). ``warm_start``: the cache already served the
+    first request, as the simulated fleet has. Set arithmetic, so it runs in a second; the
     test checks it against a BlockManager that never evicts."""
+    block_size = TRACE_BLOCK_SIZE  # one hash_id per 512-token block
     cached: set[int] = set()
+    if warm_start and requests:
+        first = requests[0]
+        cached.update(first.hash_ids[: first.input_length // block_size])
     reused = total = 0
     for request in requests:
         hit_limit = (request.input_length - 1) // block_size

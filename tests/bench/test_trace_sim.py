@@ -45,12 +45,6 @@ def request(hash_ids: list[int], input_length: int, index: int = 0) -> TraceRequ
     return TraceRequest(index, 0.0, input_length, 1, tuple(hash_ids))
 
 
-def warm_unbounded_hits(requests: list[TraceRequest]) -> int:
-    """Reused tokens of a never-evicting cache warmed up like the fleet (``warm_start``:
-    the first request served once before the replay): the most any run can reuse."""
-    return unbounded_token_hits([requests[0], *requests])[0]
-
-
 @pytest.fixture(scope="module")
 def conversation_slice() -> list[TraceRequest]:
     return load_trace(trace_path("conversation"), limit=SLICE)
@@ -163,7 +157,9 @@ def test_cache_aware_policies_reuse_more_and_the_pooled_cache_bounds_all(
     assert hits["ttft"] > hits["round_robin"]
     pooled = pooled_reference(conversation_slice, SimConfig(num_instances=INSTANCES))
     assert all(pooled.hit_ratio >= hit for hit in hits.values()), (pooled.hit_ratio, hits)
-    assert pooled.reused_tokens == warm_unbounded_hits(conversation_slice)  # nothing evicted
+    assert (
+        pooled.reused_tokens == unbounded_token_hits(conversation_slice, warm_start=True)[0]
+    )  # nothing evicted
 
 
 def test_the_index_is_the_engines_truth_at_every_decision(
@@ -236,7 +232,11 @@ def test_store_and_peer_pulls_add_reuse_within_the_ceiling(
     with_store = SimConfig(num_instances=INSTANCES, store_blocks=50_000, verify=True)
     stored = simulate(requests, with_store, "round_robin")
     plain = simulate(requests, SimConfig(num_instances=INSTANCES), "round_robin")
-    assert plain.reused_tokens < stored.reused_tokens <= warm_unbounded_hits(requests)
+    assert (
+        plain.reused_tokens
+        < stored.reused_tokens
+        <= unbounded_token_hits(requests, warm_start=True)[0]
+    )
     assert stored.mismatches == []
     exact = SimConfig(num_instances=INSTANCES, routing=RoutingParams(ttft_slack=0.0))
     local = simulate(conversation_slice, exact, "ttft")  # Algorithm 1, no pulls
