@@ -11,7 +11,9 @@ from __future__ import annotations
 import asyncio
 
 import pytest
+import zmq
 
+from conductor.wire import EventBatch, decode_batch, parse_replay, replay_request
 from conductor.wire.events import BlockStored
 from publishers.engine.block_manager import BlockManager
 from publishers.engine.scheduler import (
@@ -24,6 +26,7 @@ from publishers.engine.scheduler import (
     sample_token,
 )
 from publishers.engine.timing import TimingModel
+from publishers.publisher import KVEventPublisher
 
 VOCAB = 1000
 TIMING = TimingModel()
@@ -235,25 +238,36 @@ def test_a_remote_prefill_loads_the_prompt_instead_of_computing_it() -> None:
     assert decode.num_cached_tokens == 64  # vLLM counts transferred tokens as cached
 
 
-class RecordingPublisher:
-    def __init__(self) -> None:
-        self.batches: list[list[object]] = []
-
-    def publish(self, events: list[object]) -> int:
-        self.batches.append(events)
-        return len(self.batches) - 1
+def published_batches(publisher: KVEventPublisher) -> list[EventBatch]:
+    """Every batch the real publisher sent, read back through its replay socket and the
+    conductor's decoder, as a conductor would see them."""
+    assert publisher.flush(5) and publisher.replay_endpoint is not None
+    dealer = zmq.Context.instance().socket(zmq.DEALER)
+    dealer.setsockopt(zmq.LINGER, 0)
+    dealer.setsockopt(zmq.RCVTIMEO, 5000)
+    dealer.connect(publisher.replay_endpoint)
+    try:
+        dealer.send_multipart(replay_request(0))
+        batches = []
+        while (message := parse_replay(dealer.recv_multipart())) is not None:
+            batches.append(decode_batch(message.payload))
+        return batches
+    finally:
+        dealer.close()
 
 
 async def test_the_loop_streams_tokens_and_publishes_one_batch_per_step_with_events() -> None:
-    publisher = RecordingPublisher()
-    engine = EngineLoop(scheduler(), publisher, time_scale=0)  # type: ignore[arg-type]
+    publisher = KVEventPublisher("tcp://127.0.0.1:0", "tcp://127.0.0.1:0", bind=True)
+    engine = EngineLoop(scheduler(), publisher, time_scale=0)
     engine.start()
     try:
         done = engine.submit(request("done", 4, max_tokens=3))
         tokens = await asyncio.wait_for(_collect(done), 5)
         assert tokens == [sample_token(done.request.seed, i, VOCAB) for i in range(3)]
         # step 1 stores the prompt's block; the two decode steps complete no block
-        assert [len(batch) for batch in publisher.batches] == [1]
+        batches = published_batches(publisher)
+        assert [len(batch.events) for batch in batches] == [1]
+        assert isinstance(batches[0].events[0], BlockStored) and not batches[0].rejected
 
         endless = engine.submit(request("endless", 4, max_tokens=250, start=100))
         await asyncio.wait_for(anext(endless), 5)
@@ -262,6 +276,7 @@ async def test_the_loop_streams_tokens_and_publishes_one_batch_per_step_with_eve
         assert endless.request.finish_reason == "abort" and engine.scheduler.blocks.usage == 0
     finally:
         await engine.close()
+        publisher.close()
 
 
 async def test_closing_the_loop_ends_waiting_streams_with_an_error() -> None:
