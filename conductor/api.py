@@ -221,16 +221,23 @@ class ConductorApi:
         )
 
     async def health(self, request: web.Request) -> web.Response:
+        """Always 200 while serving; ``status`` is "degraded" when a stream's events cannot
+        be indexed as registered, and ``streams`` says which one and why."""
         states: dict[str, int] = {}
-        for key in self.manager.registrations:
+        streams: dict[str, dict[str, str]] = {}
+        for key in sorted(self.manager.registrations):
             state = self.manager.state_of(key)
             states[state] = states.get(state, 0) + 1
+            streams[key] = {"state": state}
+            if key in self.manager.degraded:
+                streams[key]["degraded"] = self.manager.degraded[key]
         return reply(
             request,
             {
-                "status": "ok",
+                "status": "degraded" if self.manager.degraded else "ok",
                 "services": len(self.manager.registrations),
                 "subscribers": states,
+                "streams": streams,
                 "contexts": len(self.table.contexts),
                 "blocks": self.table.block_count(),
             },

@@ -59,7 +59,8 @@ class StreamSource:
 
 @dataclass(slots=True)
 class ApplyStats:
-    """What one batch did; the shell turns these into metrics."""
+    """What one batch did; the shell turns these into metrics and, for a stream whose
+    events carry another block size than registered, into a warning and a degraded health."""
 
     events: int = 0
     blocks_stored: int = 0
@@ -68,6 +69,7 @@ class ApplyStats:
     orphaned: int = 0
     ignored: int = 0
     dropped: dict[str, int] = field(default_factory=dict)
+    foreign_block_size: int | None = None  # what mismatched events carry (the last one seen)
 
     def drop(self, reason: str) -> None:
         self.dropped[reason] = self.dropped.get(reason, 0) + 1
@@ -390,6 +392,7 @@ class PrefixCacheTable:
             return
         if event.block_size is not None and event.block_size != source.block_size:
             stats.drop("block_size_mismatch")
+            stats.foreign_block_size = event.block_size
             return
         if not event.block_hashes:
             stats.ignored += 1

@@ -48,6 +48,8 @@ class ServiceManager:
         self.table = table
         self.metrics = metrics
         self.registrations: dict[str, Registration] = {}
+        # service key -> why its stream is not indexed as registered (shown by /health)
+        self.degraded: dict[str, str] = {}
         self._subscribers: dict[str, StreamSubscriber] = {}
         self._context = zmq.asyncio.Context()
         self._replay_timeout = replay_timeout
@@ -78,7 +80,7 @@ class ServiceManager:
                 key,
                 registration.endpoint,
                 registration.replay_endpoint,
-                self._callbacks(key),
+                self._callbacks(registration),
                 first_sequence=registration.first_sequence,
                 replay_timeout=self._replay_timeout,
             )
@@ -108,6 +110,7 @@ class ServiceManager:
                 raise ServiceNotFound(key)
             subscriber = self._subscribers.pop(key)
             del self.registrations[key]
+            self.degraded.pop(key, None)
             await subscriber.stop()
             dropped = self.table.remove_stream(key)
             self.metrics.forget_stream(key)
@@ -121,14 +124,16 @@ class ServiceManager:
         self._context.term()
 
     # -- ingestion -----------------------------------------------------------------------
-    def _callbacks(self, key: str) -> StreamCallbacks:
+    def _callbacks(self, registration: Registration) -> StreamCallbacks:
         metrics = self.metrics
+        key = registration.key
 
         def on_message(message: Message, replayed: bool) -> None:
-            self._ingest(key, message, replayed)
+            self._ingest(registration, message, replayed)
 
         def on_restart() -> None:
             self.table.clear_stream(key)
+            self.degraded.pop(key, None)  # a restarted engine may have been reconfigured
 
         def on_state(state: str) -> None:
             metrics.subscriber_state.labels(key).state(state)
@@ -141,8 +146,9 @@ class ServiceManager:
 
         return StreamCallbacks(on_message, on_restart, on_state, on_event)
 
-    def _ingest(self, key: str, message: Message, replayed: bool) -> None:
+    def _ingest(self, registration: Registration, message: Message, replayed: bool) -> None:
         """Decode and apply one batch synchronously: no await between its events."""
+        key = registration.key
         try:
             batch = decode_batch(message.payload, message.topic)
         except DecodeError as error:
@@ -159,3 +165,25 @@ class ServiceManager:
             log.exception("stream=%s seq=%d batch could not be applied", key, message.seq)
             return
         self.metrics.record_apply(key, stats, replayed)
+        if stats.foreign_block_size is not None:
+            self._flag_block_size(registration, stats.foreign_block_size)
+
+    def _flag_block_size(self, registration: Registration, carried: int) -> None:
+        """Warn once per stream: every stored block of it is dropped, so queries never hit
+        that instance, which without this would only show as one counter among many."""
+        key = registration.key
+        if key in self.degraded:
+            return
+        reason = (
+            f"block_size_mismatch: registered {registration.block_size}, events carry {carried}"
+        )
+        self.degraded[key] = reason
+        log.warning(
+            "stream=%s instance_id=%s dp_rank=%d endpoint=%s degraded: %s; "
+            "its blocks are not indexed until it is registered with the engine's block size",
+            key,
+            registration.instance_id or registration.endpoint,
+            registration.dp_rank,
+            registration.endpoint,
+            reason,
+        )

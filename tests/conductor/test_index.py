@@ -734,8 +734,10 @@ def test_block_size_mismatch_dropped(table: PrefixCacheTable) -> None:
     register(table, src("a"))
     stats = table.apply("a|default|0", batch(stored([10], toks(0, 4), block_size=16)))
     assert stats.dropped == {"block_size_mismatch": 1}
+    assert stats.foreign_block_size == 16  # for the service's warning and /health
     stats = table.apply("a|default|0", batch(stored([10], prompt(1), block_size=BS)))
     assert stats.blocks_stored == 1  # an explicit, equal block size is fine
+    assert stats.foreign_block_size is None
     assert ctx(block_size=16) not in table.contexts
 
 

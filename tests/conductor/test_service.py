@@ -205,3 +205,38 @@ async def test_engine_process_restart_on_same_ports(conductor, http, publisher_f
     await eventually(lambda: matched(http, base, PROMPT, "engine-a"), lambda n: n == 12)
     assert await matched(http, base, [9, 9, 9, 2], "engine-a") == 0
     assert await metric(http, base, "conductor_publisher_restarts_total") == 1
+
+
+async def test_block_size_mismatch_warns_once_and_degrades_health(
+    conductor, http, publisher_factory
+):
+    base = conductor.url
+    wrong, right = publisher_factory(), publisher_factory()
+    await register_and_connect(http, base, wrong, "engine-a", block_size=16)
+    await register_and_connect(http, base, right, "engine-b")
+    for batch in range(3):  # 32-token blocks, as an engine started with --block-size 32
+        await wrong.publish([stored([200 + batch], list(range(32)), block_size=32)])
+    await right.publish([stored([101], PROMPT[:4])])
+    await eventually(lambda: metric(http, base, "conductor_dropped_events_total"), lambda n: n == 3)
+    await eventually(lambda: matched(http, base, PROMPT, "engine-b"), lambda n: n == 4)
+
+    warnings = [
+        line
+        for line in conductor.log().splitlines()
+        if "level=WARNING" in line and "block_size_mismatch" in line
+    ]
+    assert len(warnings) == 1, warnings
+    for detail in ("instance_id=engine-a", "dp_rank=0", f"endpoint={wrong.endpoint}"):
+        assert detail in warnings[0]
+    status, health = await get(http, f"{base}/health")
+    reason = "block_size_mismatch: registered 16, events carry 32"
+    assert status == 200 and health["status"] == "degraded"
+    assert health["streams"] == {
+        "engine-a|default|0": {"state": "connected", "degraded": reason},
+        "engine-b|default|0": {"state": "connected"},
+    }
+    assert health["subscribers"] == {"connected": 2} and health["blocks"] == 1
+
+    await post(http, f"{base}/unregister", {"instance_id": "engine-a"})
+    status, health = await get(http, f"{base}/health")
+    assert status == 200 and health["status"] == "ok"
