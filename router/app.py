@@ -3,6 +3,12 @@
 Everything that decides is in ``policy`` (pure) and ``pool`` (state); this module owns
 sockets, timeouts, retries and streaming. A response carries the decision in
 ``x-conductor-*`` headers so operators can see why a request went where it went.
+
+Misconfiguration is loud: the router learns what each upstream serves (``/v1/models``, at
+start and again whenever an upstream's list is unknown), warns when one does not serve the
+configured ``modelname``, and answers vLLM's 404 itself for a model no upstream serves. Index
+drift is visible: each answer's engine-reported cached tokens are compared with the
+conductor's prediction for the prefill instance (``router_cache_*`` metrics, ``usage``).
 """
 
 from __future__ import annotations
@@ -28,6 +34,7 @@ from .config import RouterConfig
 from .metrics import RouterMetrics
 from .policy import Decision, RoutingParams, SloViolation, choose
 from .pool import CostLearner, InstancePool, Ticket, Upstream
+from .usage import UsageTap, cached_tokens
 
 log = logging.getLogger(__name__)
 
@@ -35,6 +42,7 @@ FORWARDED_HEADERS = ("Authorization", "X-Request-Id")
 HOP_BY_HOP = {"content-length", "transfer-encoding", "connection", "keep-alive", "content-encoding"}
 PROBE_INTERVAL_S = 0.5
 METRICS_REFRESH_S = 2.0
+CONTROL_TIMEOUT = aiohttp.ClientTimeout(total=1.0)
 UPSTREAM_TIMEOUT = aiohttp.ClientTimeout(total=None, sock_connect=2.0)
 
 
@@ -102,15 +110,16 @@ class Router:
         self.conductor = ConductorClient(
             self._control, self.config.conductor, self.config.prefill.config
         )
-        try:
-            await self.conductor.register(self.config.prefill.instances)
-        except RuntimeError as error:  # keep serving (fallback) and keep trying
-            log.error("registration with the conductor failed: %s", error)
         self._tasks = [
+            asyncio.create_task(self._learn_models()),  # meanwhile, not after registering
             asyncio.create_task(self._probe_unhealthy()),
             asyncio.create_task(self._refresh_engine_load()),
             asyncio.create_task(self._keep_registered()),
         ]
+        try:
+            await self.conductor.register(self.config.prefill.instances)
+        except RuntimeError as error:  # keep serving (fallback) and keep trying
+            log.error("registration with the conductor failed: %s", error)
 
     async def stop(self) -> None:
         for task in self._tasks:
@@ -130,7 +139,7 @@ class Router:
             for upstream in self.pool.due_for_probe():
                 with contextlib.suppress(aiohttp.ClientError, TimeoutError):
                     async with self.session(upstream).get(
-                        "/health", timeout=aiohttp.ClientTimeout(total=1.0)
+                        "/health", timeout=CONTROL_TIMEOUT
                     ) as response:
                         if response.status == 200:
                             self.pool.mark_healthy(upstream)
@@ -148,9 +157,39 @@ class Router:
                     continue
                 with contextlib.suppress(aiohttp.ClientError, TimeoutError, ValueError):
                     async with self.session(upstream).get(
-                        "/metrics", timeout=aiohttp.ClientTimeout(total=1.0)
+                        "/metrics", timeout=CONTROL_TIMEOUT
                     ) as response:
                         upstream.engine_in_flight = engine_in_flight(await response.text())
+
+    async def _learn_models(self) -> None:
+        """What each upstream serves: at once (never holding start-up back), then for every
+        healthy upstream whose list is unknown (unreachable so far, or back after a failure)."""
+        while True:
+            unknown = [u for u in self.pool.all() if u.healthy and u.models is None]
+            await asyncio.gather(*(self._learn(upstream) for upstream in unknown))
+            await asyncio.sleep(METRICS_REFRESH_S)
+
+    async def _learn(self, upstream: Upstream) -> None:
+        try:
+            async with self.session(upstream).get(
+                "/v1/models", timeout=CONTROL_TIMEOUT
+            ) as response:
+                if response.status != 200:
+                    return
+                upstream.models = served_models(await response.json(content_type=None))
+        except (aiohttp.ClientError, TimeoutError, ValueError):
+            return
+        configured = self.config.prefill.config.modelname
+        names = upstream.model_names()
+        if configured not in names:
+            log.warning(
+                "upstream instance=%s url=%s serves %s, not the configured modelname %r "
+                "(registered with the conductor): requests for it cannot be served there",
+                upstream.instance_id,
+                upstream.url,
+                names,
+                configured,
+            )
 
     async def _keep_registered(self) -> None:
         """Re-register periodically (idempotent) so a restarted conductor relearns us."""
@@ -239,8 +278,7 @@ class Router:
         started = time.perf_counter()
         body, raw = await read_json_body(request, self.max_body_bytes)
         model = body.get("model")
-        served = self.config.prefill.config.modelname
-        if model != served:
+        if self.pool.serves_nowhere(model):  # vLLM's own answer, without a round trip
             raise ApiError(404, f"The model `{model}` does not exist.", "NotFoundError", "model")
         tokens = await self.tokenize(request.path, body)
         hits, fallback = await self.hits(tokens, body)
@@ -284,14 +322,18 @@ class Router:
             if not self.pool.decode:
                 return await self._stream(
                     request, prefill, routed, routed.raw, forwarded, headers, ticket,
-                    learn=(new_tokens, queued_before),
+                    learn=(new_tokens, queued_before), predicted=decision.cached_tokens,
                 )  # fmt: skip
             decode_upstreams = self.pool.healthy_decode()
             if not decode_upstreams:
                 raise ApiError(503, "no healthy decode instance", "ServiceUnavailableError")
             decode = min(decode_upstreams, key=lambda u: (u.load, u.requests))
             headers["x-conductor-decode-instance"] = decode.instance_id
-            params = await self._prefill_only(request.path, routed.body, prefill, forwarded)
+            answer = await self._prefill_only(request.path, routed.body, prefill, forwarded)
+            self.metrics.record_cache_use(
+                prefill.instance_id, decision.cached_tokens, cached_tokens(answer)
+            )
+            params = disagg.transfer_params(answer)
             ticket.first_token()
             self._observe(new_tokens, queued_before, time.perf_counter() - routed.started)
             payload = json.dumps(disagg.decode_request(routed.body, params)).encode()
@@ -320,7 +362,7 @@ class Router:
     async def _prefill_only(
         self, path: str, body: dict[str, Any], prefill: Upstream, headers: dict[str, str]
     ) -> dict[str, Any]:
-        """The prefill leg of disaggregation: returns the kv_transfer_params for decode."""
+        """The prefill leg of disaggregation: its answer (kv_transfer_params and usage)."""
         try:
             async with self.session(prefill).post(
                 path, json=disagg.prefill_request(body), headers=headers
@@ -332,7 +374,7 @@ class Router:
                     raise ApiError(response.status, _upstream_message(answer), "UpstreamError")
         except (aiohttp.ClientError, TimeoutError, ValueError) as error:
             raise UpstreamFailed(repr(error)) from None
-        return disagg.transfer_params(answer)
+        return answer if isinstance(answer, dict) else {}
 
     async def _stream(
         self,
@@ -344,9 +386,12 @@ class Router:
         headers: dict[str, str],
         ticket: Ticket,
         learn: tuple[int, int] | None = None,
+        predicted: int | None = None,
     ) -> web.StreamResponse:
         """Forward and pass the answer through chunk by chunk (SSE stays SSE). Failing
-        before the first byte is retryable; after it, the client sees the transfer cut."""
+        before the first byte is retryable; after it, the client sees the transfer cut.
+        With ``predicted`` (the prefill instance's answer), a complete 200 answer's cached
+        tokens are compared with it."""
         try:
             upstream_response = await self.session(upstream).post(
                 request.path, data=payload, headers=forwarded
@@ -361,6 +406,8 @@ class Router:
                 if name.lower() not in HOP_BY_HOP:
                     response.headers[name] = value
             response.headers.update(headers)
+            streaming = upstream_response.content_type == "text/event-stream"
+            tap = UsageTap(streaming) if predicted is not None else None
             first = True
             try:
                 async for chunk in upstream_response.content.iter_any():
@@ -372,6 +419,8 @@ class Router:
                             self._observe(*learn, ttft)
                         await response.prepare(request)
                     await response.write(chunk)
+                    if tap is not None:
+                        tap.feed(chunk)
             except aiohttp.ClientPayloadError as error:
                 if first:
                     raise UpstreamFailed(f"answer cut before any byte: {error!r}") from None
@@ -383,16 +432,20 @@ class Router:
             if first:
                 await response.prepare(request)
             await response.write_eof()
+            if predicted is not None and tap is not None and upstream_response.status == 200:
+                self.metrics.record_cache_use(upstream.instance_id, predicted, tap.cached_tokens())
             return response
 
     async def models(self, request: web.Request) -> web.Response:
-        model = self.config.prefill.config.modelname
-        return web.json_response(
+        """What the upstreams serve; the configured model until any list is known."""
+        data = self.pool.served_models() or [
             {
-                "object": "list",
-                "data": [{"id": model, "object": "model", "owned_by": "conductor-router"}],
+                "id": self.config.prefill.config.modelname,
+                "object": "model",
+                "owned_by": "conductor-router",
             }
-        )
+        ]
+        return web.json_response({"object": "list", "data": data})
 
     async def health(self, request: web.Request) -> web.Response:
         healthy = [u.instance_id for u in self.pool.prefill.values() if u.healthy]
@@ -429,6 +482,13 @@ def _upstream_message(answer: Any) -> str:
     if isinstance(answer, dict) and isinstance(answer.get("error"), dict):
         return str(answer["error"].get("message", answer["error"]))
     return str(answer)[:500]
+
+
+def served_models(answer: Any) -> tuple[dict[str, Any], ...]:
+    """The entries of a ``/v1/models`` answer that name a model (others are skipped)."""
+    data = answer.get("data") if isinstance(answer, dict) else None
+    cards = data if isinstance(data, list) else []
+    return tuple(c for c in cards if isinstance(c, dict) and isinstance(c.get("id"), str))
 
 
 def engine_in_flight(metrics_text: str) -> int:

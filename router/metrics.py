@@ -1,8 +1,12 @@
-"""The router's Prometheus metrics: every decision, fallback, retry and rejection."""
+"""The router's Prometheus metrics: every decision, fallback, retry and rejection, and how
+far the conductor's predicted cache hits are from what the engines report."""
 
 from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+# realized − predicted cached tokens: symmetric around 0 (le=0 minus le=-1 is "exact")
+PREDICTION_ERROR_BUCKETS = (-4096, -1024, -256, -64, -16, -1, 0, 16, 64, 256, 1024, 4096)
 
 
 class RouterMetrics:
@@ -65,3 +69,41 @@ class RouterMetrics:
             ["instance"],
             registry=registry,
         )
+        self.cache_predicted = Counter(
+            "router_cache_predicted_tokens_total",
+            "Cached prompt tokens the conductor predicted, for answers whose engine "
+            "reported its own count (prefill instance)",
+            ["instance"],
+            registry=registry,
+        )
+        self.cache_realized = Counter(
+            "router_cache_realized_tokens_total",
+            "Cached prompt tokens the engine reported (usage.prompt_tokens_details), for "
+            "the same answers",
+            ["instance"],
+            registry=registry,
+        )
+        self.cache_prediction_error = Histogram(
+            "router_cache_prediction_error_tokens",
+            "Per answer: engine-reported minus predicted cached prompt tokens (negative: "
+            "the index promised a prefix the engine no longer held)",
+            ["instance"],
+            buckets=PREDICTION_ERROR_BUCKETS,
+            registry=registry,
+        )
+        self.cache_unverified = Counter(
+            "router_cache_unverified_answers_total",
+            "Answers without a cached-token count to compare (e.g. streams without "
+            "stream_options.include_usage)",
+            ["instance"],
+            registry=registry,
+        )
+
+    def record_cache_use(self, instance: str, predicted: int, realized: int | None) -> None:
+        """One answered request: the conductor's prediction against the engine's report."""
+        if realized is None:
+            self.cache_unverified.labels(instance).inc()
+            return
+        self.cache_predicted.labels(instance).inc(predicted)
+        self.cache_realized.labels(instance).inc(realized)
+        self.cache_prediction_error.labels(instance).observe(realized - predicted)

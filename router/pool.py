@@ -7,6 +7,7 @@ import dataclasses
 import time
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
+from typing import Any
 
 from .policy import Candidate, PrefillCostModel
 
@@ -24,11 +25,17 @@ class Upstream:
     engine_in_flight: int = 0  # running + waiting, as the engine's /metrics last said
     healthy: bool = True
     requests: int = 0
+    # its ``/v1/models`` entries; None until learned, and again after a failure (it may
+    # come back as another deployment)
+    models: tuple[dict[str, Any], ...] | None = None
 
     @property
     def load(self) -> int:
         """In-flight requests: ours, or the engine's own count when others use it too."""
         return max(self.in_flight, self.engine_in_flight)
+
+    def model_names(self) -> list[str]:
+        return [card["id"] for card in self.models or ()]
 
 
 @dataclass(slots=True)
@@ -107,6 +114,23 @@ class InstancePool:
             if up.healthy
         ]
 
+    def serves_nowhere(self, model: Any) -> bool:
+        """True only when no upstream serves ``model`` and every upstream that could take
+        the request has said what it serves: an unknown list never rejects a request."""
+        upstreams = self.all()
+        if any(up.healthy and up.models is None for up in upstreams):
+            return False
+        known = [up for up in upstreams if up.models is not None]
+        return bool(known) and not any(model in up.model_names() for up in known)
+
+    def served_models(self) -> list[dict[str, Any]]:
+        """Every model some upstream serves, each once (the first upstream's entry)."""
+        cards: dict[str, dict[str, Any]] = {}
+        for up in self.all():
+            for card in up.models or ():
+                cards.setdefault(card["id"], card)
+        return list(cards.values())
+
     def healthy_decode(self) -> list[Upstream]:
         return [up for up in self.decode.values() if up.healthy]
 
@@ -119,6 +143,7 @@ class InstancePool:
     def mark_failed(self, upstream: Upstream, now: float | None = None) -> None:
         """Take it out of rotation; the health prober brings it back."""
         upstream.healthy = False
+        upstream.models = None
         self._retry_at[upstream.instance_id] = (
             time.monotonic() if now is None else now
         ) + RETRY_AFTER_FAILURE_S

@@ -11,7 +11,7 @@ from pydantic import ValidationError
 
 from router import config as router_config
 from router import disagg
-from router.app import engine_in_flight
+from router.app import engine_in_flight, served_models
 from router.conductor_client import parse_hits
 from router.policy import PrefillCostModel
 from router.pool import CostLearner, InstancePool
@@ -142,6 +142,27 @@ def test_failed_upstreams_leave_rotation_until_probed():
     pool.mark_healthy(pool.prefill["a"])
     assert len(pool.candidates({"a": (16, 32, 48)})) == 2
     assert pool.candidates({"a": (16, 32, 48)})[0].disk_tokens == 48
+
+
+def test_a_model_is_unknown_only_when_every_upstream_that_could_serve_it_said_so():
+    pool = InstancePool.build([("a", "http://a")], [("d", "http://d")])
+    a, d = pool.prefill["a"], pool.decode["d"]
+    assert not pool.serves_nowhere("x") and pool.served_models() == []  # nothing learned
+    a.models = ({"id": "m"},)
+    assert not pool.serves_nowhere("x")  # "d" is up and has not said what it serves
+    d.models = ({"id": "m"}, {"id": "alias"})
+    assert pool.serves_nowhere("x") and not pool.serves_nowhere("alias")
+    assert [card["id"] for card in pool.served_models()] == ["m", "alias"]
+    pool.mark_failed(d)  # down: its list is forgotten and it cannot serve anyway
+    assert d.models is None and pool.serves_nowhere("alias")
+    pool.mark_healthy(d)  # back, not yet re-learned: never reject on an unknown list
+    assert not pool.serves_nowhere("alias")
+
+
+def test_served_models_from_a_v1_models_answer():
+    answer = {"object": "list", "data": [{"id": "m", "max_model_len": 8}, {"id": 3}, "junk"]}
+    assert served_models(answer) == ({"id": "m", "max_model_len": 8},)
+    assert served_models({"data": None}) == served_models([]) == ()
 
 
 def test_engine_reported_load_counts_when_higher():
