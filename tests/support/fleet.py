@@ -1,0 +1,70 @@
+"""``mooncake-fleet up`` as a real subprocess, for the fleet tests and the real-engine suite."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+READY_LINE = "fleet ready in"
+
+
+class FleetProcess:
+    """The fleet command on a fleet file written from ``spec``; output in ``output.log``."""
+
+    def __init__(self, run_dir: Path, spec: dict[str, Any], env: dict[str, str] | None = None):
+        self.run_dir = run_dir
+        run_dir.mkdir(parents=True, exist_ok=True)
+        self.fleet_file = run_dir / "fleet-file.json"
+        self.fleet_file.write_text(json.dumps(spec))
+        self.output_path = run_dir / "output.log"
+        with self.output_path.open("wb") as output:
+            self.process = subprocess.Popen(
+                [
+                    sys.executable,
+                    "-m",
+                    "fleet",
+                    "up",
+                    str(self.fleet_file),
+                    "--run-dir",
+                    str(run_dir),
+                ],
+                stdout=output,
+                stderr=subprocess.STDOUT,
+                env={**os.environ, **(env or {})},
+            )
+
+    def output(self) -> str:
+        return self.output_path.read_text(errors="replace")
+
+    def wait_ready(self, timeout: float) -> dict[str, Any]:
+        """The services (``fleet.json``) once the fleet says it is ready."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if READY_LINE in self.output():
+                return json.loads((self.run_dir / "fleet.json").read_text())
+            if self.process.poll() is not None:
+                raise RuntimeError(
+                    f"the fleet exited ({self.process.returncode}):\n{self.output()}"
+                )
+            time.sleep(0.2)
+        raise TimeoutError(f"the fleet was not ready in {timeout:.0f} s:\n{self.output()}")
+
+    def wait_exit(self, timeout: float) -> int:
+        return self.process.wait(timeout)
+
+    def stop(self, timeout: float = 60.0) -> int:
+        """SIGTERM, as an operator's Ctrl-C would; SIGKILL if it does not exit in time."""
+        if self.process.poll() is None:
+            self.process.send_signal(signal.SIGTERM)
+            try:
+                return self.process.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait(5)
+        return self.process.returncode
