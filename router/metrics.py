@@ -5,7 +5,8 @@ from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
-# realized − predicted cached tokens: symmetric around 0 (le=0 minus le=-1 is "exact")
+# realized − predicted cached tokens: symmetric around 0 (le=0 minus le=-1 is "exact").
+# With negative buckets no _sum is exported (OpenMetrics); the two counters give the net.
 PREDICTION_ERROR_BUCKETS = (-4096, -1024, -256, -64, -16, -1, 0, 16, 64, 256, 1024, 4096)
 
 

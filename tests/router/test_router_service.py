@@ -13,10 +13,13 @@ from typing import Any
 
 import aiohttp
 import pytest
+import zmq
+import zmq.asyncio
 from aiohttp import web
 from multidict import CIMultiDict
 
-from tests.support.api import eventually
+from publishers.local import LocalService
+from tests.support.api import eventually, matched
 from tests.support.processes import ConductorProcess, EngineSim, RouterProcess, free_port
 
 MODEL = "m"
@@ -109,7 +112,7 @@ def fleet(tmp_path: Path) -> Iterator[Fleet]:
 
 
 async def complete(
-    http: aiohttp.ClientSession, router: RouterProcess, prompt: str, **body: Any
+    http: aiohttp.ClientSession, router: RouterProcess, prompt: str | list[int], **body: Any
 ) -> tuple[int, dict[str, str], Any]:
     request = {"model": MODEL, "prompt": prompt, "max_tokens": 4, **body}
     async with http.post(f"{router.url}/v1/completions", json=request) as response:
@@ -132,11 +135,70 @@ async def indexed_everywhere(http: aiohttp.ClientSession, fleet: Fleet, names: l
     await asyncio.sleep(0.2)
 
 
-async def router_metric(http: aiohttp.ClientSession, router: RouterProcess, name: str) -> float:
-    async with http.get(f"{router.url}/metrics") as response:
+async def metric(http: aiohttp.ClientSession, service: LocalService, name: str) -> float:
+    """Sum of every sample of a Prometheus metric (0 when absent)."""
+    async with http.get(f"{service.url}/metrics") as response:
         text = await response.text()
     pattern = re.compile(rf"^{re.escape(name)}(?:{{[^}}]*}})? (\S+)$", re.MULTILINE)
     return sum(float(value) for value in pattern.findall(text))
+
+
+async def cache_metrics(http: aiohttp.ClientSession, router: RouterProcess, instance: str):
+    """(predicted, realized, unverified, answers compared) of one instance."""
+    label = f'{{instance="{instance}"}}'
+    names = (
+        "router_cache_predicted_tokens_total",
+        "router_cache_realized_tokens_total",
+        "router_cache_unverified_answers_total",
+        "router_cache_prediction_error_tokens_count",
+    )
+    return tuple([await metric(http, router, name + label) for name in names])
+
+
+async def error_buckets(http: aiohttp.ClientSession, router: RouterProcess, instance: str):
+    """Cumulative counts of the prediction-error histogram, by upper bound."""
+    async with http.get(f"{router.url}/metrics") as response:
+        text = await response.text()
+    pattern = re.compile(
+        rf'^router_cache_prediction_error_tokens_bucket{{instance="{instance}",le="([^"]+)"}} '
+        r"(\S+)$",
+        re.MULTILINE,
+    )
+    return {float(le): float(count) for le, count in pattern.findall(text)}
+
+
+async def router_models(http: aiohttp.ClientSession, router: RouterProcess) -> list[str]:
+    async with http.get(f"{router.url}/v1/models") as response:
+        return [model["id"] for model in (await response.json())["data"]]
+
+
+class Relay:
+    """Passes an engine's KV events on to the conductor, and can hold them back: the
+    engine's cache then changes behind the conductor's back, deterministically."""
+
+    def __init__(self, context: zmq.asyncio.Context, source: str) -> None:
+        self._sub = context.socket(zmq.SUB)
+        self._sub.setsockopt(zmq.LINGER, 0)
+        self._sub.setsockopt(zmq.SUBSCRIBE, b"")
+        self._sub.connect(source)
+        self._pub = context.socket(zmq.PUB)
+        self._pub.setsockopt(zmq.LINGER, 0)
+        self.endpoint = f"tcp://127.0.0.1:{self._pub.bind_to_random_port('tcp://127.0.0.1')}"
+        self.open = asyncio.Event()
+        self.open.set()
+        self._task = asyncio.create_task(self._forward())
+
+    async def _forward(self) -> None:
+        while True:
+            frames = await self._sub.recv_multipart()
+            await self.open.wait()
+            await self._pub.send_multipart(frames)
+
+    async def close(self) -> None:
+        self._task.cancel()
+        await asyncio.gather(self._task, return_exceptions=True)
+        self._sub.close(0)
+        self._pub.close(0)
 
 
 async def test_routing_follows_the_cache(fleet, http):
@@ -207,6 +269,9 @@ async def test_disaggregated_flow_hands_kv_transfer_params_to_decode(fleet, http
         return float(re.search(r"^sim_kv_transfer_held_requests\S* (\S+)$", text, re.M).group(1))
 
     await eventually(held, lambda n: n == 0)  # the decode side pulled the KV and released it
+    # the prediction was for the prefill instance: compared there, never on the decode side
+    assert (await cache_metrics(http, router, "prefill"))[2:] == (0, 1)
+    assert await cache_metrics(http, router, "decode") == (0, 0, 0, 0)
 
 
 async def test_conductor_down_falls_back_then_recovers(fleet, http):
@@ -220,7 +285,7 @@ async def test_conductor_down_falls_back_then_recovers(fleet, http):
     assert status == 200
     assert headers["x-conductor-policy"] == "least_loaded"
     assert headers["x-conductor-fallback"] == "conductor_unavailable"
-    assert await router_metric(http, router, "router_fallbacks_total") >= 1
+    assert await metric(http, router, "router_fallbacks_total") >= 1
 
     fleet.conductor = ConductorProcess(fleet.tmp_path, port=fleet.conductor.port)
     fleet.conductor.wait_ready()
@@ -241,7 +306,7 @@ async def test_dead_engine_is_retried_elsewhere_and_probed_back(fleet, http):
     answers = [await complete(http, router, f"question {i}") for i in range(4)]
     assert all(status == 200 for status, _, _ in answers)
     assert {h["x-conductor-prefill-instance"] for _, h, _ in answers} == {"b"}
-    assert await router_metric(http, router, 'router_upstream_healthy{instance="a"}') == 0
+    assert await metric(http, router, 'router_upstream_healthy{instance="a"}') == 0
 
     fleet.engine("a").wait_ready()  # back on the same port
 
@@ -323,11 +388,11 @@ async def test_an_answer_cut_before_any_byte_is_retried_after_it_is_not(
     router = fleet.start_router(config)
     status, headers, _ = await complete(http, router, "first")  # round robin: "cut" first
     assert (status, headers["x-conductor-prefill-instance"]) == (200, "a")
-    assert await router_metric(http, router, "router_retries_total") == 1
+    assert await metric(http, router, "router_retries_total") == 1
 
     mode["mode"] = "late"
     await eventually(  # the prober brings "cut" back (its /health answers)
-        lambda: router_metric(http, router, 'router_upstream_healthy{instance="cut"}'),
+        lambda: metric(http, router, 'router_upstream_healthy{instance="cut"}'),
         lambda healthy: healthy == 1,
     )
     outcomes = set()
@@ -367,8 +432,8 @@ async def test_upstream_error_is_retried_on_the_next_instance(fleet, http, broke
         async with http.post(f"{router.url}/v1/completions", json=body, headers=headers) as r:
             answers.append((r.status, r.headers["x-conductor-prefill-instance"]))
     assert answers == [(200, "a"), (200, "a")]
-    assert await router_metric(http, router, "router_retries_total") == 1
-    assert await router_metric(http, router, 'router_upstream_healthy{instance="broken"}') == 0
+    assert await metric(http, router, "router_retries_total") == 1
+    assert await metric(http, router, 'router_upstream_healthy{instance="broken"}') == 0
     assert len(seen) == 1  # forwarded once, then out of rotation
     assert (seen[0]["Authorization"], seen[0]["X-Request-Id"]) == ("Bearer secret", "req-42")
 
@@ -442,7 +507,7 @@ async def test_oversized_slo_and_no_upstream_statuses(fleet, http):
     assert status in (502, 503), answer
     status, _, answer = await complete(http, router, "short")
     assert status == 503 and "no healthy" in answer["error"]["message"]
-    assert await router_metric(http, router, "router_rejections_total") >= 2
+    assert await metric(http, router, "router_rejections_total") >= 2
 
 
 async def test_models_health_and_metrics(fleet, http):
@@ -459,5 +524,122 @@ async def test_models_health_and_metrics(fleet, http):
         "policy": "ttft",
     }
     await complete(http, router, "count me")
-    assert await router_metric(http, router, "router_decisions_total") == 1
-    assert await router_metric(http, router, "router_overhead_seconds_count") == 1
+    assert await metric(http, router, "router_decisions_total") == 1
+    assert await metric(http, router, "router_overhead_seconds_count") == 1
+
+
+async def test_cache_prediction_is_compared_with_what_the_engine_reports(fleet, http, zmq_context):
+    for name in ("a", "b"):
+        fleet.engine(name)
+    config = fleet.config(["a", "b"])
+    relays = {}
+    for instance in config["prefill"]["instances"]:
+        stream = instance["registrations"][0]
+        relays[instance["instance_id"]] = relay = Relay(zmq_context, stream["endpoint"])
+        stream["endpoint"] = relay.endpoint  # replays still come from the engine itself
+    router = fleet.start_router(config)
+    try:
+        await indexed_everywhere(http, fleet, ["a", "b"])
+        prompt = list(range(100, 142))  # 42 tokens: 10 full blocks, the engine may reuse all
+        status, headers, _ = await complete(http, router, prompt)
+        owner = headers["x-conductor-prefill-instance"]
+        assert status == 200 and headers["x-conductor-cached-tokens"] == "0"
+        conductor = fleet.conductor.url
+        await eventually(lambda: matched(http, conductor, prompt, owner), lambda n: n == 40)
+
+        _, headers, answer = await complete(http, router, prompt)
+        assert headers["x-conductor-prefill-instance"] == owner
+        assert headers["x-conductor-cached-tokens"] == "40"
+        assert answer["usage"]["prompt_tokens_details"]["cached_tokens"] == 40
+        assert await cache_metrics(http, router, owner) == (40, 40, 0, 2)
+        buckets = await error_buckets(http, router, owner)
+        assert (buckets[-1], buckets[0]) == (0, 2)  # both exactly as predicted
+
+        relays[owner].open.clear()  # the engine's AllBlocksCleared stays in the relay
+        async with http.post(f"{fleet.engines[owner].url}/reset_prefix_cache") as response:
+            assert response.status == 200
+        _, headers, answer = await complete(http, router, prompt)
+        assert headers["x-conductor-cached-tokens"] == "40"  # the index has not heard yet
+        assert answer["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+        assert await cache_metrics(http, router, owner) == (80, 40, 0, 3)
+        buckets = await error_buckets(http, router, owner)
+        assert (buckets[-64], buckets[-16], buckets[-1]) == (0, 1, 1)  # realized − predicted = −40
+
+        relays[owner].open.set()
+        clears = await eventually(
+            lambda: metric(http, fleet.conductor, "conductor_clears_total"), lambda n: n
+        )
+        assert clears == 1
+    finally:
+        await asyncio.gather(*(relay.close() for relay in relays.values()))
+
+
+async def test_streamed_usage_is_compared_and_streams_without_it_are_unverified(fleet, http):
+    fleet.engine("a")
+    router = fleet.start_router(fleet.config(["a"]))
+    body = {"model": MODEL, "prompt": SHARED, "max_tokens": 6, "stream": True}
+    async with http.post(f"{router.url}/v1/completions", json=body) as response:
+        assert response.status == 200 and "usage" not in await response.text()
+    assert await cache_metrics(http, router, "a") == (0, 0, 1, 0)
+
+    body["stream_options"] = {"include_usage": True}
+    async with http.post(f"{router.url}/v1/completions", json=body) as response:
+        predicted = int(response.headers["x-conductor-cached-tokens"])
+        events = (await response.text()).split("\n\n")
+    usage = json.loads(events[-3].removeprefix("data: "))["usage"]  # before [DONE]
+    realized = usage["prompt_tokens_details"]["cached_tokens"]
+    assert realized > 0  # the first stream left the prompt cached
+    assert await cache_metrics(http, router, "a") == (predicted, realized, 1, 1)
+
+
+async def test_a_model_no_upstream_serves_is_answered_by_the_router(fleet, http):
+    fleet.engine("a", "--served-model-name", "other", "alias")
+    router = fleet.start_router(fleet.config(["a"]))
+    models = await eventually(lambda: router_models(http, router), lambda ids: ids != [MODEL])
+    assert models == ["other", "alias"]
+    warnings = [
+        line
+        for line in router.log().splitlines()
+        if "level=WARNING" in line and "configured modelname" in line
+    ]
+    assert len(warnings) == 1, warnings
+    assert "instance=a" in warnings[0] and "['other', 'alias']" in warnings[0]
+    assert f"modelname '{MODEL}'" in warnings[0]
+    for model in (MODEL, "nope"):
+        status, headers, answer = await complete(http, router, "hello", model=model)
+        assert (status, answer) == (
+            404,
+            {
+                "error": {
+                    "message": f"The model `{model}` does not exist.",
+                    "type": "NotFoundError",
+                    "param": "model",
+                    "code": 404,
+                }
+            },
+        )
+        assert "x-conductor-prefill-instance" not in headers  # answered here, not forwarded
+    status, headers, _ = await complete(http, router, "hello", model="alias")
+    assert (status, headers["x-conductor-prefill-instance"]) == (200, "a")
+
+
+async def test_models_of_an_upstream_unreachable_at_start_are_learned_later(fleet, http):
+    port = free_port()
+    config = fleet.config([])
+    config["prefill"]["instances"] = [
+        {"instance_id": "late", "http_endpoint": f"http://127.0.0.1:{port}"}
+    ]
+    router = fleet.start_router(config)  # the upstream is not there: start-up goes on
+    assert await router_models(http, router) == [MODEL]  # the configured model meanwhile
+    status, _, answer = await complete(http, router, "hello", model="nope")
+    assert status == 503, answer  # no upstream to take it, but not refused as unknown
+
+    fleet.engines["late"] = EngineSim(
+        fleet.tmp_path, "late", "--served-model-name", MODEL, "alias", port=port
+    )
+    fleet.engines["late"].wait_ready()
+    await eventually(lambda: router_models(http, router), lambda ids: ids == [MODEL, "alias"])
+    status, _, answer = await complete(http, router, "hello", model="nope")
+    assert status == 404 and answer["error"]["type"] == "NotFoundError"
+    status, headers, _ = await complete(http, router, "hello", model="alias")
+    assert (status, headers["x-conductor-prefill-instance"]) == (200, "late")
