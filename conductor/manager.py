@@ -35,6 +35,7 @@ _EVENT_COUNTERS = {
     "replay_requested": "replays_requested",
     "replay_failed": "replays_failed",
     "restart": "restarts",
+    "lost": "publishers_lost",
 }
 
 

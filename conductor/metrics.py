@@ -81,6 +81,10 @@ class ConductorMetrics:
         self.restarts = counter(
             "conductor_publisher_restarts_total", "Publisher restarts (sequence went back)"
         )
+        self.publishers_lost = counter(
+            "conductor_publisher_disconnects_total",
+            "Connections to a publisher lost (its blocks were cleared)",
+        )
         self.subscriber_state = Enum(
             "conductor_subscriber_state",
             "State of each stream's subscriber",

@@ -1,11 +1,18 @@
 """One registration's event stream: a SUB socket for live batches, a DEALER for replays.
 
-Sequence rules (DESIGN §2.4): batches are applied strictly in order; a gap is filled by a
-replay before the batch that revealed it; joining a running publisher first replays from
-its first sequence; a sequence going back means the publisher restarted, so the owner's
-blocks are cleared and the stream is read as new. A malformed message is counted and
-skipped: the SUB socket is never recreated for it (that would lose messages), and ZMQ
+Sequence rules: batches are applied strictly in order; a gap is filled by a replay before
+the batch that revealed it; a sequence going back means the publisher restarted, so the
+owner's blocks are cleared and the stream is read as new. A malformed message is counted
+and skipped: the SUB socket is never recreated for it (that would lose messages), and ZMQ
 itself reconnects with capped exponential backoff.
+
+Liveness: the moment the connection to the publisher drops (its process died, or the
+network broke) the owner's blocks are cleared, because the conductor can no longer tell
+what the engine holds; on every (re)connection the stream is read from the start of the
+publisher's replay buffer, without waiting for its next batch. A dead engine thus stops
+being reported within milliseconds, and an idle engine (a conductor started after it, or a
+network blip) gets its blocks back from its buffer at once. ZMQ heartbeats bound the time to
+notice a peer that vanished without closing its connection.
 """
 
 from __future__ import annotations
@@ -26,6 +33,8 @@ log = logging.getLogger(__name__)
 RECONNECT_MIN_MS = 100
 RECONNECT_MAX_MS = 5000
 RECEIVE_HWM = 100_000
+HEARTBEAT_IVL_MS = 1000
+HEARTBEAT_TIMEOUT_MS = 3000  # a silent peer is dropped after this (plus one interval)
 
 
 @dataclass(slots=True)
@@ -33,9 +42,9 @@ class StreamCallbacks:
     """What the subscriber reports; the manager decodes, applies and counts."""
 
     on_message: Callable[[Message, bool], None]  # (message, replayed)
-    on_restart: Callable[[], None]
+    on_restart: Callable[[], None]  # the owner's blocks are void: clear them
     on_state: Callable[[str], None]
-    on_event: Callable[[str], None]  # counter names: gap, gap_unrepaired, replay_*, bad_frame
+    on_event: Callable[[str], None]  # gap, gap_unrepaired, replay_*, bad_frame, restart, lost
 
 
 class StreamSubscriber:
@@ -57,7 +66,9 @@ class StreamSubscriber:
         self._first_sequence = first_sequence
         self._replay_timeout = replay_timeout
         self.last_sequence: int | None = None
+        self._last_replayed = False  # last_sequence came from a replay, not the live stream
         self.state = "connecting"
+        self._order = asyncio.Lock()  # live batches, replays and clears, one at a time
         self._sub: zmq.asyncio.Socket | None = None
         self._dealer: zmq.asyncio.Socket | None = None
         self._tasks: list[asyncio.Task[None]] = []
@@ -71,6 +82,8 @@ class StreamSubscriber:
         sub.setsockopt(zmq.RECONNECT_IVL, RECONNECT_MIN_MS)
         sub.setsockopt(zmq.RECONNECT_IVL_MAX, RECONNECT_MAX_MS)
         sub.setsockopt(zmq.IPV6, 1)
+        sub.setsockopt(zmq.HEARTBEAT_IVL, HEARTBEAT_IVL_MS)
+        sub.setsockopt(zmq.HEARTBEAT_TIMEOUT, HEARTBEAT_TIMEOUT_MS)
         sub.setsockopt(zmq.SUBSCRIBE, b"")
         monitor = sub.get_monitor_socket(
             zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED | zmq.EVENT_CONNECT_RETRIED
@@ -125,14 +138,29 @@ class StreamSubscriber:
         try:
             while True:
                 event = parse_monitor_message(await monitor.recv_multipart())["event"]
-                if self.state == "replaying":
-                    continue
                 if event == zmq.EVENT_CONNECTED:
                     self._set_state("connected")
-                elif event in (zmq.EVENT_DISCONNECTED, zmq.EVENT_CONNECT_RETRIED):
+                    await self._catch_up()
+                elif event == zmq.EVENT_DISCONNECTED:
+                    await self._lose_publisher()
+                elif event == zmq.EVENT_CONNECT_RETRIED and self.state != "replaying":
                     self._set_state("disconnected")
         finally:
             monitor.close(0)
+
+    async def _catch_up(self) -> None:
+        """A (re)connected stream reads the publisher's buffer now, not at its next batch."""
+        async with self._order:
+            if self.last_sequence is None:
+                await self._replay(self._first_sequence, None)
+
+    async def _lose_publisher(self) -> None:
+        async with self._order:
+            self._set_state("disconnected")
+            self._callbacks.on_event("lost")
+            log.warning("stream=%s lost its publisher: clearing its blocks", self.name)
+            self._callbacks.on_restart()
+            self.last_sequence = None
 
     # -- live stream ---------------------------------------------------------------------
     async def _read_live(self) -> None:
@@ -145,16 +173,19 @@ class StreamSubscriber:
                 self._callbacks.on_event("bad_frame")
                 log.warning("stream=%s dropped malformed message: %s", self.name, error)
                 continue
-            await self._handle_live(message)
+            async with self._order:
+                await self._handle_live(message)
             # pyzmq completes a recv at once while messages are queued: yield so a burst of
             # batches cannot hold /query and the other streams back.
             await asyncio.sleep(0)
 
     async def _handle_live(self, message: Message) -> None:
         last = self.last_sequence
+        if last is not None and message.seq <= last and self._last_replayed:
+            return  # sent live while a catch-up replay already delivered it
         if last is not None and message.seq <= last:
-            # PUB/SUB never redelivers and replays stop below the live sequence, so a
-            # sequence that does not advance means a new publisher counting from scratch.
+            # PUB/SUB never redelivers, so a live sequence that does not advance means a
+            # new publisher counting from scratch.
             self._callbacks.on_event("restart")
             log.warning(
                 "stream=%s publisher restarted (seq %d after %d): clearing its blocks",
@@ -177,10 +208,11 @@ class StreamSubscriber:
 
     def _apply(self, message: Message, replayed: bool) -> None:
         self.last_sequence = message.seq
+        self._last_replayed = replayed
         self._callbacks.on_message(message, replayed)
 
     # -- replay --------------------------------------------------------------------------
-    async def _replay(self, start: int, stop: int) -> None:
+    async def _replay(self, start: int, stop: int | None) -> None:
         """Apply the publisher's buffered batches ``start <= seq < stop``, in order."""
         if self._dealer is None:
             return
@@ -200,7 +232,8 @@ class StreamSubscriber:
                 if message is None:
                     break
                 last = self.last_sequence
-                if start <= message.seq < stop and (last is None or message.seq > last):
+                wanted = start <= message.seq and (stop is None or message.seq < stop)
+                if wanted and (last is None or message.seq > last):
                     self._apply(message, replayed=True)
         except (TimeoutError, zmq.ZMQError) as error:
             self._callbacks.on_event("replay_failed")

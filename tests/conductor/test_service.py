@@ -62,7 +62,7 @@ async def test_gap_is_repaired_by_replay(conductor, http, publisher_factory):
     await publisher.publish([stored([103], PROMPT[8:], parent=102)])
 
     await eventually(lambda: matched(http, base, PROMPT, "engine-a"), lambda n: n == 12)
-    assert publisher.replay_requests == [1]
+    assert publisher.replay_requests == [0, 1]  # the catch-up on connecting, then the gap
     assert await metric(http, base, "conductor_sequence_gaps_total") == 1
     assert await metric(http, base, "conductor_replayed_batches_applied_total") == 1
     assert await metric(http, base, "conductor_orphaned_events_total") == 0
@@ -185,8 +185,8 @@ async def test_query_by_hash_matches_query(conductor, http, publisher_factory):
 
 
 async def test_engine_process_restart_on_same_ports(conductor, http, publisher_factory):
-    """The engine dies and comes back: ZMQ reconnects, the restart clears stale blocks, and
-    batches lost while the subscription re-formed come back through replay."""
+    """The engine dies and comes back: its lost connection clears the stale blocks, ZMQ
+    reconnects, and batches sent while the subscription re-formed come back through replay."""
     base = conductor.url
     old = publisher_factory()
     await register_and_connect(http, base, old, "engine-a")
@@ -204,7 +204,7 @@ async def test_engine_process_restart_on_same_ports(conductor, http, publisher_f
     await new.publish([stored([103], PROMPT[8:], parent=102)])
     await eventually(lambda: matched(http, base, PROMPT, "engine-a"), lambda n: n == 12)
     assert await matched(http, base, [9, 9, 9, 2], "engine-a") == 0
-    assert await metric(http, base, "conductor_publisher_restarts_total") == 1
+    assert await metric(http, base, "conductor_publisher_disconnects_total") == 1
 
 
 async def test_block_size_mismatch_warns_once_and_degrades_health(
@@ -240,3 +240,29 @@ async def test_block_size_mismatch_warns_once_and_degrades_health(
     await post(http, f"{base}/unregister", {"instance_id": "engine-a"})
     status, health = await get(http, f"{base}/health")
     assert status == 200 and health["status"] == "ok"
+
+
+async def test_an_idle_publisher_fills_the_index_on_connect(conductor, http, publisher_factory):
+    """A conductor started after the engines learns their buffers at once, not at the
+    engines' next batch (which may never come)."""
+    base = conductor.url
+    publisher = publisher_factory()
+    await publisher.publish([stored([101], PROMPT[:4])], send=False)
+    await publisher.publish([stored([102, 103], PROMPT[4:], parent=101)], send=False)
+    await register_and_connect(http, base, publisher, "engine-a")
+    await eventually(lambda: matched(http, base, PROMPT, "engine-a"), lambda n: n == 12)
+    assert publisher.replay_requests == [0]
+
+
+async def test_a_lost_publisher_is_forgotten_at_once(conductor, http, publisher_factory):
+    """A dead engine's cache is gone: its blocks leave the index when its connection does."""
+    base = conductor.url
+    publisher = publisher_factory()
+    await register_and_connect(http, base, publisher, "engine-a")
+    await publisher.publish([stored(HASHES, PROMPT)])
+    await eventually(lambda: matched(http, base, PROMPT, "engine-a"), lambda n: n == 12)
+    await publisher.close()
+    await eventually(lambda: matched(http, base, PROMPT, "engine-a"), lambda n: n == 0, timeout=2)
+    assert await metric(http, base, "conductor_publisher_disconnects_total") == 1
+    _, services = await get(http, f"{base}/services")
+    assert services["services"][0]["State"] == "disconnected"
