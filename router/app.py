@@ -32,7 +32,7 @@ from . import disagg
 from .conductor_client import ConductorClient, ConductorUnavailable, Hits
 from .config import RouterConfig
 from .metrics import RouterMetrics
-from .policy import Decision, RoutingParams, SloViolation, choose
+from .policy import Decision, RoutingParams, SloViolation, choose, reusable_hits
 from .pool import CostLearner, InstancePool, Ticket, Upstream
 from .usage import UsageTap, cached_tokens
 
@@ -246,10 +246,11 @@ class Router:
             return {}, "tokenize_failed"
         assert self.conductor is not None
         try:
-            return await self.conductor.query(tokens, body.get("cache_salt")), None
+            hits = await self.conductor.query(tokens, body.get("cache_salt"))
         except ConductorUnavailable as error:
             log.warning("conductor unavailable, routing by load: %s", error)
             return {}, "conductor_unavailable"
+        return reusable_hits(hits, len(tokens), self.params.block_size), None
 
     def decide(
         self, prompt_tokens: int, hits: Hits, fallback: str | None, exclude: set[str]

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import math
 import random
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 POLICIES = ("round_robin", "least_loaded", "max_prefix", "kv_cost", "ttft")
@@ -120,6 +120,18 @@ def kv_cost(
     else:
         chosen = _argmin(candidates, lambda c: -scores[c.instance_id], turn)
     return Decision(chosen.instance_id, "kv_cost", chosen.gpu_tokens, scores=scores)
+
+
+def reusable_hits(
+    hits: Mapping[str, tuple[int, int, int]], prompt_tokens: int, block_size: int
+) -> dict[str, tuple[int, int, int]]:
+    """Hits as the engine will use them: vLLM always computes the prompt's last token, so
+    a hit that covers the whole prompt reuses one block less than the index holds."""
+    most = max(prompt_tokens - 1, 0) // block_size * block_size
+    return {
+        name: (min(gpu, most), min(cpu, most), min(disk, most))
+        for name, (gpu, cpu, disk) in hits.items()
+    }
 
 
 def ttft_estimate(

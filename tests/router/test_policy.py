@@ -17,6 +17,7 @@ from router.policy import (
     kv_cost,
     least_loaded,
     max_prefix,
+    reusable_hits,
     round_robin,
     ttft,
     ttft_estimate,
@@ -161,3 +162,11 @@ def test_ttft_slack_keeps_a_request_with_its_prefix_when_nearly_as_fast():
     assert (near.instance_id, near.cached_tokens) == ("a", 8000)
     far = hit("a", 8000, queued_prefill_tokens=30_000)  # 3.2 s: beyond 1.5 x 1.01 s
     assert ttft([far, idle], 0, 10_000, MODEL, slack=0.5).instance_id == "b"
+
+
+def test_a_hit_covering_the_whole_prompt_reuses_one_block_less() -> None:
+    """vLLM recomputes the last token; at a block boundary that costs the last block."""
+    hits = {"a": (64, 64, 64), "b": (32, 64, 96), "c": (0, 0, 0)}
+    assert reusable_hits(hits, 64, 32) == {"a": (32, 32, 32), "b": (32, 32, 32), "c": (0, 0, 0)}
+    assert reusable_hits(hits, 97, 32) == hits
+    assert reusable_hits({"a": (0, 0, 0)}, 0, 32) == {"a": (0, 0, 0)}
