@@ -13,8 +13,9 @@ index and the router's choices are only as right as those events. So this mirror
   ``free`` releases a request's blocks in *reverse* order, as vLLM does, so a chain's tail is
   evicted before its head and shared prefixes survive longest.
 - Blocks are cached (one ``BlockStored`` per call, parent = previous block's hash) as soon
-  as they are full: the whole prompt at ``allocate`` (vLLM caches at scheduling time), each
-  decode block when ``append_tokens`` fills it. A block whose hash is already cached is
+  as the tokens scheduled to fill them are: at ``allocate`` the complete blocks of the
+  prompt's first chunk (vLLM caches at scheduling time), then those of each later prefill
+  chunk or decode token ``append_tokens`` schedules. A block whose hash is already cached is
   cached again (a duplicate), and announced again, as vLLM does.
 - Optional CPU tier (``num_cpu_blocks > 0``): a victim cache. Unlike vLLM's offloading
   connector, which copies blocks out as they are computed, a block moves to the CPU only
@@ -66,6 +67,7 @@ class Allocation:
     num_cached_tokens: int  # not recomputed: the GPU hit plus the CPU-loaded tokens
     num_cpu_loaded_tokens: int  # part of ``num_cached_tokens`` copied back from the CPU tier
     block_hashes: tuple[int, ...]  # event hashes of the prompt's complete blocks
+    num_scheduled_tokens: int  # of ``num_new_tokens``, those given KV slots now (a chunk)
 
     @property
     def num_new_tokens(self) -> int:
@@ -97,11 +99,13 @@ class _CachedBlock(NamedTuple):  # a tuple: built once per hashed block, so it m
 
 @dataclass(slots=True)
 class _Request:
-    token_ids: list[int]
+    token_ids: list[int]  # every token known, scheduled or not
     lora: LoraAdapter | None
     cache_salt: str | None
     blocks: list[_CachedBlock] = field(default_factory=list)  # its complete blocks, in order
     block_ids: list[int] = field(default_factory=list)  # GPU blocks, in order
+    num_scheduled_tokens: int = 0  # the first tokens that have KV slots
+    num_cached_blocks: int = 0  # the first ``blocks`` cached on the GPU and announced
 
 
 class BlockManager:
@@ -142,18 +146,23 @@ class BlockManager:
         *,
         lora: LoraAdapter | None = None,
         cache_salt: str | None = None,
+        token_budget: int | None = None,
+        chunked: bool = True,
     ) -> Allocation | None:
         """Admit a prompt: reuse its cached prefix, take blocks for the rest, cache it.
 
-        Returns None, changing nothing, when the blocks are not free now (they will be once
-        running requests finish); raises CapacityError when the pool can never hold it.
+        With a ``token_budget`` only that many uncached tokens are scheduled now (a chunked
+        prefill's first chunk; ``append_tokens`` schedules the rest), or, with ``chunked``
+        False, the prompt waits until its whole remainder fits the budget, as vLLM without
+        chunked prefill. Returns None, changing nothing, when the blocks (or the budget) are
+        not free now; raises CapacityError when the pool can never hold the prompt.
         ``stats`` count admitted prompts only, so a retried request is counted once.
         """
         if request_id in self._requests:
             raise ValueError(f"request {request_id!r} is already allocated")
         if not token_ids:
             raise ValueError("a prompt needs at least one token")
-        num_blocks = self._blocks_for(len(token_ids))
+        self._blocks_for(len(token_ids))  # the whole prompt must fit, eventually
         request = _Request(list(token_ids), lora, cache_salt)
         refused, self._refused = self._refused, None
         if refused is not None and refused[:2] == (request_id, len(token_ids)):
@@ -174,9 +183,14 @@ class BlockManager:
                 break
             num_cpu_hits += 1
 
-        num_new_blocks = num_blocks - len(gpu_hits)
+        num_cached_tokens = (len(gpu_hits) + num_cpu_hits) * self.block_size
+        num_uncached = len(token_ids) - num_cached_tokens
+        num_scheduled = num_uncached if token_budget is None else min(num_uncached, token_budget)
+        num_new_blocks = self._blocks_for(num_cached_tokens + num_scheduled) - len(gpu_hits)
         free_hits = sum(1 for block_id in gpu_hits if self._ref_counts[block_id] == 0)
-        if num_new_blocks > len(self._free) - free_hits:
+        if num_new_blocks > len(self._free) - free_hits or (
+            not chunked and num_scheduled < num_uncached
+        ):
             self._refused = (request_id, len(token_ids), request.blocks)
             return None
 
@@ -188,7 +202,9 @@ class BlockManager:
             self._cpu_cache.move_to_end(block.digest)
         new_block_ids = [self._take_free_block() for _ in range(num_new_blocks)]
         request.block_ids = gpu_hits + new_block_ids
-        self._cache_on_gpu(request, len(gpu_hits))
+        request.num_scheduled_tokens = num_cached_tokens + num_scheduled
+        request.num_cached_blocks = len(gpu_hits)
+        self._cache_on_gpu(request)
         self._requests[request_id] = request
 
         gpu_hit_tokens = len(gpu_hits) * self.block_size
@@ -202,27 +218,37 @@ class BlockManager:
         )
         return Allocation(
             num_prompt_tokens=len(token_ids),
-            num_cached_tokens=gpu_hit_tokens + cpu_hit_tokens,
+            num_cached_tokens=num_cached_tokens,
             num_cpu_loaded_tokens=cpu_hit_tokens,
             block_hashes=tuple(block.event_hash for block in request.blocks),
+            num_scheduled_tokens=num_scheduled,
         )
 
-    def append_tokens(self, request_id: str, token_ids: Sequence[int]) -> bool:
-        """Add decoded tokens (their KV written this step); cache blocks they complete.
+    def append_tokens(
+        self, request_id: str, token_ids: Sequence[int], num_tokens: int | None = None
+    ) -> bool:
+        """Add tokens to the request's sequence (sampled ones; may be none) and schedule its
+        next ``num_tokens`` (default: the added ones) — a decode, or a prefill's next chunk.
 
-        Returns False, changing nothing, when a new block is needed and none is free (vLLM
-        would preempt a request); raises CapacityError past the pool's size.
+        Blocks the scheduled tokens complete are cached. Returns False, changing nothing,
+        when a new block is needed and none is free (vLLM would preempt a request); raises
+        CapacityError past the pool's size.
         """
         request = self._requests[request_id]
-        num_blocks = self._blocks_for(len(request.token_ids) + len(token_ids))
-        num_new_blocks = num_blocks - len(request.block_ids)
+        scheduled = request.num_scheduled_tokens + (
+            len(token_ids) if num_tokens is None else num_tokens
+        )
+        if scheduled > len(request.token_ids) + len(token_ids):
+            raise ValueError(f"request {request_id!r} cannot schedule tokens it does not have")
+        num_new_blocks = self._blocks_for(scheduled) - len(request.block_ids)
         if num_new_blocks > len(self._free):
             return False
-        request.token_ids.extend(token_ids)
+        if token_ids:
+            request.token_ids.extend(token_ids)
+            request.blocks.extend(self._complete_blocks(request, len(request.blocks)))
         request.block_ids.extend(self._take_free_block() for _ in range(num_new_blocks))
-        num_cached = len(request.blocks)
-        request.blocks.extend(self._complete_blocks(request, num_cached))
-        self._cache_on_gpu(request, num_cached)
+        request.num_scheduled_tokens = scheduled
+        self._cache_on_gpu(request)
         return True
 
     def free(self, request_id: str) -> None:
@@ -340,14 +366,17 @@ class BlockManager:
         self._cpu_cache[block.digest] = block
         self._events.append(self._stored([block], Tier.CPU))
 
-    def _cache_on_gpu(self, request: _Request, start: int) -> None:
-        """Cache the request's complete blocks from ``start`` on and announce them."""
-        blocks = request.blocks[start:]
+    def _cache_on_gpu(self, request: _Request) -> None:
+        """Cache and announce the request's blocks its scheduled tokens have completed."""
+        start = request.num_cached_blocks
+        end = request.num_scheduled_tokens // self.block_size
+        blocks = request.blocks[start:end]
         if not blocks:
             return
-        for block_id, block in zip(request.block_ids[start:], blocks, strict=False):
+        for block_id, block in zip(request.block_ids[start:end], blocks, strict=True):
             self._gpu_blocks[block_id] = block
             self._gpu_cache.setdefault(block.digest, []).append(block_id)
+        request.num_cached_blocks = end
         self._events.append(self._stored(blocks, Tier.GPU))
 
     def _stored(self, blocks: Sequence[_CachedBlock], tier: Tier) -> WireEvent:

@@ -1,19 +1,27 @@
 """The simulator's continuous-batching engine: a pure step planner and the asyncio loop.
 
-``Scheduler`` decides, like vLLM's FCFS scheduler, what one engine step does — which running
-requests decode a token, which waiting ones are admitted and prefilled, who is preempted when
-the pool runs dry — and how long the step takes on the timing model. It never sleeps and
-keeps its own *model clock* (seconds of simulated GPU time), so tests can drive it step by
-step and read TTFTs that include queueing, and the trace simulator can reuse it as is.
+``Scheduler`` decides, like vLLM V1's scheduler, what one engine step does — which requests
+compute how many tokens, who is admitted, who is preempted when the pool runs dry — and how
+long the step takes on the timing model. It never sleeps and keeps its own *model clock*
+(seconds of simulated GPU time), so tests can drive it step by step and read TTFTs that
+include queueing.
+
+vLLM's rules: a step has a budget of ``max_num_batched_tokens`` computed tokens. Running
+requests are served first, in admission order — a decode computes the one token it sampled
+last, an unfinished prefill its next chunk — then waiting requests are admitted in order,
+each computing as much of its uncached prompt as the budget has left (chunked prefill; with
+it off, a prompt waits until its whole remainder fits). A request samples a token in the
+step that computes the last token it has, so a long prompt's TTFT spans several steps and
+its blocks are cached (and announced) chunk by chunk.
 
 ``EngineLoop`` is the thin shell: it runs ``plan_step``, sleeps the step's duration times
 ``time_scale`` (so tests and demos run the same schedule faster), applies the step, wakes the
 requests' token streams and publishes the step's KV events as one batch, as vLLM does.
 
-Token bookkeeping follows vLLM: a step that admits a request computes its whole prompt and
-samples the first token; each later step computes the KV of the last sampled token and
-samples the next one. So a request's blocks hold every token but the last sampled one, and
-a ``max_tokens=1`` request (a disaggregated prefill) caches exactly its prompt.
+Token bookkeeping follows vLLM: each step after the prompt computes the KV of the last
+sampled token and samples the next one. So a request's blocks hold every token but the last
+sampled one, and a ``max_tokens=1`` request (a disaggregated prefill) caches exactly its
+prompt.
 """
 
 from __future__ import annotations
@@ -24,6 +32,7 @@ from array import array
 from collections import deque
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import xxhash
 
@@ -34,7 +43,8 @@ from .timing import TimingModel
 
 log = logging.getLogger(__name__)
 
-DEFAULT_MAX_NUM_SEQS = 256  # vLLM's default
+DEFAULT_MAX_NUM_SEQS = 256  # vLLM's default on GPUs
+DEFAULT_MAX_NUM_BATCHED_TOKENS = 2048  # vLLM's API-server default (CPU and most GPUs)
 
 
 class EngineError(RuntimeError):
@@ -56,6 +66,7 @@ class EngineRequest:
     ``do_remote_prefill``), so its first admission loads instead of computing it.
     ``keep_blocks``: a prefill for a remote decode (``do_remote_decode``): when finished its
     blocks stay allocated until the decode side has pulled them (``Scheduler.release``).
+    Times are on the model clock.
     """
 
     request_id: str
@@ -65,9 +76,14 @@ class EngineRequest:
     remote_prefill: bool = False
     keep_blocks: bool = False
     output_token_ids: list[int] = field(default_factory=list)
-    arrival_time: float = 0.0  # model clock
+    arrival_time: float = 0.0
+    scheduled_time: float | None = None  # first admission: the end of its queueing
     first_token_time: float | None = None
+    finish_time: float | None = None
     num_cached_tokens: int = 0  # not computed at the first admission (vLLM's cached_tokens)
+    num_computed_tokens: int = 0  # tokens with KV, including this step's (vLLM's name)
+    num_block_tokens: int = 0  # tokens the block manager knows (prompt, then outputs)
+    num_preemptions: int = 0
     block_hashes: tuple[int, ...] = ()  # the prompt's complete blocks, as published
     finish_reason: str | None = None  # "length", "stop", "abort" or "error"
     error: str | None = None
@@ -83,6 +99,11 @@ class EngineRequest:
         return [*self.prompt_token_ids, *self.output_token_ids]
 
     @property
+    def num_tokens(self) -> int:
+        """Prompt plus outputs, without copying them."""
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
     def finished(self) -> bool:
         return self.finish_reason is not None
 
@@ -95,18 +116,37 @@ class EngineRequest:
 
 
 @dataclass(frozen=True, slots=True)
+class Chunk:
+    """What one request does in a step: load ``num_loaded`` tokens of KV (CPU tier or
+    remote prefill), then compute ``num_computed`` (from the budget) after ``context``
+    tokens it has by then."""
+
+    request: EngineRequest
+    num_computed: int
+    num_loaded: int = 0
+    context: int = 0
+    decode: bool = False  # computes the token it sampled last
+    samples: bool = True  # reaches the end of the sequence: a token is sampled after it
+
+
+@dataclass(frozen=True, slots=True)
 class StepPlan:
     """What one step does; ``complete_step`` applies it once ``duration`` has passed."""
 
-    admitted: tuple[EngineRequest, ...]  # prefilled this step, sample a token at its end
-    decoded: tuple[EngineRequest, ...]  # running requests that sample one more token
+    chunks: tuple[Chunk, ...]  # running requests first, then the admitted ones
+    admitted: tuple[EngineRequest, ...]  # moved from waiting to running this step
     preempted: tuple[EngineRequest, ...]  # blocks freed, back at the head of the queue
     rejected: tuple[EngineRequest, ...]  # can never fit the pool: finished with an error
     duration: float  # model seconds
 
+    @property
+    def num_computed_tokens(self) -> int:
+        """Tokens of the batch (vLLM's ``iteration_tokens``), at most the budget."""
+        return sum(chunk.num_computed for chunk in self.chunks)
+
 
 class Scheduler:
-    """FCFS continuous batching over one ``BlockManager`` (one engine, one DP rank)."""
+    """vLLM's FCFS scheduler over one ``BlockManager`` (one engine, one DP rank)."""
 
     def __init__(
         self,
@@ -115,12 +155,16 @@ class Scheduler:
         *,
         num_ordinary_tokens: int,
         max_num_seqs: int = DEFAULT_MAX_NUM_SEQS,
+        max_num_batched_tokens: int = DEFAULT_MAX_NUM_BATCHED_TOKENS,
+        enable_chunked_prefill: bool = True,
     ) -> None:
-        if max_num_seqs < 1:
-            raise ValueError("max_num_seqs must be >= 1")
+        if max_num_seqs < 1 or max_num_batched_tokens < 1:
+            raise ValueError("max_num_seqs and max_num_batched_tokens must be >= 1")
         self.blocks = blocks
         self.timing = timing
         self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.enable_chunked_prefill = enable_chunked_prefill
         self.num_ordinary_tokens = num_ordinary_tokens
         self.clock = 0.0
         self.waiting: deque[EngineRequest] = deque()
@@ -137,28 +181,27 @@ class Scheduler:
     def plan_step(self) -> StepPlan | None:
         """Reserve the blocks of the next step and price it; None when there is nothing to do.
 
-        Running requests first get room for the token they compute; when the pool is full
+        Running requests get their tokens first, within the budget; when the pool is full
         the newest running request is preempted (recomputed later), and no request is
         admitted in that step — vLLM's rule. Then waiting requests are admitted in order
-        until one does not fit (head-of-line blocking, as FCFS) or ``max_num_seqs`` run.
+        until one does not fit (head-of-line blocking, as FCFS), the budget is spent or
+        ``max_num_seqs`` run.
         """
-        decoded: list[EngineRequest] = []
+        budget = self.max_num_batched_tokens
+        chunks: list[Chunk] = []
         preempted: list[EngineRequest] = []
         for request in list(self.running):
-            if request not in self.running:  # preempted for an older request
-                continue
-            while not self.blocks.append_tokens(request.request_id, request.output_token_ids[-1:]):
-                victim = self.running.pop()
-                self._preempt(victim)
-                preempted.append(victim)
-                if victim is request:
-                    break
-            else:
-                decoded.append(request)
+            if budget == 0 or request not in self.running:  # spent, or preempted
+                break
+            chunk = self._schedule_running(request, budget, preempted)
+            if chunk is None:
+                break
+            chunks.append(chunk)
+            budget -= chunk.num_computed
 
-        admitted: list[tuple[EngineRequest, Allocation]] = []
+        admitted: list[EngineRequest] = []
         rejected: list[EngineRequest] = []
-        while self.waiting and not preempted and len(self.running) < self.max_num_seqs:
+        while self.waiting and not preempted and budget and len(self.running) < self.max_num_seqs:
             request = self.waiting[0]
             problem = self.capacity_problem(len(request.prompt_token_ids), request.max_tokens)
             if problem is not None:  # covers the allocator's CapacityError, and growth
@@ -166,28 +209,31 @@ class Scheduler:
                 request.finish_reason, request.error = "error", problem
                 rejected.append(request)
                 continue
+            first_remote = request.remote_prefill and request.scheduled_time is None
             allocation = self.blocks.allocate(
-                request.request_id, request.token_ids, cache_salt=request.cache_salt
+                request.request_id,
+                request.token_ids,
+                cache_salt=request.cache_salt,
+                token_budget=None if first_remote else budget,  # loading costs no budget
+                chunked=self.enable_chunked_prefill,
             )
             if allocation is None:
                 break
             self.waiting.popleft()
             self.running.append(request)
-            admitted.append((request, allocation))
+            admitted.append(request)
+            chunk = self._admit(request, allocation)
+            chunks.append(chunk)
+            budget -= chunk.num_computed
 
-        if not (decoded or admitted or preempted or rejected):
+        if not (chunks or preempted or rejected):
             return None
-        duration = sum(self._admit(request, allocation) for request, allocation in admitted)
-        context = sum(
-            len(request.prompt_token_ids) + len(request.output_token_ids) for request in decoded
-        )  # lengths only: ``token_ids`` copies the whole sequence
-        duration += self.timing.decode_step_seconds(len(decoded), context)
         return StepPlan(
-            admitted=tuple(request for request, _ in admitted),
-            decoded=tuple(decoded),
+            chunks=tuple(chunks),
+            admitted=tuple(admitted),
             preempted=tuple(preempted),
             rejected=tuple(rejected),
-            duration=duration,
+            duration=self._price(chunks),
         )
 
     def capacity_problem(self, num_prompt_tokens: int, max_tokens: int) -> str | None:
@@ -206,12 +252,14 @@ class Scheduler:
         """Advance the clock, sample the step's tokens and finish requests that are done.
 
         Returns every request whose state changed, for the shell to wake. Requests aborted
-        while the step ran are skipped: their blocks are already free.
+        while the step ran are skipped: their blocks are already free. A chunk that does
+        not reach the end of its prompt samples nothing.
         """
         self.clock += plan.duration
         changed = list(plan.rejected)
-        for request in (*plan.admitted, *plan.decoded):
-            if request.finished:
+        for chunk in plan.chunks:
+            request = chunk.request
+            if request.finished or not chunk.samples:
                 continue
             index = len(request.output_token_ids)
             token = sample_token(request.seed, index, self.num_ordinary_tokens)
@@ -220,12 +268,7 @@ class Scheduler:
             if request.first_token_time is None:
                 request.first_token_time = self.clock
             if len(request.output_token_ids) >= request.max_tokens:
-                self.running.remove(request)
-                request.finish_reason = "length"
-                if request.keep_blocks:
-                    self.held[request.request_id] = request
-                else:
-                    self.blocks.free(request.request_id)
+                self._finish(request, "length")
             changed.append(request)
         return changed
 
@@ -244,6 +287,7 @@ class Scheduler:
         else:
             return False
         request.finish_reason = reason
+        request.finish_time = self.clock
         return True
 
     def release(self, request_id: str) -> bool:
@@ -261,27 +305,77 @@ class Scheduler:
     def take_events(self) -> list[WireEvent]:
         return self.blocks.take_events()
 
-    def _admit(self, request: EngineRequest, allocation: Allocation) -> float:
-        """Record a first admission's cache hit; return the admission's model seconds.
+    def _schedule_running(
+        self, request: EngineRequest, budget: int, preempted: list[EngineRequest]
+    ) -> Chunk | None:
+        """Its next tokens within ``budget``, preempting the newest requests for blocks;
+        None when even preempting itself did not make room (the step stops there)."""
+        num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+        missing = request.num_tokens - request.num_block_tokens  # sampled since scheduled
+        sampled = request.output_token_ids[-missing:] if missing else []
+        while not self.blocks.append_tokens(request.request_id, sampled, num_new):
+            victim = self.running.pop()
+            self._preempt(victim)
+            preempted.append(victim)
+            if victim is request:
+                return None
+        request.num_block_tokens += missing
+        return self._advance(request, num_new, decode=missing > 0)
 
-        That is the prefill of the uncached tokens plus loading the CPU hits — or, for the
-        first admission of a remote-prefill request, loading every token it did not have.
-        A preempted request readmitted later recomputes what it lost like any other.
+    def _admit(self, request: EngineRequest, allocation: Allocation) -> Chunk:
+        """Its first chunk; a first admission records its cache hit and queueing.
+
+        CPU hits are loaded, not computed; so is every prompt token a remote-prefill request
+        did not have at its first admission. A preempted request readmitted later
+        recomputes what it lost like any other.
         """
-        computed = allocation.num_new_tokens
-        loaded = allocation.num_cpu_loaded_tokens
-        first = request.first_token_time is None
-        if request.remote_prefill and first:
-            loaded, computed = loaded + computed, 0
-        if first:
-            request.num_cached_tokens = allocation.num_prompt_tokens - computed
+        computed, loaded = allocation.num_scheduled_tokens, allocation.num_cpu_loaded_tokens
+        if request.scheduled_time is None:
+            request.scheduled_time = self.clock
             request.block_hashes = allocation.block_hashes
-        compute = self.timing.prefill_seconds(computed, allocation.num_cached_tokens)
-        return compute + self.timing.kv_load_seconds(loaded)
+            request.num_cached_tokens = allocation.num_cached_tokens
+            if request.remote_prefill:
+                loaded, computed = loaded + computed, 0
+                request.num_cached_tokens = allocation.num_prompt_tokens
+        request.num_block_tokens = allocation.num_prompt_tokens
+        gpu_hit = allocation.num_cached_tokens - allocation.num_cpu_loaded_tokens
+        request.num_computed_tokens = gpu_hit
+        return self._advance(request, computed, loaded=loaded)
+
+    def _advance(
+        self, request: EngineRequest, computed: int, *, loaded: int = 0, decode: bool = False
+    ) -> Chunk:
+        """Count the chunk's tokens as computed (vLLM does at scheduling time)."""
+        request.num_computed_tokens += loaded
+        context = request.num_computed_tokens
+        request.num_computed_tokens += computed
+        samples = request.num_computed_tokens == request.num_tokens
+        return Chunk(request, computed, loaded, context, decode=decode, samples=samples)
+
+    def _price(self, chunks: Sequence[Chunk]) -> float:
+        """The step's model seconds, from the tokens it computes and loads."""
+        decodes = [chunk for chunk in chunks if chunk.decode]
+        return self.timing.step_seconds(
+            prefills=[(c.num_computed, c.context) for c in chunks if not c.decode],
+            loaded_tokens=sum(chunk.num_loaded for chunk in chunks),
+            num_decodes=len(decodes),
+            decode_context=sum(chunk.context for chunk in decodes),
+        )
+
+    def _finish(self, request: EngineRequest, reason: str) -> None:
+        self.running.remove(request)
+        request.finish_reason = reason
+        request.finish_time = self.clock
+        if request.keep_blocks:
+            self.held[request.request_id] = request
+        else:
+            self.blocks.free(request.request_id)
 
     def _preempt(self, request: EngineRequest) -> None:
         """Free the request's blocks and requeue it first; it recomputes what it lost."""
         self.blocks.free(request.request_id)
+        request.num_computed_tokens = request.num_block_tokens = 0
+        request.num_preemptions += 1
         self.waiting.appendleft(request)
         self.num_preemptions += 1
 
@@ -320,6 +414,14 @@ class RequestStream:
         self._changed.set()
 
 
+class StepObserver(Protocol):
+    """Told about every step and every request that ends outside one (the metrics)."""
+
+    def step(self, plan: StepPlan, changed: Iterable[EngineRequest], clock: float) -> None: ...
+
+    def finished(self, request: EngineRequest) -> None: ...
+
+
 class EngineLoop:
     """Runs a ``Scheduler`` in real time and publishes its KV events (one batch per step).
 
@@ -333,11 +435,13 @@ class EngineLoop:
         *,
         time_scale: float = 1.0,
         kv_transfer_timeout: float = 480.0,
+        observer: StepObserver | None = None,
     ) -> None:
         if time_scale < 0:
             raise ValueError("time_scale must be >= 0")
         self.scheduler = scheduler
         self.publisher = publisher
+        self.observer = observer
         self.time_scale = time_scale
         self.kv_transfer_timeout = kv_transfer_timeout  # wall seconds: a safety net, unscaled
         self.num_batches_published = 0
@@ -386,6 +490,8 @@ class EngineLoop:
     def abort(self, request: EngineRequest, reason: str = "abort") -> None:
         """End a request that is still waiting or running (no-op once it finished)."""
         if self.scheduler.finish(request, reason):
+            if self.observer is not None:
+                self.observer.finished(request)
             self._wake_streams([request.request_id])
             self._work.set()  # its blocks may admit a waiting request
 
@@ -418,6 +524,8 @@ class EngineLoop:
             self._step = None
             changed = self.scheduler.complete_step(plan)
             self._publish()
+            if self.observer is not None:
+                self.observer.step(plan, changed, self.scheduler.clock)
             for request in changed:
                 if request.request_id in self.scheduler.held:
                     self._hold_timers[request.request_id] = loop.call_later(

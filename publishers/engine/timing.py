@@ -31,6 +31,7 @@ seconds; the engine loop's ``--sim-time-scale`` maps them to wall time.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 
@@ -73,8 +74,29 @@ class TimingModel:
         """Time to compute ``new_tokens`` after ``cached_tokens`` already in HBM; 0 if none."""
         if new_tokens <= 0:
             return 0.0
-        compute = self.prefill_flops(new_tokens, cached_tokens) / (self.gpu_flops * self.mfu)
-        return self.prefill_overhead_s + compute
+        return self.prefill_overhead_s + self._prefill_compute_seconds(new_tokens, cached_tokens)
+
+    def step_seconds(
+        self,
+        prefills: Sequence[tuple[int, int]],
+        loaded_tokens: int = 0,
+        num_decodes: int = 0,
+        decode_context: int = 0,
+    ) -> float:
+        """One engine step (one forward pass): prefill chunks given as ``(new tokens, tokens
+        before them)``, KV loads and a decode batch holding ``decode_context`` tokens of KV.
+
+        Each chunk costs its own share of Eq. 1, so a prompt split into chunks costs what it
+        would in one piece, plus one prefill overhead per step that computes any prompt.
+        """
+        chunks = [(new, before) for new, before in prefills if new > 0]
+        prefill = sum(self._prefill_compute_seconds(new, before) for new, before in chunks)
+        overhead = self.prefill_overhead_s if chunks else 0.0
+        load = self.kv_load_seconds(loaded_tokens)
+        return overhead + prefill + load + self.decode_step_seconds(num_decodes, decode_context)
+
+    def _prefill_compute_seconds(self, new_tokens: int, cached_tokens: int) -> float:
+        return self.prefill_flops(new_tokens, cached_tokens) / (self.gpu_flops * self.mfu)
 
     def kv_load_seconds(self, tokens: int) -> float:
         """Time to bring ``tokens`` of cached KV into HBM (CPU tier or remote store)."""
