@@ -31,7 +31,13 @@ from conductor.runtime import configure_logging, run
 from ..publisher import KVEventPublisher, binds, offset_endpoint
 from .block_hash import HASH_ALGORITHMS, BlockHasher
 from .block_manager import BlockManager
-from .scheduler import DEFAULT_MAX_NUM_SEQS, EngineLoop, Scheduler
+from .metrics import EngineMetrics, cache_config_info
+from .scheduler import (
+    DEFAULT_MAX_NUM_BATCHED_TOKENS,
+    DEFAULT_MAX_NUM_SEQS,
+    EngineLoop,
+    Scheduler,
+)
 from .server import ServerSettings, create_app
 from .timing import TimingModel
 from .tokenizer import Tokenizer
@@ -88,6 +94,23 @@ def build_parser() -> argparse.ArgumentParser:
     vllm.add_argument("--gpu-memory-utilization", type=float, default=0.9)
     vllm.add_argument("--max-model-len", type=int, default=DEFAULT_MAX_MODEL_LEN)
     vllm.add_argument("--max-num-seqs", type=int, default=DEFAULT_MAX_NUM_SEQS)
+    vllm.add_argument(
+        "--max-num-batched-tokens",
+        type=int,
+        help=f"tokens one engine step computes (default {DEFAULT_MAX_NUM_BATCHED_TOKENS}, "
+        "or at least --max-model-len without chunked prefill, as vLLM)",
+    )
+    vllm.add_argument(
+        "--enable-chunked-prefill",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="split prompts over steps to fit the token budget (vLLM V1's default)",
+    )
+    vllm.add_argument(
+        "--enable-scale-out",
+        action="store_true",
+        help="serve /v1/completions/render and /v1/chat/completions/render (403 otherwise)",
+    )
     vllm.add_argument("--prefix-caching-hash-algo", choices=HASH_ALGORITHMS, default="sha256")
     vllm.add_argument("--kv-events-config", type=_kv_events_config, default=KVEventsConfig())
     vllm.add_argument("--data-parallel-rank", type=int, default=0)
@@ -150,6 +173,15 @@ def timing_model(args: argparse.Namespace) -> TimingModel:
     return TimingModel(**values)
 
 
+def max_num_batched_tokens(args: argparse.Namespace) -> int:
+    """vLLM's rule: without chunked prefill the default budget fits any prompt."""
+    if args.max_num_batched_tokens is not None:
+        return args.max_num_batched_tokens
+    if args.enable_chunked_prefill:
+        return DEFAULT_MAX_NUM_BATCHED_TOKENS
+    return max(DEFAULT_MAX_NUM_BATCHED_TOKENS, args.max_model_len)
+
+
 def default_num_gpu_blocks(args: argparse.Namespace, timing: TimingModel) -> int:
     """vLLM's sizing: what HBM leaves for KV after the weights, in blocks."""
     free = args.sim_hbm_bytes * args.gpu_memory_utilization - timing.weight_bytes
@@ -178,6 +210,16 @@ def create_publisher(args: argparse.Namespace) -> KVEventPublisher | None:
         hwm=config.hwm,
         bind=True if args.sim_kv_bind else None,
     )
+
+
+def kv_event_source(
+    config: KVEventsConfig, publisher: KVEventPublisher | None
+) -> dict[str, Any] | None:
+    """``/kv_event_sources``' entry: the config with the endpoints as bound (ports resolved)."""
+    if publisher is None:
+        return None
+    bound = {"endpoint": publisher.endpoint, "replay_endpoint": publisher.replay_endpoint}
+    return config.model_dump() | {"publisher": "zmq"} | bound
 
 
 async def register(session: aiohttp.ClientSession, url: str, body: dict[str, Any]) -> bool:
@@ -227,12 +269,18 @@ async def serve(args: argparse.Namespace) -> None:
         hasher=hasher,
     )
     scheduler = Scheduler(
-        blocks, timing, num_ordinary_tokens=tokenizer.num_ordinary, max_num_seqs=args.max_num_seqs
+        blocks,
+        timing,
+        num_ordinary_tokens=tokenizer.num_ordinary,
+        max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=max_num_batched_tokens(args),
+        enable_chunked_prefill=args.enable_chunked_prefill,
     )
     host = args.sim_advertise_host or (
         "127.0.0.1" if args.host in (None, *WILDCARD_HOSTS) else args.host
     )
     names = tuple(args.served_model_name or [args.model])
+    publisher = create_publisher(args)
     settings = ServerSettings(
         served_model_names=names,
         max_model_len=args.max_model_len,
@@ -240,16 +288,33 @@ async def serve(args: argparse.Namespace) -> None:
         remote_host=host,
         remote_port=args.port,
         data_parallel_rank=args.data_parallel_rank,
+        enable_scale_out=args.enable_scale_out,
+        kv_events_config=kv_event_source(args.kv_events_config, publisher),
     )
-    publisher = create_publisher(args)
+    metrics = EngineMetrics(
+        scheduler,
+        {"model_name": names[0], "engine": str(args.data_parallel_rank)},
+        args.max_model_len,
+        cache_config_info(
+            block_size=args.block_size,
+            num_gpu_blocks=blocks.num_gpu_blocks,
+            num_cpu_blocks=args.sim_cpu_offload_blocks,
+            num_gpu_blocks_override=args.num_gpu_blocks_override,
+            gpu_memory_utilization=args.gpu_memory_utilization,
+            prefix_caching_hash_algo=args.prefix_caching_hash_algo,
+            kv_bytes_per_token=timing.kv_bytes_per_token,
+            max_model_len=args.max_model_len,
+        ),
+    )
     engine = EngineLoop(
         scheduler,
         publisher,
         time_scale=args.sim_time_scale,
         kv_transfer_timeout=args.sim_kv_transfer_timeout,
+        observer=metrics,
     )
     runner = web.AppRunner(
-        create_app(engine, tokenizer, settings),
+        create_app(engine, tokenizer, settings, metrics),
         access_log=None,
         handler_cancellation=True,  # a client that disconnects aborts its request
         shutdown_timeout=SHUTDOWN_SECONDS,
@@ -320,6 +385,12 @@ def check(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
             )
     if args.sim_time_scale < 0:
         parser.error("--sim-time-scale must be >= 0")
+    if args.max_num_batched_tokens is not None and args.max_num_batched_tokens < 1:
+        parser.error("--max-num-batched-tokens must be >= 1")
+    if not args.enable_chunked_prefill and max_num_batched_tokens(args) < args.max_model_len:
+        parser.error(  # vLLM refuses this too: a long prompt could never be scheduled
+            "--max-num-batched-tokens must be >= --max-model-len without chunked prefill"
+        )
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -2,9 +2,12 @@
 
 Routes and shapes follow vLLM's OpenAI server, so a router, benchmark or proxy written for
 vLLM works against the simulator unchanged: ``/v1/completions`` and ``/v1/chat/completions``
-(JSON and SSE), ``/v1/models``, ``/tokenize``, ``/health``, ``/metrics`` (vLLM's metric names)
-and the dev endpoint ``/reset_prefix_cache``. Errors are vLLM's ``{"error": {message, type,
-param, code}}``.
+(JSON and SSE), their scale-out ``/render`` twins (403 without ``--enable-scale-out``, as
+vLLM), ``/v1/models``, ``/tokenize``, ``/detokenize``, ``/health``, ``/ping``, ``/version``,
+``/load``, ``/kv_event_sources``, ``/metrics`` (``metrics.py``) and the dev endpoint
+``/reset_prefix_cache``. Errors are vLLM's ``{"error": {message, type, param, code}}``; an
+unknown route or a wrong method gets FastAPI's ``{"detail": ...}`` 404 or 405. Every shape
+is pinned against a real vLLM 0.32's answer to the same request.
 
 Disaggregation follows vLLM's NIXL connector as the upstream proxy drives it (WIRE.md §f):
 ``kv_transfer_params.do_remote_decode`` makes a request a prefill — one token, blocks kept,
@@ -26,17 +29,17 @@ import json
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
-from dataclasses import dataclass
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 import aiohttp
+import xxhash
 from aiohttp import web
-from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Histogram, generate_latest
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
-from prometheus_client.registry import Collector
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
+from .metrics import EngineMetrics
 from .scheduler import EngineError, EngineLoop, EngineRequest, RequestStream
 from .tokenizer import Tokenizer
 
@@ -45,16 +48,17 @@ log = logging.getLogger(__name__)
 DEFAULT_MAX_TOKENS = 16
 MAX_BODY_BYTES = 64 * 1024 * 1024  # a 128k-token prompt as a JSON id list is ~1 MB
 RELEASE_TIMEOUT_SECONDS = 2.0
-TTFT_BUCKETS = (  # vLLM's
-    0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75,
-    1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0,
-)  # fmt: skip
+VLLM_VERSION = "0.32.0"  # the vLLM whose answers the simulator's are pinned against
 ERROR_TYPES = {
     400: "BadRequestError",
+    403: "PermissionDeniedError",
     404: "NotFoundError",
     409: "ConflictError",
     503: "ServiceUnavailableError",
 }
+SCALE_OUT_DISABLED = (
+    "Scale-out endpoints are disabled. Restart vllm serve with --enable-scale-out to enable them."
+)
 
 
 @dataclass(frozen=True, slots=True)
@@ -65,6 +69,16 @@ class ServerSettings:
     remote_host: str  # where decode simulators reach this one's HTTP API to release blocks
     remote_port: int
     data_parallel_rank: int = 0
+    enable_scale_out: bool = False  # serve the render endpoints (vLLM's flag)
+    kv_events_config: dict[str, Any] | None = None  # as bound; None without events
+    system_fingerprint: str = field(init=False)
+
+    def __post_init__(self) -> None:
+        """vLLM's ``vllm-<version>-<config hash>``: stable for one configuration."""
+        digest = xxhash.xxh32_hexdigest(
+            repr((self.served_model_names, self.max_model_len)).encode()
+        )
+        object.__setattr__(self, "system_fingerprint", f"vllm-{VLLM_VERSION}-{digest}")
 
 
 class ApiError(Exception):
@@ -112,6 +126,7 @@ class KVTransferParams(_Body):
 
 class StreamOptions(_Body):
     include_usage: bool = False
+    continuous_usage_stats: bool = False
 
 
 class ChatMessage(_Body):
@@ -129,10 +144,40 @@ class _GenerationBody(_Body):
     stop: str | list[str] | None = None
     cache_salt: str | None = None
     kv_transfer_params: KVTransferParams | None = None
+    # sampling: the simulator samples greedily whatever they say; render echoes them
+    temperature: float = 1.0
+    top_p: float = 1.0
+    min_p: float = 0.0
+    seed: int | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
 
     def stops(self) -> list[str]:
         stops = [self.stop] if isinstance(self.stop, str) else self.stop or []
         return [stop for stop in stops if stop]
+
+    def sampling_params(self, max_tokens: int | None) -> dict[str, Any]:
+        """vLLM's SamplingParams as render serializes them: greedy drops top_p and min_p,
+        unset seed and max_tokens are left out, streaming asks for deltas."""
+        params: dict[str, Any] = {
+            "presence_penalty": self.presence_penalty,
+            "frequency_penalty": self.frequency_penalty,
+            "repetition_penalty": self.repetition_penalty,
+            "temperature": self.temperature,
+        }
+        if self.temperature != 0:
+            params |= {"top_p": self.top_p, "min_p": self.min_p}
+        if self.seed is not None:
+            params["seed"] = self.seed
+        params |= {"stop": self.stops(), "stop_token_ids": []}
+        if max_tokens is not None:
+            params["max_tokens"] = max_tokens
+        params |= {"output_kind": 1 if self.stream else 2, "skip_clone": True}
+        if self.kv_transfer_params is not None:
+            transfer = self.kv_transfer_params.model_dump(exclude_unset=True)
+            params["extra_args"] = {"kv_transfer_params": transfer}
+        return params | {"bad_words": [], "skip_reading_prefix_cache": False}
 
 
 class CompletionBody(_GenerationBody):
@@ -160,6 +205,11 @@ class TokenizeBody(_Body):
         return self
 
 
+class DetokenizeBody(_Body):
+    model: str | None = None
+    tokens: list[int]
+
+
 class ReleaseBody(_Body):
     remote_request_id: str
     remote_engine_id: str | None = None
@@ -181,12 +231,20 @@ async def _parse(request: web.Request, model: type[B]) -> B:
         raise ApiError(400, message, param) from None
 
 
+async def _parse_render(request: web.Request, settings: ServerSettings, model: type[B]) -> B:
+    """vLLM registers the render routes either way; without scale-out they answer 403."""
+    if not settings.enable_scale_out:
+        raise ApiError(403, SCALE_OUT_DISABLED)
+    return await _parse(request, model)
+
+
 # -- response shapes ----------------------------------------------------------------------
 
 
 @dataclass(frozen=True, slots=True)
 class _Shape:
-    """Where completions and chat completions differ: ids, object names, the choice."""
+    """Where completions and chat completions differ: ids, object names, the choice and the
+    fields vLLM 0.32 adds (null unless asked for: token ids, logprobs, reasoning ...)."""
 
     id_prefix: str
     object: str
@@ -194,28 +252,43 @@ class _Shape:
     chat: bool
 
     def choice(self, text: str, finish: str | None, stop: str | None, chunk: bool) -> dict:
-        choice: dict[str, Any] = {"index": 0}
+        common = {"index": 0}
+        tail = {"logprobs": None, "finish_reason": finish, "stop_reason": stop}
         if not self.chat:
-            choice["text"] = text
-        elif chunk:
-            choice["delta"] = {"content": text}
-        else:
-            choice["message"] = {"role": "assistant", "content": text, "tool_calls": []}
-        return choice | {"logprobs": None, "finish_reason": finish, "stop_reason": stop}
+            extra = ("prompt_token_ids", "token_ids") if chunk else _COMPLETION_CHOICE_NULLS
+            return common | {"text": text} | tail | dict.fromkeys(extra)
+        if chunk:
+            if finish is None:  # vLLM names the stop reason in the last chunk only
+                del tail["stop_reason"]
+            return common | {"delta": {"content": text}} | tail | {"token_ids": None}
+        message = {"role": "assistant", "content": text} | dict.fromkeys(_MESSAGE_NULLS)
+        return common | {"message": message} | tail | dict.fromkeys(_CHAT_CHOICE_NULLS)
+
+    def answer_nulls(self) -> dict[str, None]:
+        """Top-level fields of a whole answer that the simulator always leaves null."""
+        return dict.fromkeys(_CHAT_ANSWER_NULLS if self.chat else ()) | dict.fromkeys(
+            ("service_tier", "ec_transfer_params", "metrics")
+        )
 
 
+_COMPLETION_CHOICE_NULLS = ("token_ids", "prompt_logprobs", "prompt_token_ids", "routed_experts")
+_CHAT_CHOICE_NULLS = ("token_ids", "routed_experts")
+_MESSAGE_NULLS = ("refusal", "annotations", "audio", "function_call", "reasoning")
+_CHAT_ANSWER_NULLS = ("prompt_logprobs", "prompt_token_ids", "prompt_text")
 COMPLETION = _Shape("cmpl-", "text_completion", "text_completion", chat=False)
 CHAT = _Shape("chatcmpl-", "chat.completion", "chat.completion.chunk", chat=True)
 
 
-def _usage(request: EngineRequest, completion_tokens: int) -> dict[str, Any]:
+def _usage(request: EngineRequest, completion_tokens: int, chunk: bool) -> dict[str, Any]:
+    """Token counts; cached tokens always, as vLLM with ``--enable-prompt-tokens-details``."""
     prompt_tokens = len(request.prompt_token_ids)
-    return {
+    usage = {
         "prompt_tokens": prompt_tokens,
         "total_tokens": prompt_tokens + completion_tokens,
         "completion_tokens": completion_tokens,
         "prompt_tokens_details": {"cached_tokens": request.num_cached_tokens},
     }
+    return usage if chunk else usage | {"completion_tokens_details": None}
 
 
 def _ttft_header(request: EngineRequest) -> dict[str, str]:
@@ -270,70 +343,23 @@ class _Generation:
         return at
 
 
-# -- metrics ------------------------------------------------------------------------------
-
-
-class _EngineCollector(Collector):
-    """Engine state read at scrape time, under vLLM's names where vLLM has the metric."""
-
-    def __init__(self, engine: EngineLoop, labels: dict[str, str]) -> None:
-        self._engine = engine
-        self._labels = labels
-
-    def collect(self) -> Iterable[Metric]:
-        scheduler = self._engine.scheduler
-        blocks = scheduler.blocks
-        stats = blocks.stats
-        engine = self._engine
-        gauges = (
-            ("vllm:num_requests_running", "Requests in the batch", len(scheduler.running)),
-            ("vllm:num_requests_waiting", "Requests queued", len(scheduler.waiting)),
-            ("vllm:kv_cache_usage_perc", "KV-cache usage, 1 = full", blocks.usage),
-            ("vllm:gpu_cache_usage_perc", "KV-cache usage (old name)", blocks.usage),
-            ("sim_kv_cache_free_blocks", "GPU blocks free or evictable", blocks.num_free_blocks),
-            ("sim_kv_cache_total_blocks", "GPU blocks in the pool", blocks.num_gpu_blocks),
-            ("sim_kv_transfer_held_requests", "Prefills awaiting a pull", len(scheduler.held)),
-            ("sim_model_clock_seconds", "Simulated GPU time elapsed", scheduler.clock),
-        )
-        counters = (
-            ("vllm:prefix_cache_queries", "Prompt tokens looked up", stats.query_tokens),
-            ("vllm:prefix_cache_hits", "Prompt tokens hit on the GPU", stats.gpu_hit_tokens),
-            ("vllm:num_preemptions", "Preemptions", scheduler.num_preemptions),
-            ("vllm:generation_tokens", "Generated tokens", scheduler.num_generated_tokens),
-            ("sim_cpu_prefix_cache_hits", "Prompt tokens hit on the CPU", stats.cpu_hit_tokens),
-            ("sim_kv_event_batches", "KV-event batches published", engine.num_batches_published),
-        )
-        names, values = list(self._labels), list(self._labels.values())
-        for family, rows in ((GaugeMetricFamily, gauges), (CounterMetricFamily, counters)):
-            for name, documentation, value in rows:
-                metric = family(name, documentation, labels=names)
-                metric.add_metric(values, value)
-                yield metric
-
-
 # -- handlers -----------------------------------------------------------------------------
 
 
 class EngineApi:
-    def __init__(self, engine: EngineLoop, tokenizer: Tokenizer, settings: ServerSettings) -> None:
+    def __init__(
+        self,
+        engine: EngineLoop,
+        tokenizer: Tokenizer,
+        settings: ServerSettings,
+        metrics: EngineMetrics,
+    ) -> None:
         self.engine = engine
         self.tokenizer = tokenizer
         self.settings = settings
+        self.engine_metrics = metrics
         self.client: aiohttp.ClientSession | None = None  # for release calls, set at startup
         self._background: set[asyncio.Task[None]] = set()
-        self.registry = CollectorRegistry(auto_describe=True)
-        labels = {
-            "model_name": settings.served_model_names[0],
-            "engine": str(settings.data_parallel_rank),  # vLLM: the engine (DP) index
-        }
-        self.registry.register(_EngineCollector(engine, labels))
-        self.ttft = Histogram(
-            "vllm:time_to_first_token_seconds",
-            "Time to first token on the model clock",
-            list(labels),
-            buckets=TTFT_BUCKETS,
-            registry=self.registry,
-        ).labels(**labels)
 
     async def completions(self, request: web.Request) -> web.StreamResponse:
         body = await _parse(request, CompletionBody)
@@ -385,8 +411,70 @@ class EngineApi:
         return web.Response()
 
     async def metrics(self, request: web.Request) -> web.Response:
-        body = generate_latest(self.registry)
+        body = generate_latest(self.engine_metrics.registry)
         return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE_LATEST})
+
+    async def version(self, request: web.Request) -> web.Response:
+        return web.json_response({"version": VLLM_VERSION})
+
+    async def load(self, request: web.Request) -> web.Response:
+        """Requests in the engine: what vLLM counts with ``--enable-server-load-tracking``."""
+        scheduler = self.engine.scheduler
+        return web.json_response({"server_load": len(scheduler.running) + len(scheduler.waiting)})
+
+    async def kv_event_sources(self, request: web.Request) -> web.Response:
+        """Where this engine publishes KV events, by DP rank: how a consumer finds them."""
+        config = self.settings.kv_events_config
+        rank = str(self.settings.data_parallel_rank)
+        return web.json_response({} if config is None else {rank: config})
+
+    async def detokenize(self, request: web.Request) -> web.Response:
+        body = await _parse(request, DetokenizeBody)
+        self._check_model(body.model)
+        out_of_vocabulary = [t for t in body.tokens if not 0 <= t < self.tokenizer.vocab_size]
+        if out_of_vocabulary:
+            raise ApiError(400, f"Token id {out_of_vocabulary[0]} is out of vocabulary", "tokens")
+        return web.json_response({"prompt": self.tokenizer.decode(body.tokens)})
+
+    async def render_completion(self, request: web.Request) -> web.Response:
+        """vLLM's scale-out render: the token-in request a ``/generate`` server would take."""
+        body = await _parse_render(request, self.settings, CompletionBody)
+        prompt = body.prompt
+        token_ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else prompt
+        if not token_ids:
+            raise ApiError(400, "Either prompt or prompt_embeds must be provided and non-empty.",
+                           "prompt")  # fmt: skip
+        return web.json_response([self._rendered(body, token_ids, body.max_tokens, COMPLETION)])
+
+    async def render_chat(self, request: web.Request) -> web.Response:
+        body = await _parse_render(request, self.settings, ChatCompletionBody)
+        token_ids = self._chat_tokens(body.messages, body.add_generation_prompt)
+        max_tokens = body.max_completion_tokens or body.max_tokens
+        return web.json_response(self._rendered(body, token_ids, max_tokens, CHAT))
+
+    def _rendered(
+        self, body: _GenerationBody, token_ids: list[int], max_tokens: int | None, shape: _Shape
+    ) -> dict[str, Any]:
+        """vLLM's ``GenerateRequest``; what the simulator cannot have (features) is null."""
+        model = self._check_model(body.model)
+        options = body.stream_options
+        nulls = ("token_offsets", "features", "content_parts")
+        late_nulls = ("reasoning_ended", "reasoning_parser_kwargs", "return_token_ids")
+        return (
+            {"request_id": shape.id_prefix + uuid.uuid4().hex[:16], "token_ids": token_ids}
+            | dict.fromkeys(nulls)
+            | {"sampling_params": body.sampling_params(max_tokens), "model": model}
+            | dict.fromkeys(late_nulls)
+            | {
+                "output_mode": "tokens",
+                "stream": body.stream,
+                "stream_options": None if options is None else options.model_dump(),
+                "cache_salt": body.cache_salt,
+                "priority": 0,
+                "kv_transfer_params": None,  # vLLM carries them in sampling_params.extra_args
+                "ec_transfer_params": None,
+            }
+        )
 
     async def reset_prefix_cache(self, request: web.Request) -> web.Response:
         if not self.engine.reset_prefix_cache():
@@ -448,22 +536,25 @@ class EngineApi:
             choice = shape.choice(
                 generation.text, generation.finish_reason, generation.stop_reason, chunk=False
             )
-            answer = header | {
-                "object": shape.object,
-                "choices": [choice],
-                "usage": _usage(request, generation.num_tokens),
-                "kv_transfer_params": self._transfer_answer(request),
-            }
+            answer = (
+                header
+                | shape.answer_nulls()
+                | {
+                    "object": shape.object,
+                    "choices": [choice],
+                    "system_fingerprint": self.settings.system_fingerprint,
+                    "usage": _usage(request, generation.num_tokens, chunk=False),
+                    "kv_transfer_params": self._transfer_answer(request),
+                }
+            )
             return web.json_response(answer, headers=_ttft_header(request))
         except EngineError as error:  # before any byte was sent: rejected, or shutting down
             raise ApiError(400 if request.finish_reason == "error" else 503, str(error)) from None
-        finally:
-            self.engine.abort(request)  # a no-op once finished; frees blocks of a dropped client
+        finally:  # a no-op once finished; frees blocks of a stopped or dropped request
+            self.engine.abort(request, "stop" if generation.finish_reason == "stop" else "abort")
 
     def _first_token(self, request: EngineRequest, transfer: KVTransferParams) -> None:
-        """Account for the TTFT; a decode has its KV now, so its prefill side may free it."""
-        assert request.ttft is not None
-        self.ttft.observe(request.ttft)
+        """A decode has its KV now, so its prefill side may free it."""
         if transfer.do_remote_prefill:
             self._release_remote(transfer)
 
@@ -484,14 +575,15 @@ class EngineApi:
         await response.prepare(http_request)
         header = header | {"object": shape.chunk_object}
 
-        async def send(text: str, finish: str | None, role: bool = False) -> None:
+        async def send(text: str, finish: str | None) -> None:
             choice = shape.choice(text, finish, generation.stop_reason, chunk=True)
-            if role:
-                choice["delta"] = {"role": "assistant", "content": text}
             await response.write(_sse(header | {"choices": [choice]}))
 
-        if shape.chat:
-            await send("", None, role=True)
+        if shape.chat:  # the role first, with the prompt fields vLLM leaves null
+            role = {"index": 0, "delta": {"role": "assistant", "content": ""}}
+            choice = role | {"logprobs": None, "finish_reason": None}
+            prompt_nulls = dict.fromkeys(("prompt_token_ids", "prompt_text"))
+            await response.write(_sse(header | {"choices": [choice]} | prompt_nulls))
         await send(first, generation.finish_reason)
         try:
             async for text in deltas:
@@ -499,8 +591,10 @@ class EngineApi:
         except EngineError as error:  # shutdown mid-stream: say so, then end the stream
             await response.write(_sse({"error": {"message": str(error), "code": 503}}))
         if include_usage:
-            usage = _usage(request, generation.num_tokens)
-            await response.write(_sse(header | {"choices": [], "usage": usage}))
+            usage = _usage(request, generation.num_tokens, chunk=True)
+            fingerprint = self.settings.system_fingerprint
+            last = {"choices": [], "usage": usage, "system_fingerprint": fingerprint}
+            await response.write(_sse(header | last))
         await response.write(_sse("[DONE]"))
         await response.write_eof()
         return response
@@ -605,13 +699,18 @@ async def _errors(
         return await handler(request)
     except ApiError as error:
         return error.response()
+    except web.HTTPNotFound:
+        return web.json_response({"detail": "Not Found"}, status=404)  # FastAPI's
+    except web.HTTPMethodNotAllowed as error:
+        headers = {"Allow": error.headers["Allow"]}
+        return web.json_response({"detail": "Method Not Allowed"}, status=405, headers=headers)
 
 
 def create_app(
-    engine: EngineLoop, tokenizer: Tokenizer, settings: ServerSettings
+    engine: EngineLoop, tokenizer: Tokenizer, settings: ServerSettings, metrics: EngineMetrics
 ) -> web.Application:
     """The aiohttp app; the engine loop is started and closed by the caller."""
-    api = EngineApi(engine, tokenizer, settings)
+    api = EngineApi(engine, tokenizer, settings, metrics)
     app = web.Application(middlewares=[_errors], client_max_size=MAX_BODY_BYTES)
 
     async def identify(request: web.Request, response: web.StreamResponse) -> None:
@@ -623,9 +722,17 @@ def create_app(
     app.router.add_post("/v1/completions", api.completions)
     app.router.add_post("/v1/chat/completions", api.chat_completions)
     app.router.add_get("/v1/models", api.models)
+    app.router.add_post("/v1/completions/render", api.render_completion)
+    app.router.add_post("/v1/chat/completions/render", api.render_chat)
     app.router.add_post("/tokenize", api.tokenize)
+    app.router.add_post("/detokenize", api.detokenize)
     app.router.add_get("/health", api.health)
-    app.router.add_get("/metrics", api.metrics)
+    app.router.add_route("GET", "/ping", api.health)
+    app.router.add_route("POST", "/ping", api.health)
+    app.router.add_route("*", "/metrics", api.metrics)  # vLLM mounts an app: any method
+    app.router.add_get("/version", api.version)
+    app.router.add_get("/load", api.load)
+    app.router.add_get("/kv_event_sources", api.kv_event_sources)
     app.router.add_post("/reset_prefix_cache", api.reset_prefix_cache)
     app.router.add_post("/sim/kv_transfer/release", api.release_kv)
     return app

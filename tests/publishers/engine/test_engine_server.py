@@ -144,11 +144,10 @@ def parse_sse(raw: str) -> list[dict[str, Any]]:
 
 
 def check_usage(usage: dict[str, Any], prompt_tokens: int, completion_tokens: int) -> None:
-    assert usage == {
+    assert usage == usage | {
         "prompt_tokens": prompt_tokens,
         "total_tokens": prompt_tokens + completion_tokens,
         "completion_tokens": completion_tokens,
-        "prompt_tokens_details": {"cached_tokens": usage["prompt_tokens_details"]["cached_tokens"]},
     }
     assert 0 <= usage["prompt_tokens_details"]["cached_tokens"] < prompt_tokens
 
@@ -257,20 +256,12 @@ async def test_completions_as_json_and_as_server_sent_events(
         assert r.headers["x-engine-instance-id"] == "shared"
         assert float(r.headers["x-engine-ttft-ms"]) > 0
         answer = await r.json()
-    assert set(answer) == {"id", "object", "created", "model", "choices", "usage"} | {
-        "kv_transfer_params"
-    }
+    # every key and JSON type is pinned against real vLLM in test_engine_vllm_parity
     assert answer["id"].startswith("cmpl-") and answer["object"] == "text_completion"
     assert answer["model"] == MODEL and isinstance(answer["created"], int)
     assert answer["kv_transfer_params"] is None
     [choice] = answer["choices"]
-    assert choice == {
-        "index": 0,
-        "text": choice["text"],
-        "logprobs": None,
-        "finish_reason": "length",
-        "stop_reason": None,
-    }
+    assert (choice["index"], choice["finish_reason"], choice["stop_reason"]) == (0, "length", None)
     assert len(choice["text"].split()) == 5  # every generated token decodes to one word
     check_usage(answer["usage"], prompt_tokens, 5)
 
