@@ -227,7 +227,7 @@ async def _parse(request: web.Request, model: type[B]) -> B:
             f"{'.'.join(map(str, p['loc'])) or 'body'}: {p['msg']}" for p in problems
         )
         location = problems[0]["loc"]
-        param = str(location[0]) if location else None  # the field, not the union branch
+        param = str(location[0]) if location else "body"  # the field, not the union branch
         raise ApiError(400, message, param) from None
 
 
@@ -289,6 +289,24 @@ def _usage(request: EngineRequest, completion_tokens: int, chunk: bool) -> dict[
         "prompt_tokens_details": {"cached_tokens": request.num_cached_tokens},
     }
     return usage if chunk else usage | {"completion_tokens_details": None}
+
+
+def _model_permission(created: int) -> dict[str, Any]:
+    """vLLM's (OpenAI's legacy) permission entry of ``/v1/models``: everything but fine-tuning."""
+    return {
+        "id": f"modelperm-{uuid.uuid4().hex[:16]}",
+        "object": "model_permission",
+        "created": created,
+        "allow_create_engine": False,
+        "allow_sampling": True,
+        "allow_logprobs": True,
+        "allow_search_indices": False,
+        "allow_view": True,
+        "allow_fine_tuning": False,
+        "organization": "*",
+        "group": None,
+        "is_blocking": False,
+    }
 
 
 def _ttft_header(request: EngineRequest) -> dict[str, str]:
@@ -402,6 +420,7 @@ class EngineApi:
                 "root": name,
                 "parent": None,
                 "max_model_len": self.settings.max_model_len,
+                "permission": [_model_permission(created)],
             }
             for name in self.settings.served_model_names
         ]
@@ -455,15 +474,16 @@ class EngineApi:
     def _rendered(
         self, body: _GenerationBody, token_ids: list[int], max_tokens: int | None, shape: _Shape
     ) -> dict[str, Any]:
-        """vLLM's ``GenerateRequest``; what the simulator cannot have (features) is null."""
-        model = self._check_model(body.model)
+        """vLLM's ``GenerateRequest``; what the simulator cannot have (features) is null, and
+        ``model`` is the request's, null when it named none."""
+        self._check_model(body.model)
         options = body.stream_options
         nulls = ("token_offsets", "features", "content_parts")
         late_nulls = ("reasoning_ended", "reasoning_parser_kwargs", "return_token_ids")
         return (
             {"request_id": shape.id_prefix + uuid.uuid4().hex[:16], "token_ids": token_ids}
             | dict.fromkeys(nulls)
-            | {"sampling_params": body.sampling_params(max_tokens), "model": model}
+            | {"sampling_params": body.sampling_params(max_tokens), "model": body.model}
             | dict.fromkeys(late_nulls)
             | {
                 "output_mode": "tokens",

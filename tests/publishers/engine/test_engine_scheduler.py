@@ -290,3 +290,57 @@ async def test_closing_the_loop_ends_waiting_streams_with_an_error() -> None:
 
 async def _collect(stream: RequestStream) -> list[int]:
     return [token async for token in stream]
+
+
+def budgeted(budget: int, chunked: bool = True) -> Scheduler:
+    return Scheduler(
+        BlockManager(512, 4),
+        TIMING,
+        num_ordinary_tokens=VOCAB,
+        max_num_batched_tokens=budget,
+        enable_chunked_prefill=chunked,
+    )
+
+
+def test_a_long_prompt_is_prefilled_in_chunks_over_several_steps() -> None:
+    engine = budgeted(256)
+    long = request("long", 1000)
+    engine.add(long)
+    plans = run(engine)
+    assert [plan.num_computed_tokens for plan in plans] == [256, 256, 256, 232]
+    assert [len(plan.chunks) for plan in plans] == [1, 1, 1, 1]
+    # Eq. 1 chunk by chunk adds up to the whole prompt's, plus one overhead per step
+    overheads = 3 * TIMING.prefill_overhead_s
+    assert long.ttft == pytest.approx(TIMING.prefill_seconds(1000) + overheads)
+
+
+def test_decodes_are_served_before_a_new_prompt_takes_the_rest_of_the_budget() -> None:
+    engine = budgeted(64)
+    first = request("first", 8, max_tokens=5)
+    engine.add(first)
+    engine.complete_step(engine.plan_step())  # type: ignore[arg-type]
+    second = request("second", 200, start=1000)
+    engine.add(second)
+    plan = engine.plan_step()
+    assert plan is not None
+    assert [(c.request, c.num_computed, c.decode) for c in plan.chunks] == [
+        (first, 1, True),
+        (second, 63, False),
+    ]
+    assert plan.duration == pytest.approx(
+        TIMING.step_seconds([(63, 0)], num_decodes=1, decode_context=8)
+    )
+    engine.complete_step(plan)
+    assert second.output_token_ids == [] and len(first.output_token_ids) == 2
+
+
+def test_without_chunked_prefill_a_prompt_waits_for_the_whole_budget() -> None:
+    engine = budgeted(64, chunked=False)
+    small, big = request("small", 40, max_tokens=2), request("big", 60, start=1000)
+    engine.add(small)
+    engine.add(big)
+    plan = engine.plan_step()
+    assert plan is not None and plan.admitted == (small,)  # 40 + 60 > 64: big waits
+    engine.complete_step(plan)
+    plan = engine.plan_step()
+    assert plan is not None and plan.admitted == (big,)  # 1 decode + 60 fit

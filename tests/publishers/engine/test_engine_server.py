@@ -22,6 +22,7 @@ from publishers.engine.__main__ import (
     check,
     connectable,
     default_num_gpu_blocks,
+    max_num_batched_tokens,
     timing_model,
 )
 from publishers.engine.timing import TimingModel
@@ -366,7 +367,7 @@ BAD_INPUTS = [
         "messages",
     ),
     ("/v1/chat/completions", {"model": "nope", "messages": USER}, 404, "model"),
-    ("/tokenize", {"model": MODEL, "prompt": "a", "messages": USER}, 400, None),
+    ("/tokenize", {"model": MODEL, "prompt": "a", "messages": USER}, 400, "body"),
     ("/tokenize", {"model": "nope", "prompt": "a"}, 404, "model"),
     ("/sim/kv_transfer/release", {"remote_request_id": "unknown"}, 404, None),
 ]
@@ -541,3 +542,15 @@ def test_registration_needs_a_stream_a_conductor_can_subscribe_to() -> None:
         parse(*register, "--kv-events-config", connecting)  # vLLM's rule: the PUB connects
     parse(*register, "--kv-events-config", connecting, "--sim-kv-bind")
     parse(*register, "--kv-events-config", '{"enable_kv_cache_events": true}')  # tcp://*:5557
+
+
+def test_the_token_budget_follows_vllm() -> None:
+    assert max_num_batched_tokens(parse()) == 2048  # vLLM's API server on CPU
+    assert parse().enable_chunked_prefill and not parse().enable_scale_out
+    assert max_num_batched_tokens(parse("--max-num-batched-tokens", "512")) == 512
+    unchunked = parse("--no-enable-chunked-prefill", "--max-model-len", "8192")
+    assert max_num_batched_tokens(unchunked) == 8192  # any prompt must fit one step
+    with pytest.raises(SystemExit):
+        parse("--no-enable-chunked-prefill", "--max-num-batched-tokens", "512")
+    with pytest.raises(SystemExit):
+        parse("--max-num-batched-tokens", "0")
