@@ -1,0 +1,185 @@
+"""Two real vLLM engines behind ``mooncake-fleet up``: the index equals vLLM's own prefix
+cache, the router follows it, a late conductor learns it from the replay buffers."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import pytest
+
+from publishers.engine.block_hash import BlockHasher, event_hash
+from tests.real.checks import (
+    MODEL,
+    assert_hits_match_vllm,
+    conductor_hit,
+    documents,
+    indexed,
+    sharing_prompts,
+    tokenizer,
+    until,
+)
+from tests.support.processes import ConductorProcess
+
+BLOCK = 32
+
+
+@pytest.fixture
+async def http() -> AsyncIterator[aiohttp.ClientSession]:
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=60)) as session:
+        yield session
+
+
+def url(fleet: dict[str, Any], name: str) -> str:
+    return fleet[name]["url"]
+
+
+async def indexed_blocks(http: aiohttp.ClientSession, conductor: str) -> int:
+    async with http.get(f"{conductor}/health") as response:
+        return (await response.json())["blocks"]
+
+
+async def test_a_chat_request_is_served_by_real_vllm_through_the_router(real_fleet, http):
+    body = {
+        "model": MODEL,
+        "messages": [{"role": "user", "content": documents(1, 150, seed=1)[0]}],
+        "max_tokens": 4,
+    }
+    router, conductor = url(real_fleet, "router"), url(real_fleet, "conductor")
+    answers = []
+    for turn in range(2):
+        blocks = await indexed_blocks(http, conductor)
+        async with http.post(f"{router}/v1/chat/completions", json=body) as response:
+            assert response.status == 200, await response.text()
+            answers.append((response.headers, await response.json()))
+        if turn == 0:  # the engine's events reach the conductor a moment after its answer
+            await until(lambda b=blocks: indexed_blocks(http, conductor), lambda n, b=blocks: n > b)
+    (first_headers, first), (headers, second) = answers
+    assert second["system_fingerprint"].startswith("vllm-0.32")
+    assert headers["x-conductor-policy"] == "ttft"
+    assert headers["x-conductor-prefill-instance"] == first_headers["x-conductor-prefill-instance"]
+    assert headers["x-conductor-prefill-instance"] in {"vllm-a", "vllm-b"}
+    cached = second["usage"]["prompt_tokens_details"]["cached_tokens"]
+    assert cached > 0 and int(headers["x-conductor-cached-tokens"]) == cached
+    assert first["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+
+
+@pytest.mark.parametrize("salt", [None, "tenant-salt"])
+@pytest.mark.parametrize("instance", ["vllm-a", "vllm-b"])
+async def test_query_equals_vllm_prefix_cache_hits(real_fleet, http, model_dir, instance, salt):
+    """vllm-b runs without PYTHONHASHSEED: /query rehashes token ids, so it stays right."""
+    prompts = sharing_prompts(tokenizer(model_dir), 14, seed=hash((instance, salt)) % 1000)
+    total = await assert_hits_match_vllm(
+        http,
+        url(real_fleet, "conductor"),
+        url(real_fleet, instance),
+        instance,
+        prompts,
+        BLOCK,
+        salt,
+    )
+    assert total > 14 * BLOCK  # the prompts did share: most of them hit
+
+
+async def _served(http: aiohttp.ClientSession, router: str, path: str, body: dict) -> tuple:
+    """(headers, cached tokens the engine reported), streamed or not."""
+    async with http.post(f"{router}{path}", json=body) as response:
+        assert response.status == 200, await response.text()
+        if not body.get("stream"):
+            answer = await response.json()
+            return response.headers, answer["usage"]["prompt_tokens_details"]["cached_tokens"]
+        usage = None
+        async for line in response.content:
+            text = line.decode().strip()
+            if text.startswith("data: {") and '"usage"' in text:
+                usage = json.loads(text[6:]).get("usage") or usage
+        assert usage is not None, "no usage in the stream"
+        return response.headers, usage["prompt_tokens_details"]["cached_tokens"]
+
+
+@pytest.mark.parametrize("stream", [False, True])
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
+async def test_router_sends_shared_prefixes_to_the_engine_holding_them(
+    real_fleet, http, path, stream
+):
+    router = url(real_fleet, "router")
+    document = documents(1, 300, seed=len(path) * 10 + stream)[0]
+
+    def body(question: str) -> dict[str, Any]:
+        text = f"{document}\n{question}"
+        payload: dict[str, Any] = {"model": MODEL, "max_tokens": 3, "stream": stream}
+        if stream:
+            payload["stream_options"] = {"include_usage": True}
+        if path == "/v1/completions":
+            return payload | {"prompt": text}
+        return payload | {"messages": [{"role": "user", "content": text}]}
+
+    blocks = await indexed_blocks(http, url(real_fleet, "conductor"))
+    headers, cached = await _served(http, router, path, body("First question?"))
+    owner = headers["x-conductor-prefill-instance"]
+    assert cached == 0 and headers["x-conductor-cached-tokens"] == "0"
+    await until(  # the engine's events reach the conductor a moment after its answer
+        lambda: indexed_blocks(http, url(real_fleet, "conductor")), lambda n: n >= blocks + 8
+    )
+    for question in ("Second question?", "A third, rather longer question about caches?"):
+        headers, cached = await _served(http, router, path, body(question))
+        assert headers["x-conductor-prefill-instance"] == owner
+        assert int(headers["x-conductor-cached-tokens"]) == cached > 256
+
+
+async def test_a_conductor_started_after_the_engines_learns_their_buffers(
+    real_fleet, http, model_dir, tmp_path: Path
+):
+    prompts = sharing_prompts(tokenizer(model_dir), 3, seed=77)
+    fleet_conductor = url(real_fleet, "conductor")
+    await assert_hits_match_vllm(
+        http, fleet_conductor, url(real_fleet, "vllm-a"), "vllm-a", prompts, BLOCK
+    )
+    late = ConductorProcess(tmp_path)
+    late.wait_ready()
+    try:
+        registration = {
+            "endpoint": real_fleet["vllm-a"]["events_endpoint"],
+            "replay_endpoint": real_fleet["vllm-a"]["replay_endpoint"],
+            "type": "vLLM",
+            "modelname": MODEL,
+            "block_size": BLOCK,
+            "instance_id": "vllm-a",
+        }
+        async with http.post(f"{late.url}/register", json=registration) as response:
+            assert response.status == 200, await response.text()
+        # no request is sent: only the engine's replay buffer can fill this index
+        for tokens in prompts:
+            await indexed(http, late.url, "vllm-a", tokens, BLOCK)
+            assert await conductor_hit(http, late.url, "vllm-a", tokens, BLOCK) == (
+                await conductor_hit(http, fleet_conductor, "vllm-a", tokens, BLOCK)
+            )
+    finally:
+        late.stop()
+
+
+async def test_query_by_hash_needs_the_engines_hash_seed(real_fleet, http, model_dir):
+    """Engine block hashes depend on the hash seed (PYTHONHASHSEED): hashes a client made
+    with a seed that an engine of the context uses resolve to the shared prefix, so every
+    instance holding it answers; hashes made with any other seed match nothing, while
+    /query, which rehashes token ids, is right whatever the engines' seeds."""
+    tokens = sharing_prompts(tokenizer(model_dir), 1, seed=5)[0]
+    conductor = url(real_fleet, "conductor")
+    for instance in ("vllm-a", "vllm-b"):
+        await assert_hits_match_vllm(
+            http, conductor, url(real_fleet, instance), instance, [tokens], BLOCK
+        )
+    full = len(tokens) // BLOCK * BLOCK
+    # vllm-a runs with PYTHONHASHSEED=0, vllm-b without (vLLM's fixed sha256 default)
+    for seed, expected in (("0", full), (None, full), ("4242", 0)):
+        digests = BlockHasher("sha256", seed).block_digests(tokens, BLOCK)
+        body = {"model": MODEL, "block_size": BLOCK, "seq_hashes": [event_hash(d) for d in digests]}
+        async with http.post(f"{conductor}/query_by_hash", json=body) as response:
+            answer = (await response.json())["default"]
+        assert {name: hit["GPU"] for name, hit in answer.items()} == {
+            "vllm-a": expected,
+            "vllm-b": expected,
+        }, seed
