@@ -9,6 +9,7 @@ import math
 import pytest
 from pydantic import ValidationError
 
+from conductor.config import load_config
 from router import config as router_config
 from router import disagg
 from router.app import engine_in_flight, served_models
@@ -26,11 +27,36 @@ def parse(argv: list[str]) -> argparse.Namespace:
 
 def test_example_config_loads():
     config = router_config.load(parse(["--config", str(REPO / "config" / "router.json")]))
-    assert [i.instance_id for i in config.prefill.instances] == ["prefill-0", "prefill-1"]
+    assert [i.instance_id for i in config.prefill.instances] == ["engine-0", "engine-1"]
     params = config.routing_params()
     assert params.policy == "ttft" and params.ttft_slo_s == 30.0
     assert params.balance_threshold == math.inf and params.block_size == 16
     assert params.ttft_slack == 0.5
+
+
+def test_example_configs_name_each_engine_the_same_way():
+    """The router re-registers what the conductor's example config lists: the two must
+    agree field for field, or the conductor answers 409 every re-registration."""
+    router = router_config.load(parse(["--config", str(REPO / "config" / "router.json")]))
+    conductor = load_config(REPO / "config" / "conductor_config.json")
+    model = router.prefill.config
+    expected = {
+        instance.instance_id: (stream.endpoint, stream.replay_endpoint, stream.dp_rank)
+        for instance in router.prefill.instances
+        for stream in instance.registrations
+    }
+    listed = {}
+    for registration in conductor.registrations():
+        assert (registration.modelname, registration.block_size) == (
+            model.modelname,
+            model.block_size,
+        )
+        listed[registration.instance_id] = (
+            registration.endpoint,
+            registration.replay_endpoint,
+            registration.dp_rank,
+        )
+    assert listed == expected
 
 
 def test_upstream_proxy_layout_with_hash_profile_is_accepted(tmp_path):
