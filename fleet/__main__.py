@@ -115,12 +115,7 @@ class Fleet:
         return bool(crashed)
 
     def print_ready(self) -> None:
-        self.say(f"fleet ready in {time.monotonic() - self.started:.1f} s")
-        for child in self.children.values():
-            memory = child.rss_bytes() / 2**20
-            print(f"  {child.name:<14} {child.plan.kind:<9} {child.plan.url:<24} {memory:7.0f} MiB")
-        print(f"  logs and configs: {self.plan.run_dir}", flush=True)
-        print("  Ctrl-C stops the fleet.", flush=True)
+        """Writes ``fleet.json`` (for scripts), then tells the operator."""
         state = {
             child.name: {
                 "kind": child.plan.kind,
@@ -132,7 +127,15 @@ class Fleet:
             }
             for child in self.children.values()
         }
-        (self.plan.run_dir / "fleet.json").write_text(json.dumps(state, indent=2) + "\n")
+        partial = self.plan.run_dir / "fleet.json.partial"
+        partial.write_text(json.dumps(state, indent=2) + "\n")
+        partial.replace(self.plan.run_dir / "fleet.json")  # whole or absent, never half
+        self.say(f"fleet ready in {time.monotonic() - self.started:.1f} s")
+        for child in self.children.values():
+            memory = child.rss_bytes() / 2**20
+            print(f"  {child.name:<14} {child.plan.kind:<9} {child.plan.url:<24} {memory:7.0f} MiB")
+        print(f"  logs and configs: {self.plan.run_dir}", flush=True)
+        print("  Ctrl-C stops the fleet.", flush=True)
 
     async def stop(self) -> None:
         """Router first (no new requests), then engines, then the conductor."""

@@ -3,24 +3,22 @@
 from __future__ import annotations
 
 import asyncio
-import re
 
-import aiohttp
 import msgpack
 
-from tests.support.api import eventually, get, matched, post, query, register_and_connect
+from tests.support.api import (
+    eventually,
+    get,
+    matched,
+    metric,
+    post,
+    query,
+    register_and_connect,
+)
 from tests.support.wire_publisher import removed, stored
 
 PROMPT = list(range(1, 13))  # three blocks of 4
 HASHES = [101, 102, 103]
-
-
-async def metric(http: aiohttp.ClientSession, base: str, name: str) -> float:
-    """Sum of every sample of a Prometheus metric (0 when absent)."""
-    async with http.get(f"{base}/metrics") as response:
-        text = await response.text()
-    pattern = re.compile(rf"^{re.escape(name)}(?:{{[^}}]*}})? (\S+)$", re.MULTILINE)
-    return sum(float(value) for value in pattern.findall(text))
 
 
 async def test_register_store_remove_unregister(conductor, http, publisher_factory):

@@ -2,15 +2,14 @@
 
 from __future__ import annotations
 
-import asyncio
 import random
-import re
-import time
 from pathlib import Path
 from typing import Any
 
 import aiohttp
 from tokenizers import Tokenizer
+
+from tests.support.api import eventually, metric
 
 MODEL = "tiny-llama"
 WORDS = (
@@ -78,25 +77,6 @@ async def complete_tokens(
     return answer["usage"]["prompt_tokens_details"]["cached_tokens"]
 
 
-async def metric(http: aiohttp.ClientSession, url: str, name: str) -> float:
-    """The sum of a Prometheus metric's samples (0 when absent)."""
-    async with http.get(f"{url}/metrics") as response:
-        text = await response.text()
-    pattern = re.compile(rf"^{re.escape(name)}(?:{{[^}}]*}})? (\S+)$", re.MULTILINE)
-    return sum(float(value) for value in pattern.findall(text))
-
-
-async def until(probe, accept, timeout: float = 10.0, interval: float = 0.05):
-    """Polls ``probe`` until ``accept`` holds; fails with the last value after ``timeout``."""
-    deadline = time.monotonic() + timeout
-    value = await probe()
-    while not accept(value):
-        assert time.monotonic() < deadline, f"not met within {timeout}s; last: {value!r}"
-        await asyncio.sleep(interval)
-        value = await probe()
-    return value
-
-
 async def indexed(
     http: aiohttp.ClientSession,
     conductor: str,
@@ -107,7 +87,7 @@ async def indexed(
 ) -> None:
     """Until the conductor holds every complete block of a prompt the engine computed."""
     full = len(tokens) // block_size * block_size
-    await until(
+    await eventually(
         lambda: conductor_hit(http, conductor, instance, tokens, block_size, salt),
         lambda hit: hit["GPU"] == full,
     )

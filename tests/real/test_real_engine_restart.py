@@ -17,9 +17,9 @@ from tests.real.checks import (
     conductor_hit,
     sharing_prompts,
     tokenizer,
-    until,
 )
 from tests.real.conftest import RealEngine
+from tests.support.api import eventually
 from tests.support.processes import ConductorProcess, RouterProcess
 
 BLOCK = 64
@@ -93,14 +93,14 @@ async def test_a_killed_engine_is_forgotten_and_never_claimed_after_restart(stac
     text = "Restart check. " + " ".join(f"word{i}" for i in range(300))
     tokens = tokenizer(model_dir).encode(text).ids
     await _through_router(http, router.url, text)
-    claimed, cached = await until(
+    claimed, cached = await eventually(
         lambda: _through_router(http, router.url, text), lambda pair: pair[0] > 0
     )
     assert claimed == cached > 0
 
     engine.kill()
     killed = time.monotonic()
-    hit = await until(
+    hit = await eventually(
         lambda: conductor_hit(http, conductor.url, "solo", tokens, BLOCK),
         lambda h: h["GPU"] == 0,
         timeout=FORGET_BOUND_S,
@@ -114,7 +114,7 @@ async def test_a_killed_engine_is_forgotten_and_never_claimed_after_restart(stac
     await engine.wait_healthy(http)
     assert (await conductor_hit(http, conductor.url, "solo", tokens, BLOCK))["GPU"] == 0
     assert await _through_router(http, router.url, text) == (0, 0)
-    claimed, cached = await until(
+    claimed, cached = await eventually(
         lambda: _through_router(http, router.url, text), lambda pair: pair[0] > 0
     )
     assert claimed == cached > 0

@@ -20,8 +20,8 @@ from tests.real.checks import (
     indexed,
     sharing_prompts,
     tokenizer,
-    until,
 )
+from tests.support.api import eventually
 from tests.support.processes import ConductorProcess
 
 BLOCK = 32
@@ -49,14 +49,17 @@ async def test_a_chat_request_is_served_by_real_vllm_through_the_router(real_fle
         "max_tokens": 4,
     }
     router, conductor = url(real_fleet, "router"), url(real_fleet, "conductor")
-    answers = []
-    for turn in range(2):
-        blocks = await indexed_blocks(http, conductor)
+
+    async def chat() -> tuple[Any, dict[str, Any]]:
         async with http.post(f"{router}/v1/chat/completions", json=body) as response:
             assert response.status == 200, await response.text()
-            answers.append((response.headers, await response.json()))
-        if turn == 0:  # the engine's events reach the conductor a moment after its answer
-            await until(lambda b=blocks: indexed_blocks(http, conductor), lambda n, b=blocks: n > b)
+            return response.headers, await response.json()
+
+    blocks = await indexed_blocks(http, conductor)
+    answers = [await chat()]
+    # the engine's events reach the conductor a moment after its answer
+    await eventually(lambda: indexed_blocks(http, conductor), lambda n: n > blocks)
+    answers.append(await chat())
     (first_headers, first), (headers, second) = answers
     assert second["system_fingerprint"].startswith("vllm-0.32")
     assert headers["x-conductor-policy"] == "ttft"
@@ -121,7 +124,7 @@ async def test_router_sends_shared_prefixes_to_the_engine_holding_them(
     headers, cached = await _served(http, router, path, body("First question?"))
     owner = headers["x-conductor-prefill-instance"]
     assert cached == 0 and headers["x-conductor-cached-tokens"] == "0"
-    await until(  # the engine's events reach the conductor a moment after its answer
+    await eventually(  # the engine's events reach the conductor a moment after its answer
         lambda: indexed_blocks(http, url(real_fleet, "conductor")), lambda n: n >= blocks + 8
     )
     for question in ("Second question?", "A third, rather longer question about caches?"):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import re
 import time
 from collections.abc import Awaitable, Callable
 from typing import Any, TypeVar
@@ -86,3 +87,11 @@ async def matched(
     answer = await query(http, base, tokens, **fields)
     tenant = fields.get("tenant_id") or "default"
     return answer.get(tenant, {}).get(instance_id, {}).get("longest_matched", 0)
+
+
+async def metric(http: aiohttp.ClientSession, base: str, name: str) -> float:
+    """Sum of every sample of a Prometheus metric (0 when absent)."""
+    async with http.get(f"{base}/metrics") as response:
+        text = await response.text()
+    pattern = re.compile(rf"^{re.escape(name)}(?:{{[^}}]*}})? (\S+)$", re.MULTILINE)
+    return sum(float(value) for value in pattern.findall(text))
