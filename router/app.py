@@ -319,11 +319,13 @@ class Router:
         ticket = self.pool.claim(prefill, new_tokens)
         queued_before = prefill.queued_prefill_tokens - new_tokens
         self.metrics.in_flight.labels(prefill.instance_id).inc()
+        # without the conductor's answer there is no prediction to compare the engine's with
+        predicted = None if routed.fallback else decision.cached_tokens
         try:
             if not self.pool.decode:
                 return await self._stream(
                     request, prefill, routed, routed.raw, forwarded, headers, ticket,
-                    learn=(new_tokens, queued_before), predicted=decision.cached_tokens,
+                    learn=(new_tokens, queued_before), predicted=predicted,
                 )  # fmt: skip
             decode_upstreams = self.pool.healthy_decode()
             if not decode_upstreams:
@@ -331,9 +333,8 @@ class Router:
             decode = min(decode_upstreams, key=lambda u: (u.load, u.requests))
             headers["x-conductor-decode-instance"] = decode.instance_id
             answer = await self._prefill_only(request.path, routed.body, prefill, forwarded)
-            self.metrics.record_cache_use(
-                prefill.instance_id, decision.cached_tokens, cached_tokens(answer)
-            )
+            if predicted is not None:
+                self.metrics.record_cache_use(prefill.instance_id, predicted, cached_tokens(answer))
             params = disagg.transfer_params(answer)
             ticket.first_token()
             self._observe(new_tokens, queued_before, time.perf_counter() - routed.started)
@@ -391,8 +392,8 @@ class Router:
     ) -> web.StreamResponse:
         """Forward and pass the answer through chunk by chunk (SSE stays SSE). Failing
         before the first byte is retryable; after it, the client sees the transfer cut.
-        With ``predicted`` (the prefill instance's answer), a complete 200 answer's cached
-        tokens are compared with it."""
+        With ``predicted`` (the conductor's hit on the prefill instance), a complete 200
+        answer's cached tokens are compared with it."""
         try:
             upstream_response = await self.session(upstream).post(
                 request.path, data=payload, headers=forwarded
