@@ -14,7 +14,7 @@ import aiohttp
 import psutil
 import pytest
 
-from fleet.plan import make_plan
+from fleet.plan import cpu_share, make_plan
 from fleet.spec import FleetSpec
 from tests.support.fleet import FleetProcess
 
@@ -159,6 +159,7 @@ def test_plan_names_each_engine_once_and_keeps_everything_local(tmp_path: Path) 
     assert "--enable-prompt-tokens-details" in real.argv and "--enforce-eager" in real.argv
     assert real.env["PYTHONHASHSEED"] is None and sim.env["PYTHONHASHSEED"] == "0"
     assert real.env["TMPDIR"].startswith(str(tmp_path))
+    assert real.env["VLLM_CPU_OMP_THREADS_BIND"] and "VLLM_CPU_OMP_THREADS_BIND" not in sim.env
     assert sim.argv[-4:] == ["--sim-instance-id", "sim", "--sim-time-scale", "0"]
     router = json.loads((tmp_path / "router.json").read_text())
     instances = router["prefill"]["instances"]
@@ -170,3 +171,10 @@ def test_plan_names_each_engine_once_and_keeps_everything_local(tmp_path: Path) 
         config = json.loads(engine.argv[engine.argv.index("--kv-events-config") + 1])
         assert config["endpoint"].startswith(f"ipc://{tmp_path}")
         assert config["replay_endpoint"].startswith("tcp://127.0.0.1:")
+
+
+def test_real_engines_get_their_own_cpus() -> None:
+    assert [cpu_share(i, 2, [0, 1]) for i in range(2)] == ["0", "1"]
+    assert [cpu_share(i, 2, [0, 1, 2, 3, 4]) for i in range(2)] == ["0,1", "2,3"]
+    assert [cpu_share(i, 3, [4, 5]) for i in range(3)] == ["4", "5", "4"]
+    assert cpu_share(0, 1, [0, 1]) == "0,1"
