@@ -253,11 +253,16 @@ class Router:
         return reusable_hits(hits, len(tokens), self.params.block_size), None
 
     def decide(
-        self, prompt_tokens: int, hits: Hits, fallback: str | None, exclude: set[str]
+        self,
+        prompt_tokens: int,
+        hits: Hits,
+        fallback: str | None,
+        exclude: set[str],
+        model: Any = None,
     ) -> Decision:
-        """Run the policy over the healthy instances not yet tried; least_loaded without
-        the conductor's answer."""
-        candidates = [c for c in self.pool.candidates(hits) if c.instance_id not in exclude]
+        """Run the policy over the healthy instances not yet tried that may serve
+        ``model``; least_loaded without the conductor's answer."""
+        candidates = [c for c in self.pool.candidates(hits, model) if c.instance_id not in exclude]
         if not candidates:
             raise ApiError(503, "no healthy prefill instance", "ServiceUnavailableError")
         params = self.params
@@ -289,7 +294,7 @@ class Router:
         self.metrics.prompt_tokens.inc(routed.prompt_tokens)
         failed: set[str] = set()
         while True:  # each failed instance is excluded, so this ends
-            decision = self.decide(routed.prompt_tokens, hits, fallback, failed)
+            decision = self.decide(routed.prompt_tokens, hits, fallback, failed, model)
             if not failed:
                 self.metrics.proxy_seconds.observe(time.perf_counter() - started)
             upstream = self.pool.prefill[decision.instance_id]

@@ -37,6 +37,10 @@ class Upstream:
     def model_names(self) -> list[str]:
         return [card["id"] for card in self.models or ()]
 
+    def may_serve(self, model: Any) -> bool:
+        """False only when its list is known and lacks ``model``."""
+        return self.models is None or any(card["id"] == model for card in self.models)
+
 
 @dataclass(slots=True)
 class Ticket:
@@ -101,8 +105,11 @@ class InstancePool:
     def all(self) -> list[Upstream]:
         return [*self.prefill.values(), *self.decode.values()]
 
-    def candidates(self, hits: Mapping[str, tuple[int, int, int]]) -> list[Candidate]:
-        """Healthy prefill instances with their (GPU, CPU, DISK) hit and load."""
+    def candidates(
+        self, hits: Mapping[str, tuple[int, int, int]], model: Any = None
+    ) -> list[Candidate]:
+        """Healthy prefill instances with their (GPU, CPU, DISK) hit and load; with a
+        ``model``, only those that may serve it (an unknown list may)."""
         return [
             Candidate(
                 up.instance_id,
@@ -111,7 +118,7 @@ class InstancePool:
                 queued_prefill_tokens=up.queued_prefill_tokens,
             )
             for up in self.prefill.values()
-            if up.healthy
+            if up.healthy and (model is None or up.may_serve(model))
         ]
 
     def serves_nowhere(self, model: Any) -> bool:
@@ -121,7 +128,7 @@ class InstancePool:
         if any(up.healthy and up.models is None for up in upstreams):
             return False
         known = [up for up in upstreams if up.models is not None]
-        return bool(known) and not any(model in up.model_names() for up in known)
+        return bool(known) and not any(up.may_serve(model) for up in known)
 
     def served_models(self) -> list[dict[str, Any]]:
         """Every model some upstream serves, each once (the first upstream's entry)."""

@@ -185,6 +185,15 @@ def test_a_model_is_unknown_only_when_every_upstream_that_could_serve_it_said_so
     assert not pool.serves_nowhere("alias")
 
 
+def test_a_request_goes_only_where_its_model_may_be_served():
+    pool = InstancePool.build([("a", "http://a"), ("b", "http://b"), ("c", "http://c")])
+    pool.prefill["a"].models = ({"id": "m"},)
+    pool.prefill["b"].models = ({"id": "other"},)  # "c" has not said: it may
+    assert [c.instance_id for c in pool.candidates({}, "m")] == ["a", "c"]
+    assert [c.instance_id for c in pool.candidates({}, "other")] == ["b", "c"]
+    assert len(pool.candidates({})) == 3
+
+
 def test_served_models_from_a_v1_models_answer():
     answer = {"object": "list", "data": [{"id": "m", "max_model_len": 8}, {"id": 3}, "junk"]}
     assert served_models(answer) == ({"id": "m", "max_model_len": 8},)
