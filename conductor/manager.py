@@ -136,6 +136,9 @@ class ServiceManager:
             self.table.clear_stream(key)
             self.degraded.pop(key, None)  # a restarted engine may have been reconfigured
 
+        def on_lost() -> None:  # the same engine may come back: it stays degraded
+            self.table.clear_stream(key)
+
         def on_state(state: str) -> None:
             metrics.subscriber_state.labels(key).state(state)
 
@@ -145,7 +148,7 @@ class ServiceManager:
             else:
                 getattr(metrics, _EVENT_COUNTERS[name]).labels(key).inc()
 
-        return StreamCallbacks(on_message, on_restart, on_state, on_event)
+        return StreamCallbacks(on_message, on_restart, on_state, on_event, on_lost)
 
     def _ingest(self, registration: Registration, message: Message, replayed: bool) -> None:
         """Decode and apply one batch synchronously: no await between its events."""

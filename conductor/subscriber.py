@@ -42,9 +42,10 @@ class StreamCallbacks:
     """What the subscriber reports; the manager decodes, applies and counts."""
 
     on_message: Callable[[Message, bool], None]  # (message, replayed)
-    on_restart: Callable[[], None]  # the owner's blocks are void: clear them
+    on_restart: Callable[[], None]  # a new publisher: clear the owner's blocks
     on_state: Callable[[str], None]
     on_event: Callable[[str], None]  # gap, gap_unrepaired, replay_*, bad_frame, restart, lost
+    on_lost: Callable[[], None]  # the publisher is gone: its blocks are unknown, clear them
 
 
 class StreamSubscriber:
@@ -72,6 +73,7 @@ class StreamSubscriber:
         self._sub: zmq.asyncio.Socket | None = None
         self._dealer: zmq.asyncio.Socket | None = None
         self._tasks: list[asyncio.Task[None]] = []
+        self._catching_up: asyncio.Task[None] | None = None
 
     # -- lifecycle -----------------------------------------------------------------------
     def start(self) -> None:
@@ -105,10 +107,11 @@ class StreamSubscriber:
 
     async def stop(self) -> None:
         """Cancel reads (never waits on a blocked recv) and close every socket."""
-        for task in self._tasks:
+        tasks = [*self._tasks, *([self._catching_up] if self._catching_up else [])]
+        for task in tasks:
             task.cancel()
-        await asyncio.gather(*self._tasks, return_exceptions=True)
-        self._tasks = []
+        await asyncio.gather(*tasks, return_exceptions=True)
+        self._tasks, self._catching_up = [], None
         if self._sub is not None:
             self._sub.disable_monitor()
             self._sub.close(0)
@@ -140,8 +143,13 @@ class StreamSubscriber:
                 event = parse_monitor_message(await monitor.recv_multipart())["event"]
                 if event == zmq.EVENT_CONNECTED:
                     self._set_state("connected")
-                    await self._catch_up()
+                    self._catching_up = asyncio.create_task(
+                        self._catch_up(), name=f"catch-up:{self.name}"
+                    )
                 elif event == zmq.EVENT_DISCONNECTED:
+                    if self._catching_up is not None:  # its replies will never come
+                        self._catching_up.cancel()
+                        await asyncio.gather(self._catching_up, return_exceptions=True)
                     await self._lose_publisher()
                 elif event == zmq.EVENT_CONNECT_RETRIED and self.state != "replaying":
                     self._set_state("disconnected")
@@ -159,7 +167,7 @@ class StreamSubscriber:
             self._set_state("disconnected")
             self._callbacks.on_event("lost")
             log.warning("stream=%s lost its publisher: clearing its blocks", self.name)
-            self._callbacks.on_restart()
+            self._callbacks.on_lost()
             self.last_sequence = None
 
     # -- live stream ---------------------------------------------------------------------
@@ -182,7 +190,10 @@ class StreamSubscriber:
     async def _handle_live(self, message: Message) -> None:
         last = self.last_sequence
         if last is not None and message.seq <= last and self._last_replayed:
-            return  # sent live while a catch-up replay already delivered it
+            # sent live while a catch-up replay already delivered it (a new publisher
+            # counting from 0 also drops its connection: its batches come back through
+            # the catch-up that follows the reconnection)
+            return
         if last is not None and message.seq <= last:
             # PUB/SUB never redelivers, so a live sequence that does not advance means a
             # new publisher counting from scratch.
@@ -235,10 +246,12 @@ class StreamSubscriber:
                 wanted = start <= message.seq and (stop is None or message.seq < stop)
                 if wanted and (last is None or message.seq > last):
                     self._apply(message, replayed=True)
-        except (TimeoutError, zmq.ZMQError) as error:
+        except (TimeoutError, zmq.ZMQError, asyncio.CancelledError) as error:
             self._callbacks.on_event("replay_failed")
             log.warning("stream=%s replay from %d failed: %r", self.name, start, error)
             self._dealer.close(0)  # late replies must not leak into the next replay
             self._dealer = self._new_dealer()
+            if isinstance(error, asyncio.CancelledError):
+                raise
         finally:
             self._set_state(previous_state if previous_state != "replaying" else "connected")

@@ -235,6 +235,11 @@ async def test_block_size_mismatch_warns_once_and_degrades_health(
     }
     assert health["subscribers"] == {"connected": 2} and health["blocks"] == 1
 
+    await wrong.close()  # a lost connection is no fix: the same engine may come back
+    await eventually(lambda: metric(http, base, "conductor_publisher_disconnects_total"), bool)
+    _, health = await get(http, f"{base}/health")
+    assert health["streams"]["engine-a|default|0"]["degraded"] == reason
+
     await post(http, f"{base}/unregister", {"instance_id": "engine-a"})
     status, health = await get(http, f"{base}/health")
     assert status == 200 and health["status"] == "ok"
