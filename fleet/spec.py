@@ -13,7 +13,7 @@ import os
 from pathlib import Path
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from router.policy import POLICIES
 
@@ -38,7 +38,14 @@ class ServiceSection(_Section):
 
 
 class RouterSection(ServiceSection):
-    policy: str = Field(default="ttft", pattern="|".join(POLICIES))
+    policy: str = "ttft"
+
+    @field_validator("policy")
+    @classmethod
+    def _known(cls, value: str) -> str:
+        if value not in POLICIES:
+            raise ValueError(f"must be one of {', '.join(POLICIES)}")
+        return value
 
 
 class EngineSpec(_Section):

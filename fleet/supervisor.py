@@ -95,8 +95,12 @@ class ChildProcess:
         """Resident memory of the process and every descendant (vLLM's engine core)."""
         if self.process is None or self.process.returncode is not None:
             return 0
+        try:
+            tree = [psutil.Process(self.process.pid), *self._descendants()]
+        except psutil.Error:
+            return 0
         total = 0
-        for process in [psutil.Process(self.process.pid), *self._descendants()]:
+        for process in tree:
             with contextlib.suppress(psutil.Error):
                 total += process.memory_info().rss
         return total

@@ -17,6 +17,8 @@ from __future__ import annotations
 
 import argparse
 import json
+import shutil
+import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -115,18 +117,32 @@ def random_weights(vocab_size: int) -> dict[str, np.ndarray]:
     return weights
 
 
-def _write_json(path: Path, payload: dict[str, Any]) -> None:
+def write_json(path: Path, payload: dict[str, Any]) -> Path:
     path.write_text(json.dumps(payload, indent=2, sort_keys=True) + "\n", encoding="utf-8")
+    return path
 
 
 def write_tiny_model(directory: Path) -> Path:
-    """Writes the model files into ``directory`` (created if needed); returns it."""
-    directory.mkdir(parents=True, exist_ok=True)
+    """Writes the model into ``directory`` whole: into a sibling first, renamed when
+    complete, so an interrupted run never leaves a model that looks finished."""
+    directory.parent.mkdir(parents=True, exist_ok=True)
+    partial = Path(tempfile.mkdtemp(prefix=f".{directory.name}-", dir=directory.parent))
+    try:
+        _write_files(partial)
+        if directory.exists():
+            shutil.rmtree(directory)
+        partial.replace(directory)
+    finally:
+        shutil.rmtree(partial, ignore_errors=True)
+    return directory
+
+
+def _write_files(directory: Path) -> None:
     tokenizer = train_tokenizer()
     vocab_size = tokenizer.get_vocab_size()
     bos_id, eos_id = tokenizer.token_to_id(BOS), tokenizer.token_to_id(END_OF_TURN)
     tokenizer.save(str(directory / "tokenizer.json"))
-    _write_json(
+    write_json(
         directory / "tokenizer_config.json",
         {
             "tokenizer_class": "PreTrainedTokenizerFast",
@@ -139,16 +155,15 @@ def write_tiny_model(directory: Path) -> Path:
             "chat_template": CHAT_TEMPLATE,
         },
     )
-    _write_json(
+    write_json(
         directory / "special_tokens_map.json",
         {"bos_token": BOS, "eos_token": END_OF_TURN, "pad_token": EOS},
     )
-    _write_json(directory / "config.json", model_config(vocab_size, bos_id, eos_id))
-    _write_json(
+    write_json(directory / "config.json", model_config(vocab_size, bos_id, eos_id))
+    write_json(
         directory / "generation_config.json", {"bos_token_id": bos_id, "eos_token_id": eos_id}
     )
     save_file(random_weights(vocab_size), str(directory / "model.safetensors"))
-    return directory
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -121,6 +121,7 @@ def test_an_engine_that_fails_to_start_is_reported(tmp_path: Path) -> None:
             "engine names must be unique",
         ),
         ({**SIM_FLEET, "engines": [{"name": "x", "kind": "vllm"}]}, "block_size multiple of 32"),
+        ({**SIM_FLEET, "router": {"policy": "xx_ttft_yy"}}, "router.policy: Value error, must be"),
     ],
 )
 def test_fleet_file_mistakes_stop_with_one_line(tmp_path: Path, spec: dict, reason: str) -> None:
@@ -178,3 +179,25 @@ def test_real_engines_get_their_own_cpus() -> None:
     assert [cpu_share(i, 2, [0, 1, 2, 3, 4]) for i in range(2)] == ["0,1", "2,3"]
     assert [cpu_share(i, 3, [4, 5]) for i in range(3)] == ["4", "5", "4"]
     assert cpu_share(0, 1, [0, 1]) == "0,1"
+
+
+def test_a_signal_while_engines_start_stops_everything(tmp_path: Path) -> None:
+    """An engine that never gets healthy (a stand-in interpreter that only sleeps): SIGTERM
+    during the wait stops it and the conductor, leaving nothing behind."""
+    never_ready = tmp_path / "python"
+    never_ready.write_text("#!/bin/sh\nexec sleep 300\n")
+    never_ready.chmod(0o755)
+    spec = {
+        "engines": [{"name": "slow", "kind": "vllm"}],
+        "model": {"path": str(tmp_path / "model")},
+        "vllm_python": str(never_ready),
+    }
+    fleet = FleetProcess(tmp_path / "run", spec)
+    deadline = time.monotonic() + 30
+    while "waiting for slow" not in fleet.output():
+        assert time.monotonic() < deadline and fleet.process.poll() is None, fleet.output()
+        time.sleep(0.2)
+    children = psutil.Process(fleet.process.pid).children(recursive=True)
+    assert fleet.stop(timeout=30) == 0
+    assert _gone([child.pid for child in children])
+    assert "stopping slow, conductor" in fleet.output()

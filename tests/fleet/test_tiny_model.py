@@ -28,6 +28,9 @@ def test_the_same_bytes_every_run(tmp_path: Path) -> None:
     )
     assert result.returncode == 0, result.stderr
     assert _digests(first) == _digests(tmp_path / "b")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a", "b"]  # no partial left
+    tiny_model.write_tiny_model(first)  # over an existing one: replaced whole
+    assert _digests(first) == _digests(tmp_path / "b")
     assert set(_digests(first)) == {
         "config.json",
         "generation_config.json",
