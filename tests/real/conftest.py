@@ -64,10 +64,15 @@ def fleet_spec(engines: list[dict[str, Any]], block_size: int, **extra: Any) -> 
 @pytest.fixture(scope="module")
 def real_fleet(tmp_path_factory: pytest.TempPathFactory, model_dir: Path) -> Iterator[dict]:
     """Two real engines, conductor and router, through ``mooncake-fleet up``. ``vllm-a``
-    runs with PYTHONHASHSEED=0 (the fleet's default), ``vllm-b`` without it."""
+    runs with PYTHONHASHSEED=0 (the fleet's default) and the scale-out routes; ``vllm-b``
+    without either, in vLLM's dev mode (which serves /reset_prefix_cache)."""
     engines = [
-        {"name": "vllm-a", "kind": "vllm"},
-        {"name": "vllm-b", "kind": "vllm", "env": {"PYTHONHASHSEED": None}},
+        {"name": "vllm-a", "kind": "vllm", "args": ["--enable-scale-out"]},
+        {
+            "name": "vllm-b",
+            "kind": "vllm",
+            "env": {"PYTHONHASHSEED": None, "VLLM_SERVER_DEV_MODE": "1"},
+        },
     ]
     spec = fleet_spec(engines, 32, model={"name": MODEL, "path": str(model_dir)})
     fleet = FleetProcess(tmp_path_factory.mktemp("fleet"), spec)

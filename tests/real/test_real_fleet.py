@@ -21,8 +21,9 @@ from tests.real.checks import (
     sharing_prompts,
     tokenizer,
 )
-from tests.support.api import eventually
+from tests.support.api import eventually, metric
 from tests.support.processes import ConductorProcess
+from tests.support.vllm_shapes import NOT_COMPARED, ROUTES, answer, assert_answers_like_vllm
 
 BLOCK = 32
 
@@ -186,3 +187,49 @@ async def test_query_by_hash_needs_the_engines_hash_seed(real_fleet, http, model
             "vllm-a": expected,
             "vllm-b": expected,
         }, seed
+
+
+async def test_drift_shows_when_the_cache_is_reset_behind_the_conductors_back(real_fleet, http):
+    """vLLM announces a reset only with its next step, after the router has already asked
+    the conductor: that request is promised cache the engine no longer has, and the
+    router's drift metrics show it; the next one is right again."""
+    router, conductor = url(real_fleet, "router"), url(real_fleet, "conductor")
+    body = {"model": MODEL, "prompt": documents(1, 200, seed=9)[0], "max_tokens": 2}
+
+    async def send() -> tuple[str, int, int]:
+        async with http.post(f"{router}/v1/completions", json=body) as response:
+            assert response.status == 200, await response.text()
+            answer = await response.json()
+            claimed = int(response.headers["x-conductor-cached-tokens"])
+            owner = response.headers["x-conductor-prefill-instance"]
+        return owner, claimed, answer["usage"]["prompt_tokens_details"]["cached_tokens"]
+
+    async def drift() -> float:
+        predicted = await metric(http, router, "router_cache_predicted_tokens_total")
+        return predicted - await metric(http, router, "router_cache_realized_tokens_total")
+
+    owner = "vllm-b"  # the engine in dev mode: its prefix goes there first, straight
+    blocks = await indexed_blocks(http, conductor)
+    async with http.post(f"{url(real_fleet, owner)}/v1/completions", json=body) as response:
+        assert response.status == 200, await response.text()
+    await eventually(lambda: indexed_blocks(http, conductor), lambda n: n > blocks)
+    routed_to, claimed, cached = await send()
+    assert routed_to == owner and claimed == cached > 0
+    before = await drift()
+    async with http.post(f"{url(real_fleet, owner)}/reset_prefix_cache") as response:
+        assert response.status == 200, await response.text()
+    assert await send() == (owner, claimed, 0)  # promised, not there
+    assert await drift() - before == claimed
+    await eventually(send, lambda answer: answer == (owner, claimed, claimed))
+
+
+@pytest.mark.parametrize(
+    "case",
+    [c for c in ROUTES if c["name"] not in NOT_COMPARED],
+    ids=[f"{c['name']}-{c['scale_out']}" for c in ROUTES if c["name"] not in NOT_COMPARED],
+)
+async def test_the_captured_vllm_answers_still_hold(real_fleet, http, case):
+    """The capture the simulator's parity tests compare against is still what the installed
+    vLLM answers (vllm-a serves the scale-out routes, vllm-b does not)."""
+    engine = url(real_fleet, "vllm-a" if case["scale_out"] else "vllm-b")
+    assert_answers_like_vllm(await answer(http, engine, case, model=MODEL), case)

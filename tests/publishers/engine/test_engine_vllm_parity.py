@@ -23,10 +23,15 @@ from conductor.wire.events import BlockStored
 from publishers.engine.block_manager import BlockManager
 from publishers.engine.scheduler import EngineRequest, Scheduler
 from publishers.engine.timing import TimingModel
-from tests.support.processes import REPO, EngineSim
+from tests.support.processes import EngineSim
+from tests.support.vllm_shapes import (
+    FIXTURE,
+    NOT_COMPARED,
+    ROUTES,
+    answer,
+    assert_answers_like_vllm,
+)
 
-FIXTURE = json.loads((REPO / "tests/fixtures/vllm_http_shapes.json").read_text())
-ROUTES = FIXTURE["routes"]
 EVENTS = {"enable_kv_cache_events": True, "endpoint": "tcp://127.0.0.1:0", "topic": "kv-events"}
 ENGINE_ARGS = (
     "--max-model-len",
@@ -37,11 +42,6 @@ ENGINE_ARGS = (
     json.dumps(EVENTS | {"replay_endpoint": "tcp://127.0.0.1:0"}),
     "--sim-kv-bind",
 )
-# Deliberate differences: vLLM serves /reset_prefix_cache only in dev mode, the simulator
-# always (tests and demos reset engines); the simulator always reports cached prompt tokens,
-# as vLLM does with --enable-prompt-tokens-details (routers read them).
-NOT_COMPARED = {"reset_prefix_cache"}
-GAP_KEYS = {"prompt_tokens_details"}
 # vLLM's commonly scraped metrics the simulator must export
 REQUIRED_METRICS = {
     "vllm:num_requests_running",
@@ -68,22 +68,6 @@ REQUIRED_METRICS = {
 }
 
 
-def shape(value: Any) -> Any:
-    """Keys and JSON types, recursively; a list is the set of its elements' shapes."""
-    if isinstance(value, dict):
-        return {key: shape(item) for key, item in value.items() if key not in GAP_KEYS}
-    if isinstance(value, list):
-        shapes = {json.dumps(shape(item), sort_keys=True): shape(item) for item in value}
-        return [shapes[key] for key in sorted(shapes)]
-    if value is None:
-        return "null"
-    return type(value).__name__  # bool, int, float, str
-
-
-def media_type(content_type: str | None) -> str | None:
-    return content_type.split(";")[0].strip() if content_type else None
-
-
 @pytest.fixture(scope="module")
 def engines(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[bool, EngineSim]]:
     """Scale-out on and off, both serving ``tiny`` with the real engine's settings."""
@@ -107,43 +91,13 @@ def engines(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[bool, Eng
             engine.stop()
 
 
-async def answer(http: aiohttp.ClientSession, url: str, case: dict[str, Any]) -> dict[str, Any]:
-    """Send a fixture's request as it was sent to vLLM; read the answer the same way."""
-    body = case["body"]
-    options: dict[str, Any] = {}
-    if isinstance(body, str):  # malformed JSON, sent as is
-        options = {"data": body.encode(), "headers": {"Content-Type": "application/json"}}
-    elif body is not None:
-        options = {"json": body}
-    async with http.request(case["method"], url + case["path"], **options) as response:
-        text = await response.text()
-        got: dict[str, Any] = {"status": response.status, "content_type": response.content_type}
-        if media_type(case["content_type"]) == "text/event-stream":
-            events = [event.removeprefix("data: ") for event in text.split("\n\n") if event]
-            got["sse"] = [event if event == "[DONE]" else json.loads(event) for event in events]
-        elif media_type(case["content_type"]) == "application/json":
-            got["json"] = json.loads(text)
-        else:
-            got["text"] = text
-        return got
-
-
 @pytest.mark.parametrize("case", ROUTES, ids=[f"{c['name']}-{c['scale_out']}" for c in ROUTES])
 async def test_each_route_answers_with_vllms_status_and_shape(
     engines: dict[bool, EngineSim], http: aiohttp.ClientSession, case: dict[str, Any]
 ) -> None:
     if case["name"] in NOT_COMPARED:
         pytest.skip("a deliberate difference (see NOT_COMPARED)")
-    got = await answer(http, engines[case["scale_out"]].url, case)
-    assert got["status"] == case["status"], got
-    if case["content_type"] is not None:
-        assert media_type(got["content_type"]) == media_type(case["content_type"])
-    if "json" in case:
-        assert shape(got["json"]) == shape(case["json"])
-    elif "sse" in case:
-        assert [shape(event) for event in got["sse"]] == [shape(event) for event in case["sse"]]
-    elif case["text"] == "":
-        assert got["text"] == ""
+    assert_answers_like_vllm(await answer(http, engines[case["scale_out"]].url, case), case)
 
 
 async def test_render_gives_the_tokens_generation_would_use(
