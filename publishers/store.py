@@ -16,11 +16,16 @@ namespace whose only interface is loopback.
 
 from __future__ import annotations
 
+import socket
+import subprocess
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+
+from .local import free_port
 
 MIB = 1 << 20
 
@@ -147,3 +152,57 @@ def store_process_command(address: StoreAddress, port: int, segment_bytes: int) 
         f"-metadata_server={address.metadata_url}",
         "-protocol=tcp",
     ]
+
+
+def _wait_listening(port: int, process: subprocess.Popen, log: Path, timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if process.poll() is not None:
+            raise StoreError(f"exited at start-up:\n{log.read_text(errors='replace')[-2000:]}")
+        try:
+            with socket.create_connection(("127.0.0.1", port), timeout=0.2):
+                return
+        except OSError:
+            time.sleep(0.1)
+    raise StoreError(f"nothing listens on {port}:\n{log.read_text(errors='replace')[-2000:]}")
+
+
+class LocalStore:
+    """A store on this machine: ``mooncake_master`` and one store process lending it
+    ``segment_bytes`` of memory, on free loopback ports; logs in ``run_dir``."""
+
+    def __init__(self, run_dir: Path, segment_bytes: int, timeout: float = 20.0) -> None:
+        self.run_dir, self.segment_bytes, self.timeout = run_dir, segment_bytes, timeout
+        self.rpc_port, self.metadata_port = free_port(), free_port()
+        self.metrics_port, self.store_port = free_port(), free_port()
+        self.address = StoreAddress(
+            f"127.0.0.1:{self.rpc_port}", f"http://127.0.0.1:{self.metadata_port}/metadata"
+        )
+        self.processes: list[subprocess.Popen] = []
+
+    def _spawn(self, name: str, command: list[str], port: int) -> None:
+        log = self.run_dir / f"{name}.log"
+        with log.open("ab") as output:
+            process = subprocess.Popen(
+                command, stdout=output, stderr=subprocess.STDOUT, cwd=self.run_dir
+            )
+        self.processes.append(process)
+        _wait_listening(port, process, log, self.timeout)
+
+    def start(self) -> None:
+        master = master_command(self.rpc_port, self.metadata_port, self.metrics_port)
+        self._spawn("master", master, self.metadata_port)
+        store = store_process_command(self.address, self.store_port, self.segment_bytes)
+        self._spawn("store", store, self.store_port)
+        time.sleep(0.5)  # the store process mounts its segment right after its port opens
+
+    def stop(self) -> None:
+        for process in reversed(self.processes):
+            if process.poll() is None:
+                process.terminate()
+                try:
+                    process.wait(10)
+                except subprocess.TimeoutExpired:
+                    process.kill()
+                    process.wait(5)
+        self.processes = []

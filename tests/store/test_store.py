@@ -10,8 +10,6 @@ import time
 
 import pytest
 
-from tests.store.conftest import RealStore
-
 MODEL = "tiny-llama"
 NAMESPACE_ADDRESS = "169.254.77.1"  # scripts/isolated-net.sh's veth
 PROMPT_TOKENS = 4096
@@ -38,7 +36,7 @@ def shape():
 
 
 @pytest.fixture(scope="module")
-def saver(real_store: RealStore):
+def saver(real_store):
     from publishers.store import KVBlockStore
 
     store = KVBlockStore(real_store.address, MODEL)
@@ -47,7 +45,7 @@ def saver(real_store: RealStore):
 
 
 def test_a_prompt_saved_by_one_engine_loads_byte_identical_in_another(
-    real_store: RealStore, saver, shape
+    real_store, saver, shape
 ) -> None:
     from publishers.store import kv_block
 
@@ -77,7 +75,7 @@ def test_unknown_blocks_are_absent_and_a_missing_get_is_a_clear_error(saver) -> 
         saver.get(12345)
 
 
-def test_store_traffic_never_leaves_its_namespace(real_store: RealStore, saver, shape) -> None:
+def test_store_traffic_never_leaves_its_namespace(real_store, saver, shape) -> None:
     """Master, store process and clients talk over 127.0.0.1, except the transfer engine's
     data path: it binds the first non-loopback interface's address whatever its host flag
     says (its legacy 127.0.0.1 binding collides with its own TCP handshake port), so the
