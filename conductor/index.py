@@ -11,8 +11,11 @@ a fast /query walk:
   recycled when the slot leaves.
 * Each slot keeps, per tier, its own ``engine hash -> prefix hash`` map. Removals, clears
   and unregisters therefore touch only what that owner stored, and leave nothing behind.
-* Shared pools (Mooncake store registrations) are slots whose CPU/DISK blocks count for
-  every instance of the context.
+* Pools are slots whose CPU/DISK blocks count for their *member* slots too. A Mooncake
+  store registration's pool serves every instance of the context. A ``kv_store`` pool holds
+  the CPU blocks that engines registered with that store's master address saved to it; its
+  members are the engine slots of those registrations, and it lives as long as one of them
+  is registered (an engine's clear, restart or unregister leaves the store's blocks alone).
 """
 
 from __future__ import annotations
@@ -24,6 +27,8 @@ from .hashing import chain_hashes, prefix_hashes, salt_root
 from .wire.events import AllBlocksCleared, BlockRemoved, BlockStored, EventBatch, Tier
 
 TIERS = (Tier.GPU, Tier.CPU, Tier.DISK)
+STORE_POOL_RANK = -1  # a kv_store pool's slot key is (address, -1): DP ranks are never < 0
+EVERY_SLOT = -1  # the member mask of a Mooncake pool: all bits set
 
 
 @dataclass(frozen=True, slots=True)
@@ -47,6 +52,7 @@ class StreamSource:
     dp_rank: int = 0
     salt: str = ""
     shared_pool: bool = False
+    kv_store: str = ""  # the Mooncake store master (host:port) its CPU blocks are saved to
 
     @property
     def default_tier(self) -> Tier:
@@ -103,12 +109,29 @@ class _Holdings:
 
 
 class _Slot:
-    __slots__ = ("instance_id", "dp_rank", "shared_pool", "index", "bit", "holdings", "streams")
+    """One owner of blocks: an engine (instance, DP rank) or a pool (``shared_pool``).
 
-    def __init__(self, instance_id: str, dp_rank: int, shared_pool: bool, index: int) -> None:
+    ``kv_store`` is set on a kv_store pool only: the store master's address it stands for.
+    """
+
+    __slots__ = (
+        "instance_id",
+        "dp_rank",
+        "shared_pool",
+        "kv_store",
+        "index",
+        "bit",
+        "holdings",
+        "streams",
+    )
+
+    def __init__(
+        self, instance_id: str, dp_rank: int, shared_pool: bool, index: int, kv_store: str = ""
+    ) -> None:
         self.instance_id = instance_id
         self.dp_rank = dp_rank
         self.shared_pool = shared_pool
+        self.kv_store = kv_store
         self.index = index
         self.bit = 1 << index
         self.holdings = (_Holdings(), _Holdings(), _Holdings())
@@ -124,25 +147,44 @@ class PrefixContext:
         self.slots: dict[tuple[str, int], _Slot] = {}
         self._by_index: dict[int, _Slot] = {}
         self._free: list[int] = []
-        self.shared_mask = 0
+        # pool bit -> bits of the engine slots its blocks count for (EVERY_SLOT: Mooncake)
+        self.pool_members: dict[int, int] = {}
+        self.pool_mask = 0  # every pool's bit: 0 keeps the walk free of pool lookups
 
     # -- slots ---------------------------------------------------------------------------
-    def slot(self, instance_id: str, dp_rank: int, shared_pool: bool) -> _Slot:
+    def slot(self, instance_id: str, dp_rank: int, shared_pool: bool, kv_store: str = "") -> _Slot:
         slot = self.slots.get((instance_id, dp_rank))
         if slot is None:
             index = self._free.pop() if self._free else len(self.slots)
-            slot = _Slot(instance_id, dp_rank, shared_pool, index)
+            slot = _Slot(instance_id, dp_rank, shared_pool, index, kv_store)
             self.slots[(instance_id, dp_rank)] = slot
             self._by_index[index] = slot
             if shared_pool:
-                self.shared_mask |= slot.bit
+                self.pool_members[slot.bit] = 0 if kv_store else EVERY_SLOT
+                self.pool_mask |= slot.bit
         return slot
+
+    def store_pool(self, kv_store: str) -> _Slot:
+        """The pool of the store whose master is at ``kv_store`` (created empty)."""
+        return self.slot(kv_store, STORE_POOL_RANK, True, kv_store)
+
+    def set_membership(self, engine: _Slot, kv_stores: set[str]) -> None:
+        """Make ``engine`` a member of exactly these stores' pools (which must exist)."""
+        for pool_bit, members in self.pool_members.items():
+            if members != EVERY_SLOT:
+                self.pool_members[pool_bit] = members & ~engine.bit
+        for kv_store in kv_stores:
+            self.pool_members[self.slots[(kv_store, STORE_POOL_RANK)].bit] |= engine.bit
 
     def drop_slot(self, slot: _Slot) -> None:
         self.clear_slot(slot)
         del self.slots[(slot.instance_id, slot.dp_rank)]
         del self._by_index[slot.index]
-        self.shared_mask &= ~slot.bit
+        if slot.shared_pool:
+            del self.pool_members[slot.bit]
+            self.pool_mask &= ~slot.bit
+        else:  # its bit will be recycled: it must not inherit this slot's memberships
+            self.set_membership(slot, set())
         self._free.append(slot.index)
 
     # -- blocks --------------------------------------------------------------------------
@@ -278,19 +320,19 @@ class PrefixContext:
         return matches
 
     def _walk_tiers(self, hashes: Sequence[int | None], interest: int, lengths: dict) -> None:
-        """The general walk: GPU, then CPU (own offload or a shared pool), then DISK."""
+        """The general walk: GPU, then CPU (own offload or a pool), then DISK."""
         gpu_blocks, cpu_blocks, disk_blocks = self.blocks
-        shared = self.shared_mask
+        pools = self.pool_mask
         alive_gpu = alive_cpu = alive_disk = interest
         for position, prefix_hash in enumerate(hashes):
             on_gpu = gpu_blocks.get(prefix_hash, 0)
             on_cpu = cpu_blocks.get(prefix_hash, 0)
-            if on_cpu & shared:
-                on_cpu = interest
+            if on_cpu & pools:
+                on_cpu |= self._members(on_cpu & pools)
             on_cpu |= on_gpu
             on_disk = disk_blocks.get(prefix_hash, 0)
-            if on_disk & shared:
-                on_disk = interest
+            if on_disk & pools:
+                on_disk |= self._members(on_disk & pools)
             on_disk |= on_cpu
             if alive_gpu & ~on_gpu:
                 _record_stops(lengths, alive_gpu & ~on_gpu, position, (0,))
@@ -303,6 +345,17 @@ class PrefixContext:
                 alive_disk &= on_disk
                 if not alive_disk:
                     break
+
+    def _members(self, pools: int) -> int:
+        """The engine slots served by these pools (usually a single one: one lookup)."""
+        members = self.pool_members.get(pools)
+        if members is None:
+            members = 0
+            while pools:
+                low = pools & -pools
+                members |= self.pool_members[low]
+                pools ^= low
+        return members
 
 
 def _record_stops(
@@ -333,41 +386,68 @@ class PrefixCacheTable:
         self._slot_for(source, source.context_key(), source.dp_rank)
 
     def remove_stream(self, key: str) -> int:
-        """Unregister: drop every block the stream's owners held. Returns blocks dropped."""
+        """Unregister: drop every block the stream's owners held. Returns blocks dropped.
+
+        A kv_store pool is no owner of the stream: its blocks stay in the store, so it keeps
+        them while another registration names that store in the context.
+        """
+        self._sources.pop(key, None)
         dropped = 0
         for context_key, slot_key in self._stream_slots.pop(key, set()):
             context = self.contexts[context_key]
             slot = context.slots[slot_key]
             slot.streams.discard(key)
-            if slot.streams:
-                dropped += context.clear_slot(slot)
-            else:
+            if not slot.streams:
                 dropped += sum(h.count() for h in slot.holdings)
                 context.drop_slot(slot)
+            elif not slot.kv_store:
+                dropped += context.clear_slot(slot)
+                if not slot.shared_pool:
+                    context.set_membership(slot, self._kv_stores(slot))
             if context.is_empty():
                 del self.contexts[context_key]
-        self._sources.pop(key, None)
         return dropped
 
     def clear_stream(self, key: str, dp_rank: int | None = None) -> int:
-        """A publisher restart or AllBlocksCleared: forget the owners' blocks, stay listed."""
+        """A publisher restart, lost connection or AllBlocksCleared: forget the owners'
+        blocks, stay listed. kv_store pools keep theirs: the store still holds them."""
         dropped = 0
         for context_key, slot_key in self._stream_slots.get(key, ()):
-            if dp_rank is None or slot_key[1] == dp_rank:
-                dropped += self.contexts[context_key].clear_slot(
-                    self.contexts[context_key].slots[slot_key]
-                )
+            slot = self.contexts[context_key].slots[slot_key]
+            if not slot.kv_store and (dp_rank is None or slot_key[1] == dp_rank):
+                dropped += self.contexts[context_key].clear_slot(slot)
+        return dropped
+
+    def clear_store(self, kv_store: str) -> int:
+        """The store's master restarted: its pool is empty in every context (the engines'
+        own blocks and the pool memberships stay). Returns how many blocks were dropped."""
+        dropped = 0
+        for context in self.contexts.values():
+            pool = context.slots.get((kv_store, STORE_POOL_RANK))
+            if pool is not None:
+                dropped += context.clear_slot(pool)
         return dropped
 
     def _slot_for(self, source: StreamSource, context_key: ContextKey, dp_rank: int) -> tuple:
+        """The stream's engine slot in a context, linked (with its kv_store's pool) once."""
         context = self.contexts.get(context_key)
         if context is None:
             context = self.contexts[context_key] = PrefixContext(context_key)
         slot = context.slot(source.instance_id, dp_rank, source.shared_pool)
         if source.key not in slot.streams:
-            slot.streams.add(source.key)
-            self._stream_slots[source.key].add((context_key, (source.instance_id, dp_rank)))
+            self._link(source.key, context, slot)
+            if source.kv_store:
+                self._link(source.key, context, context.store_pool(source.kv_store))
+                context.set_membership(slot, self._kv_stores(slot))
         return context, slot
+
+    def _link(self, key: str, context: PrefixContext, slot: _Slot) -> None:
+        slot.streams.add(key)
+        self._stream_slots[key].add((context.key, (slot.instance_id, slot.dp_rank)))
+
+    def _kv_stores(self, slot: _Slot) -> set[str]:
+        """The stores an engine slot's registrations save to: the pools it is a member of."""
+        return {self._sources[k].kv_store for k in slot.streams} - {""}
 
     # -- ingestion -----------------------------------------------------------------------
     def apply(self, key: str, batch: EventBatch) -> ApplyStats:
@@ -404,6 +484,8 @@ class PrefixCacheTable:
             return  # counted by _prefixes; nothing created for a rejected event
         context, slot = self._slot_for(source, context_key, dp_rank)
         tier = source.default_tier if event.tier is None else event.tier
+        if tier is Tier.CPU and source.kv_store:  # saved to the store, not kept by the engine
+            slot = context.store_pool(source.kv_store)
         stats.blocks_stored += context.hold(slot, tier, event.block_hashes, prefixes)
 
     @staticmethod
@@ -445,19 +527,25 @@ class PrefixCacheTable:
         if event.group_idx:
             stats.ignored += 1
             return
-        tiers = TIERS if event.tier is None else (event.tier,)  # no medium: wherever it is
         owned = [
-            (self.contexts[ck], self.contexts[ck].slots[sk])
+            (self.contexts[ck], self.contexts[ck].slots[sk], tier)
             for ck, sk in self._stream_slots[source.key]
-            if sk[1] == dp_rank
+            for tier in self._removal_tiers(self.contexts[ck].slots[sk], dp_rank, event.tier)
         ]
         for engine_hash in event.block_hashes:
-            released = [
-                context.release(slot, tier, engine_hash)
-                for context, slot in owned
-                for tier in tiers
-            ]
+            released = [context.release(slot, tier, engine_hash) for context, slot, tier in owned]
             stats.blocks_removed += any(released)
+
+    @staticmethod
+    def _removal_tiers(slot: _Slot, dp_rank: int, medium: Tier | None) -> tuple[Tier, ...]:
+        """Where a removal reaches: an engine slot at the batch rank on the event's tier (no
+        medium: wherever it is); a kv_store pool only when the medium says CPU, because a
+        medium-less removal is the engine's own eviction, not the store's."""
+        if slot.kv_store:
+            return (Tier.CPU,) if medium is Tier.CPU else ()
+        if slot.dp_rank != dp_rank:
+            return ()
+        return TIERS if medium is None else (medium,)
 
     # -- queries -------------------------------------------------------------------------
     def match_tokens(

@@ -12,7 +12,7 @@ import json
 import random
 from collections import Counter
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -21,6 +21,8 @@ import xxhash
 
 from conductor.hashing import chain_hashes, prefix_hashes, salt_root
 from conductor.index import (
+    EVERY_SLOT,
+    STORE_POOL_RANK,
     ApplyStats,
     ContextKey,
     InstanceMatch,
@@ -55,6 +57,7 @@ def src(
     dp_rank: int = 0,
     salt: str = "",
     shared_pool: bool = False,
+    kv_store: str = "",
 ) -> StreamSource:
     """A registration; the key follows the service key ``instance|tenant|dp_rank``."""
     return StreamSource(
@@ -67,6 +70,7 @@ def src(
         dp_rank=dp_rank,
         salt=salt,
         shared_pool=shared_pool,
+        kv_store=kv_store,
     )
 
 
@@ -116,28 +120,40 @@ def check_invariants(table: PrefixCacheTable) -> None:
     """Every tier dict is exactly the union of its owners' engine-hash maps; nothing stale.
 
     A bit set in ``blocks`` must be explained by an engine hash the slot holds, ``extra_refs``
-    must count exactly the duplicate engine hashes, and empty contexts must be gone.
+    must count exactly the duplicate engine hashes, and empty contexts must be gone. A pool's
+    members are exactly the engine slots whose registrations name its store (every slot for
+    a Mooncake pool), and a kv_store pool exists exactly while such a registration does.
     """
     for key, context in table.contexts.items():
         assert context.key == key
         assert not context.is_empty(), f"empty context {key} left behind"
         expected: tuple[dict[int, int], ...] = ({}, {}, {})
         bits: set[int] = set()
-        shared = 0
+        members: dict[int, int] = {}
         for (instance, rank), slot in context.slots.items():
             assert (slot.instance_id, slot.dp_rank) == (instance, rank)
             assert slot.bit == 1 << slot.index and slot.bit not in bits
             bits.add(slot.bit)
             assert slot.streams, "a slot without a stream can never be removed"
-            if slot.shared_pool:
-                shared |= slot.bit
+            if slot.kv_store:
+                assert slot.shared_pool and (instance, rank) == (slot.kv_store, STORE_POOL_RANK)
+                assert {table._sources[k].kv_store for k in slot.streams} == {slot.kv_store}
+                members.setdefault(slot.bit, 0)
+            elif slot.shared_pool:
+                members[slot.bit] = EVERY_SLOT
             for tier, holdings in enumerate(slot.holdings):
                 counts: dict[int, int] = {}
                 for prefix_hash in holdings.by_engine_hash.values():
                     counts[prefix_hash] = counts.get(prefix_hash, 0) + 1
                     expected[tier][prefix_hash] = expected[tier].get(prefix_hash, 0) | slot.bit
                 assert holdings.extra_refs == {p: n - 1 for p, n in counts.items() if n > 1}
-        assert context.shared_mask == shared
+        for slot in context.slots.values():
+            for stream_key in () if slot.shared_pool else slot.streams:
+                kv_store = table._sources[stream_key].kv_store
+                if kv_store:
+                    members[context.slots[(kv_store, STORE_POOL_RANK)].bit] |= slot.bit
+        assert context.pool_members == members
+        assert context.pool_mask == sum(members)
         assert context._by_index == {slot.index: slot for slot in context.slots.values()}
         assert set(context._free).isdisjoint(context._by_index)  # recycled bits are unused
         assert context.blocks == expected
@@ -493,6 +509,157 @@ def test_shared_pool_alone_lists_nobody(table: PrefixCacheTable) -> None:
     assert table.match_tokens(ctx(), prompt(1)) == {}
 
 
+# -- kv_store pools -----------------------------------------------------------------------------
+STORE, OTHER_STORE = "10.0.0.9:50051", "10.0.0.8:50051"
+
+
+def _kv_fleet(table: PrefixCacheTable) -> None:
+    """a and b save to STORE, c to no store, d to OTHER_STORE; a computed prompt(3) and
+    saved it to STORE (vLLM's MooncakeStoreConnector: the same hashes, medium "cpu")."""
+    register(
+        table,
+        src("a", kv_store=STORE),
+        src("b", kv_store=STORE),
+        src("c"),
+        src("d", kv_store=OTHER_STORE),
+    )
+    table.apply("a|default|0", batch(stored([10, 11, 12], prompt(3))))
+    table.apply("a|default|0", batch(stored([10, 11, 12], prompt(3), tier=Tier.CPU)))
+
+
+def test_kv_store_pool_counts_for_its_members_only(table: PrefixCacheTable) -> None:
+    """Blocks saved to a store are CPU hits of every instance registered with that store,
+    including one that never computed them; not of others, nor listing the pool itself."""
+    _kv_fleet(table)
+    assert query(table, prompt(3)) == {
+        "a": (12, 12, 12),
+        "b": (0, 12, 12),
+        "c": (0, 0, 0),
+        "d": (0, 0, 0),
+    }
+    assert query(table, prompt(3), instance_id="b") == {"b": (0, 12, 12)}
+    context = table.contexts[ctx()]
+    assert context.block_counts() == (3, 3, 0)
+    pool = context.slots[(STORE, STORE_POOL_RANK)]
+    assert pool.holdings[Tier.CPU].count() == 3
+    assert context.slots[("a", 0)].holdings[Tier.CPU].count() == 0  # not the engine's own
+    check_invariants(table)
+
+
+def test_kv_store_pool_removal_needs_a_cpu_medium(table: PrefixCacheTable) -> None:
+    """A CPU removal on a member's stream leaves the pool; a removal without medium is the
+    engine's own eviction and leaves the store's copy alone."""
+    _kv_fleet(table)
+    assert table.apply("a|default|0", batch(removed([12], tier=Tier.CPU))).blocks_removed == 1
+    assert query(table, prompt(3)) == {
+        "a": (12, 12, 12),
+        "b": (0, 8, 8),
+        "c": (0, 0, 0),
+        "d": (0, 0, 0),
+    }
+    assert table.apply("a|default|0", batch(removed([11]))).blocks_removed == 1
+    # a: block 0 on GPU, 1 only in the pool, 2 on GPU again
+    assert query(table, prompt(3), instance_id="a") == {"a": (4, 12, 12)}
+    assert query(table, prompt(3), instance_id="b") == {"b": (0, 8, 8)}
+    # any member's CPU removal reaches the shared pool, at any DP rank
+    assert table.apply("b|default|0", batch(removed([11], tier=Tier.CPU), dp_rank=1)).blocks_removed
+    assert query(table, prompt(3), instance_id="b") == {"b": (0, 4, 4)}
+    # a member of another store cannot remove from this one
+    assert not table.apply("d|default|0", batch(removed([10], tier=Tier.CPU))).blocks_removed
+    check_invariants(table)
+
+
+def test_kv_store_pool_survives_clears_restarts_and_unregisters(table: PrefixCacheTable) -> None:
+    """The store holds the blocks, not the engine: only the last registration naming the
+    store in the context takes the pool with it."""
+    _kv_fleet(table)
+    table.apply("a|default|0", batch(AllBlocksCleared()))
+    assert query(table, prompt(3), instance_id="a") == {"a": (0, 12, 12)}
+    assert table.clear_stream("a|default|0") == 0  # restart or lost connection
+    assert table.remove_stream("a|default|0") == 0
+    assert query(table, prompt(3)) == {"b": (0, 12, 12), "c": (0, 0, 0), "d": (0, 0, 0)}
+    check_invariants(table)
+
+    table.remove_stream("b|default|0")
+    assert (STORE, STORE_POOL_RANK) not in table.contexts[ctx()].slots
+    assert table.contexts[ctx()].block_counts() == (0, 0, 0)
+    register(table, src("b", kv_store=STORE))  # a new pool starts empty
+    assert query(table, prompt(3), instance_id="b") == {"b": (0, 0, 0)}
+    check_invariants(table)
+
+
+def test_kv_store_pool_keeps_copies_saved_by_two_engines(table: PrefixCacheTable) -> None:
+    """One pool entry per block; each engine's save is a copy, so one engine's removal does
+    not hide the block the other one saved (under the same or another engine hash)."""
+    _kv_fleet(table)
+    table.apply("b|default|0", batch(stored([10, 11], prompt(2), tier=Tier.CPU)))
+    table.apply("b|default|0", batch(stored([22], toks(2), parent=11, tier=Tier.CPU)))
+    assert table.contexts[ctx()].block_counts() == (3, 3, 0)
+    table.apply("a|default|0", batch(removed([10, 11, 12], tier=Tier.CPU)))
+    assert query(table, prompt(3), instance_id="b") == {"b": (0, 12, 12)}
+    table.apply("b|default|0", batch(removed([11], tier=Tier.CPU)))
+    assert query(table, prompt(3), instance_id="b") == {"b": (0, 4, 4)}
+    check_invariants(table)
+
+
+def test_clear_store_empties_that_store_in_every_context(table: PrefixCacheTable) -> None:
+    """A restarted master lost every block: its pools empty in every context, the engines'
+    own blocks, other stores and the memberships stay."""
+    _kv_fleet(table)
+    register(table, src("e", tenant="t2", kv_store=STORE))
+    table.apply("e|t2|0", batch(stored([30, 31], prompt(2), tier=Tier.CPU)))
+    table.apply("a|default|0", batch(stored([40], prompt(1), tier=Tier.CPU, lora_name="x")))
+    table.apply("d|default|0", batch(stored([10], prompt(1), tier=Tier.CPU)))
+    assert table.clear_store(STORE) == 3 + 2 + 1
+    assert query(table, prompt(3)) == {
+        "a": (12, 12, 12),
+        "b": (0, 0, 0),
+        "c": (0, 0, 0),
+        "d": (0, 4, 4),
+    }
+    assert query(table, prompt(2), ctx(tenant="t2")) == {"e": (0, 0, 0)}
+    assert query(table, prompt(1), ctx(lora="x")) == {"a": (0, 0, 0)}
+    assert table.clear_store(STORE) == 0
+    assert table.clear_store("nowhere:1") == 0
+    table.apply("a|default|0", batch(stored([10], prompt(1), tier=Tier.CPU)))
+    assert query(table, prompt(1), instance_id="b") == {"b": (0, 4, 4)}
+    check_invariants(table)
+
+
+def test_kv_store_pool_and_mooncake_pool_combine(table: PrefixCacheTable) -> None:
+    """A Mooncake pool still serves everybody; a block in both pools counts once each."""
+    _kv_fleet(table)
+    register(table, src("store", shared_pool=True))
+    table.apply("store|default|0", batch(stored([10, 11, 12, 13], prompt(4), tier=Tier.DISK)))
+    table.apply("store|default|0", batch(stored([10, 11], [])))  # CPU, held by both pools
+    assert query(table, prompt(4)) == {
+        "a": (12, 12, 16),
+        "b": (0, 12, 16),
+        "c": (0, 8, 16),
+        "d": (0, 8, 16),
+    }
+    check_invariants(table)
+
+
+def test_kv_store_pool_membership_is_per_slot(table: PrefixCacheTable) -> None:
+    """Every DP rank of a member sees the pool, a recycled bit inherits no membership, and
+    an engine's blocks may chain from a block only the pool holds."""
+    _kv_fleet(table)
+    table.apply("b|default|0", batch(stored([10], prompt(1)), dp_rank=1))
+    result = table.match_tokens(ctx(), prompt(3))
+    assert result is not None
+    assert result["b"].ranks == {0: (0, 12, 12), 1: (4, 12, 12)}
+    freed = {table.contexts[ctx()].slots[("b", rank)].index for rank in (0, 1)}
+    table.remove_stream("b|default|0")
+    register(table, src("f"))
+    assert table.contexts[ctx()].slots[("f", 0)].index in freed
+    assert query(table, prompt(3), instance_id="f") == {"f": (0, 0, 0)}
+    table.apply("a|default|0", batch(AllBlocksCleared()))
+    stats = table.apply("c|default|0", batch(stored([13], toks(3), parent=12)))
+    assert (stats.orphaned, stats.blocks_stored) == (0, 1)
+    check_invariants(table)
+
+
 # -- DP ranks -----------------------------------------------------------------------------------
 def test_batch_dp_rank_overrides_registration(table: PrefixCacheTable) -> None:
     """Per-rank values and the max over ranks; removal follows the batch rank too."""
@@ -840,6 +1007,7 @@ MC_BS = 2
 MC_BLOCKS = 4
 MC_ENGINES = ("i0", "i1", "i2")
 MC_POOL = "pool"
+MC_STORES = ("", "s1:1", "s2:2")  # an engine registers with no store or one of two
 Prefix = tuple[tuple[int, ...], ...]
 
 
@@ -853,10 +1021,12 @@ class ReferenceModel:
     """Naive index: (instance, rank, tier) -> {engine hash: token prefix}, nothing clever.
 
     ``ranks`` are the (instance, DP rank) pairs the conductor knows: the registration's rank
-    and every rank a batch stored at, until the stream is unregistered.
+    and every rank a batch stored at, until the stream is unregistered. ``stores`` is each
+    registered engine's kv_store; the CPU blocks it saves are held under ``store_key``.
     """
 
     registered: set[str] = field(default_factory=set)
+    stores: dict[str, str] = field(default_factory=dict)
     ranks: set[tuple[str, int]] = field(default_factory=set)
     held: dict[tuple[str, int, Tier], dict[int, Prefix]] = field(default_factory=dict)
     copies: Counter[tuple[str, int, Tier, int]] = field(default_factory=Counter)
@@ -869,11 +1039,25 @@ class ReferenceModel:
         else:
             holdings[engine_hash] = prefix
 
+    @staticmethod
+    def store_key(kv_store: str) -> tuple[str, int, Tier]:
+        return (f"store {kv_store}", -1, Tier.CPU)
+
+    def target(self, instance: str, rank: int, tier: Tier) -> tuple[str, int, Tier]:
+        """Where a stored block goes: CPU blocks of a store's member into the store."""
+        kv_store = self.stores.get(instance, "")
+        return self.store_key(kv_store) if tier is Tier.CPU and kv_store else (instance, rank, tier)
+
     def all_held(self) -> dict[int, Prefix]:
         merged: dict[int, Prefix] = {}
         for holdings in self.held.values():
             merged.update(holdings)
         return merged
+
+    def store_prefixes(self, instance: str) -> set[Prefix]:
+        """What the instance's kv_store holds (nothing without one)."""
+        kv_store = self.stores.get(instance, "")
+        return set(self.held.get(self.store_key(kv_store), {}).values()) if kv_store else set()
 
     def prefixes(self, instance: str, rank: int, tiers: Iterable[Tier]) -> set[Prefix]:
         return {p for t in tiers for p in self.held.get((instance, rank, t), {}).values()}
@@ -901,7 +1085,7 @@ class ReferenceModel:
             return False
         self.ranks.add((instance, rank))
         for engine_hash, prefix in blocks:
-            self.hold((instance, rank, tier), engine_hash, prefix)
+            self.hold(self.target(instance, rank, tier), engine_hash, prefix)
         return True
 
     def store_tokenless(
@@ -912,19 +1096,21 @@ class ReferenceModel:
         for engine_hash in engine_hashes:
             if engine_hash not in known:
                 break
-            self.hold((instance, rank, tier), engine_hash, known[engine_hash])
+            self.hold(self.target(instance, rank, tier), engine_hash, known[engine_hash])
             placed += 1
         if placed:
             self.ranks.add((instance, rank))
         return placed
 
     def remove(self, instance: str, rank: int, tier: Tier | None, engine_hashes: list[int]) -> None:
-        """A removal that names no medium removes the block from every tier."""
-        for each in Tier if tier is None else (tier,):
-            holdings = self.held.get((instance, rank, each), {})
+        """A removal that names no medium removes the block from every tier of the engine
+        (not from its store: only a CPU medium reaches that)."""
+        keys = [(instance, rank, t) for t in Tier] if tier is None else []
+        for key in keys or [self.target(instance, rank, tier)]:
+            holdings = self.held.get(key, {})
             for engine_hash in engine_hashes:
-                if self.copies[(instance, rank, each, engine_hash)] > 0:
-                    self.copies[(instance, rank, each, engine_hash)] -= 1
+                if self.copies[(*key, engine_hash)] > 0:
+                    self.copies[(*key, engine_hash)] -= 1
                 else:
                     holdings.pop(engine_hash, None)
 
@@ -935,13 +1121,24 @@ class ReferenceModel:
         for key in [k for k in self.copies if k[0] == instance and rank in (None, k[1])]:
             del self.copies[key]
 
-    def register(self, instance: str) -> None:
+    def clear_store(self, kv_store: str) -> None:
+        key = self.store_key(kv_store)
+        self.held.pop(key, None)
+        for copy in [c for c in self.copies if c[:3] == key]:
+            del self.copies[copy]
+
+    def register(self, instance: str, kv_store: str) -> None:
         self.registered.add(instance)
+        self.stores[instance] = kv_store
         self.ranks.add((instance, 0))
 
     def unregister(self, instance: str) -> None:
+        """A store's blocks go with the last registration naming it."""
         self.clear(instance, None)
         self.registered.discard(instance)
+        kv_store = self.stores.pop(instance)
+        if kv_store and kv_store not in self.stores.values():
+            self.clear_store(kv_store)
         self.ranks = {(i, r) for i, r in self.ranks if i != instance}
 
     def answer(self, query: list[Prefix | None]) -> dict[str, dict[int, tuple[int, int, int]]]:
@@ -962,7 +1159,8 @@ class ReferenceModel:
             if instance == MC_POOL:
                 continue
             gpu = self.prefixes(instance, rank, [Tier.GPU])
-            cpu = gpu | self.prefixes(instance, rank, [Tier.CPU]) | pool_cpu
+            own_cpu = self.prefixes(instance, rank, [Tier.CPU]) | self.store_prefixes(instance)
+            cpu = gpu | own_cpu | pool_cpu
             disk = cpu | self.prefixes(instance, rank, [Tier.DISK]) | pool_disk
             result.setdefault(instance, {})[rank] = (run(gpu), run(cpu), run(disk))
         return result
@@ -998,8 +1196,8 @@ class ModelCheck:
 
     ENGINE_TIERS = (None, Tier.GPU, Tier.GPU, Tier.CPU, Tier.DISK)  # GPU most often
     POOL_TIERS = (None, Tier.CPU, Tier.DISK)  # a pool's GPU blocks have no defined meaning
-    OPS = ("store", "tokenless", "remove", "clear", "toggle")
-    OP_WEIGHTS = (45, 10, 30, 5, 5)
+    OPS = ("store", "tokenless", "remove", "clear", "toggle", "clear_store", "restart")
+    OP_WEIGHTS = (45, 10, 30, 5, 5, 2, 2)
 
     def __init__(self, seed: int) -> None:
         self.seed = seed
@@ -1022,6 +1220,15 @@ class ModelCheck:
         if instance not in self.model.registered or op == "toggle":
             self.toggle(instance)
             return "toggle"
+        if op == "clear_store":
+            kv_store = rng.choice(MC_STORES[1:])
+            self.seen["clear_store"] += bool(self.table.clear_store(kv_store))
+            self.model.clear_store(kv_store)
+            return op
+        if op == "restart":  # or a lost connection: every rank of the stream is cleared
+            self.table.clear_stream(self.sources[instance].key)
+            self.model.clear(instance, None)
+            return op
         is_pool = instance == MC_POOL
         batch_rank = None if is_pool else rng.choice([None, 0, 1])
         rank = 0 if batch_rank is None else batch_rank
@@ -1062,10 +1269,16 @@ class ModelCheck:
         """Unregister a registered stream, register an unregistered one."""
         if instance in self.model.registered:
             self.table.remove_stream(self.sources[instance].key)
+            kv_store = self.model.stores[instance]
             self.model.unregister(instance)
+            self.seen["store_outlives_member"] += bool(
+                kv_store and self.model.held.get(self.model.store_key(kv_store))
+            )
         else:
+            kv_store = "" if instance == MC_POOL else self.rng.choice(MC_STORES)
+            self.sources[instance] = replace(self.sources[instance], kv_store=kv_store)
             self.table.add_stream(self.sources[instance])
-            self.model.register(instance)
+            self.model.register(instance, kv_store)
 
     # -- checks -----------------------------------------------------------------------------
     def where(self, op: str) -> str:
@@ -1080,6 +1293,7 @@ class ModelCheck:
             got = self.table.match_tokens(self.context_key, _flat(p))
             _compare(got, self.model.answer(full), where)
             self.note(got)
+            self.note_stores(got)
             engine = [mc_engine_hash(prefix, self.rng.randrange(2)) for prefix in full]
             by_hash = [known.get(h) for h in engine]
             got = self.table.match_engine_hashes(self.context_key, engine)
@@ -1097,10 +1311,20 @@ class ModelCheck:
             self.seen["full_gpu"] += match.gpu == MC_BLOCKS * MC_BS
             self.seen["rank1_hit"] += match.ranks.get(1, (0, 0, 0))[2] > 0
 
+    def note_stores(self, got: dict[str, InstanceMatch] | None) -> None:
+        """A CPU hit of an instance that holds nothing itself, with no Mooncake pool around:
+        only its kv_store can explain it."""
+        if self.model.pool_prefixes(Tier):
+            return
+        for instance, match in (got or {}).items():
+            own = any(held for (i, _, _), held in self.model.held.items() if i == instance)
+            self.seen["store_only_hit"] += match.cpu > 0 and not own
+
 
 @pytest.mark.parametrize("seed", [1, 2, 3])
 def test_randomized_against_reference_model(seed: int) -> None:
-    """Random store/remove/clear/unregister sequences on 3 engines and a store pool.
+    """Random store/remove/clear/unregister sequences on 3 engines and a store pool; each
+    engine registers with no kv_store or one of two, so kv_store pools come and go.
 
     After every step each prompt is queried by tokens and by engine hashes, and the answer
     must equal the naive model's; the table's internal bookkeeping must stay exact. At the
@@ -1119,6 +1343,9 @@ def test_randomized_against_reference_model(seed: int) -> None:
         "disk_beyond_cpu",
         "full_gpu",
         "rank1_hit",
+        "store_only_hit",
+        "store_outlives_member",
+        "clear_store",
     ):
         assert mc.seen[case] > 0, f"the random run never reached {case!r}: {dict(mc.seen)}"
     for instance in list(mc.model.registered):
