@@ -167,7 +167,11 @@ class ConductorApi:
     # -- views ---------------------------------------------------------------------------
     async def services(self, request: web.Request) -> web.Response:
         services = [
-            {**registration.go_view(), "State": self.manager.state_of(key)}
+            {
+                **registration.go_view(),
+                "State": self.manager.state_of(key),
+                "KVStore": registration.kv_store,
+            }
             for key, registration in sorted(self.manager.registrations.items())
         ]
         return reply(request, {"count": len(services), "services": services})
@@ -182,7 +186,8 @@ class ConductorApi:
         for key, context in sorted(self.table.contexts.items(), key=lambda kv: repr(kv[0])):
             instances: dict[str, list[int]] = {}
             for slot in context.slots.values():
-                instances.setdefault(slot.instance_id, []).append(slot.dp_rank)
+                if not slot.kv_store:  # a store's pool is shown under kv_stores
+                    instances.setdefault(slot.instance_id, []).append(slot.dp_rank)
                 for holdings in slot.holdings:
                     for engine_hash, prefix_hash in holdings.by_engine_hash.items():
                         if len(hashmap) >= wanted:
@@ -197,6 +202,10 @@ class ConductorApi:
                     "block_size": key.block_size,
                     "blocks": {"GPU": gpu, "CPU": cpu, "DISK": disk},
                     "instances": {name: sorted(ranks) for name, ranks in instances.items()},
+                    "kv_stores": {
+                        kv_store: {"blocks": blocks, "instances": served}
+                        for kv_store, (blocks, served) in sorted(context.store_pools().items())
+                    },
                 }
             )
             model_contexts.extend(
@@ -229,6 +238,8 @@ class ConductorApi:
             state = self.manager.state_of(key)
             states[state] = states.get(state, 0) + 1
             streams[key] = {"state": state}
+            if self.manager.registrations[key].kv_store:
+                streams[key]["kv_store"] = self.manager.registrations[key].kv_store
             if key in self.manager.degraded:
                 streams[key]["degraded"] = self.manager.degraded[key]
         return reply(
@@ -240,6 +251,7 @@ class ConductorApi:
                 "streams": streams,
                 "contexts": len(self.table.contexts),
                 "blocks": self.table.block_count(),
+                "kv_stores": dict(sorted(self.table.store_blocks().items())),
             },
         )
 

@@ -20,6 +20,7 @@ from pydantic import (
     ConfigDict,
     Field,
     ValidationError,
+    ValidationInfo,
     field_validator,
     model_validator,
 )
@@ -59,6 +60,7 @@ class Registration(_Strict):
     block_size: int = Field(gt=0)
     dp_rank: int = Field(default=0, ge=0)
     additionalsalt: str = ""
+    kv_store: str = ""  # our extension: the Mooncake store master (host:port) it saves to
 
     _normalize_tenant = field_validator("tenant_id")(_default_tenant)
 
@@ -75,6 +77,20 @@ class Registration(_Strict):
             raise ValueError(f"must start with one of {', '.join(ZMQ_SCHEMES)}")
         if value.startswith("tcp://") and ("*" in value or value.rsplit(":", 1)[-1] == "0"):
             raise ValueError("must name a host and port to connect to, not a bind address")
+        return value
+
+    @field_validator("kv_store")
+    @classmethod
+    def _store_master(cls, value: str, info: ValidationInfo) -> str:
+        """Two engines share a store pool only when they name the same master address; a
+        Mooncake registration is a pool itself and saves nowhere."""
+        if not value:
+            return value
+        if info.data.get("type") == "Mooncake":
+            raise ValueError("only engines (vLLM, SGLang) save to a store")
+        host, _, port = value.rpartition(":")
+        if not host or not (port.isascii() and port.isdigit()) or not 1 <= int(port) <= 65535:
+            raise ValueError("must be the store master's address host:port (port 1..65535)")
         return value
 
     @property
@@ -98,6 +114,7 @@ class Registration(_Strict):
             dp_rank=self.dp_rank,
             salt=self.additionalsalt,
             shared_pool=self.type == "Mooncake",
+            kv_store=self.kv_store,
         )
 
     def go_view(self) -> dict[str, Any]:

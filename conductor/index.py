@@ -107,6 +107,10 @@ class _Holdings:
     def count(self) -> int:
         return len(self.by_engine_hash) + sum(self.copies.values())
 
+    def prefix_count(self) -> int:
+        """Distinct prefix blocks, as the context's tier dicts count them."""
+        return len(self.by_engine_hash) - sum(self.extra_refs.values())
+
 
 class _Slot:
     """One owner of blocks: an engine (instance, DP rank) or a pool (``shared_pool``).
@@ -276,6 +280,16 @@ class PrefixContext:
     def block_counts(self) -> tuple[int, int, int]:
         return len(self.blocks[0]), len(self.blocks[1]), len(self.blocks[2])
 
+    def store_pools(self) -> dict[str, tuple[int, list[str]]]:
+        """Each kv_store pool: its CPU blocks and the instances it serves (for the views)."""
+        pools = {}
+        for pool in self.slots.values():
+            if pool.kv_store:
+                members = self.pool_members[pool.bit]
+                served = {s.instance_id for s in self.slots.values() if s.bit & members}
+                pools[pool.kv_store] = (pool.holdings[Tier.CPU].prefix_count(), sorted(served))
+        return pools
+
     def is_empty(self) -> bool:
         return not self.slots and not any(self.blocks)
 
@@ -323,16 +337,17 @@ class PrefixContext:
         """The general walk: GPU, then CPU (own offload or a pool), then DISK."""
         gpu_blocks, cpu_blocks, disk_blocks = self.blocks
         pools = self.pool_mask
+        served_by = self.pool_members.get  # one pool holds the block: one lookup
         alive_gpu = alive_cpu = alive_disk = interest
         for position, prefix_hash in enumerate(hashes):
             on_gpu = gpu_blocks.get(prefix_hash, 0)
             on_cpu = cpu_blocks.get(prefix_hash, 0)
             if on_cpu & pools:
-                on_cpu |= self._members(on_cpu & pools)
+                on_cpu |= served_by(on_cpu & pools) or self._members(on_cpu & pools)
             on_cpu |= on_gpu
             on_disk = disk_blocks.get(prefix_hash, 0)
             if on_disk & pools:
-                on_disk |= self._members(on_disk & pools)
+                on_disk |= served_by(on_disk & pools) or self._members(on_disk & pools)
             on_disk |= on_cpu
             if alive_gpu & ~on_gpu:
                 _record_stops(lengths, alive_gpu & ~on_gpu, position, (0,))
@@ -347,14 +362,12 @@ class PrefixContext:
                     break
 
     def _members(self, pools: int) -> int:
-        """The engine slots served by these pools (usually a single one: one lookup)."""
-        members = self.pool_members.get(pools)
-        if members is None:
-            members = 0
-            while pools:
-                low = pools & -pools
-                members |= self.pool_members[low]
-                pools ^= low
+        """The engine slots served by several pools that hold the same block."""
+        members = 0
+        while pools:
+            low = pools & -pools
+            members |= self.pool_members[low]
+            pools ^= low
         return members
 
 
@@ -575,3 +588,11 @@ class PrefixCacheTable:
 
     def block_count(self) -> int:
         return sum(sum(c.block_counts()) for c in self.contexts.values())
+
+    def store_blocks(self) -> dict[str, int]:
+        """Blocks per kv_store over every context; each store some registration names."""
+        blocks: dict[str, int] = {}
+        for context in self.contexts.values():
+            for kv_store, (count, _) in context.store_pools().items():
+                blocks[kv_store] = blocks.get(kv_store, 0) + count
+        return blocks

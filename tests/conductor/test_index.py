@@ -543,6 +543,8 @@ def test_kv_store_pool_counts_for_its_members_only(table: PrefixCacheTable) -> N
     pool = context.slots[(STORE, STORE_POOL_RANK)]
     assert pool.holdings[Tier.CPU].count() == 3
     assert context.slots[("a", 0)].holdings[Tier.CPU].count() == 0  # not the engine's own
+    assert context.store_pools() == {STORE: (3, ["a", "b"]), OTHER_STORE: (0, ["d"])}
+    assert table.store_blocks() == {STORE: 3, OTHER_STORE: 0}
     check_invariants(table)
 
 

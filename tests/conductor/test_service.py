@@ -269,3 +269,62 @@ async def test_a_lost_publisher_is_forgotten_at_once(conductor, http, publisher_
     assert await metric(http, base, "conductor_publisher_disconnects_total") == 1
     _, services = await get(http, f"{base}/services")
     assert services["services"][0]["State"] == "disconnected"
+
+
+STORE = "127.0.0.1:50051"
+
+
+def tiers(answer: dict) -> dict[str, tuple[int, int, int]]:
+    return {name: (m["GPU"], m["CPU"], m["DISK"]) for name, m in answer["default"].items()}
+
+
+async def test_kv_store_pool_is_shared_by_the_instances_of_that_store(
+    conductor, http, publisher_factory
+):
+    """vLLM's MooncakeStoreConnector saves blocks to the store and says so with medium
+    "cpu": they are CPU hits of every instance registered with that store (even one that
+    never computed them), of no other, and outlive the engine that saved them."""
+    base = conductor.url
+    a, b, c = publisher_factory(), publisher_factory(), publisher_factory()
+    body = await register_and_connect(http, base, a, "engine-a", kv_store=STORE)
+    await register_and_connect(http, base, b, "engine-b", kv_store=STORE)
+    await register_and_connect(http, base, c, "engine-c")
+    assert (await post(http, f"{base}/register", body))[0] == 200
+    status, _ = await post(http, f"{base}/register", {**body, "kv_store": "127.0.0.1:1"})
+    assert status == 409
+
+    await a.publish([stored(HASHES, PROMPT)])
+    await a.publish([stored(HASHES, PROMPT, medium="cpu")])
+    answer = await eventually(
+        lambda: query(http, base, PROMPT), lambda got: tiers(got)["engine-b"][1] == 12
+    )
+    assert tiers(answer) == {
+        "engine-a": (12, 12, 12),
+        "engine-b": (0, 12, 12),
+        "engine-c": (0, 0, 0),
+    }
+    _, services = await get(http, f"{base}/services")
+    assert [s["KVStore"] for s in services["services"]] == [STORE, STORE, ""]
+    _, health = await get(http, f"{base}/health")
+    assert health["kv_stores"] == {STORE: 3}
+    assert health["streams"]["engine-a|default|0"]["kv_store"] == STORE
+    _, view = await get(http, f"{base}/global_view")
+    (context,) = view["contexts"]
+    assert context["kv_stores"] == {STORE: {"blocks": 3, "instances": ["engine-a", "engine-b"]}}
+    assert sorted(context["instances"]) == ["engine-a", "engine-b", "engine-c"]
+
+    await a.publish([removed(HASHES[2:], medium="cpu")])
+    await eventually(lambda: query(http, base, PROMPT), lambda got: tiers(got)["engine-b"][1] == 8)
+
+    await a.close()  # the engine is lost: its GPU blocks go, the store keeps its copies
+    answer = await eventually(
+        lambda: query(http, base, PROMPT), lambda got: tiers(got)["engine-a"][0] == 0
+    )
+    assert tiers(answer) == {"engine-a": (0, 8, 8), "engine-b": (0, 8, 8), "engine-c": (0, 0, 0)}
+    await post(http, f"{base}/unregister", {"instance_id": "engine-a"})
+    answer = await query(http, base, PROMPT)
+    assert tiers(answer) == {"engine-b": (0, 8, 8), "engine-c": (0, 0, 0)}
+
+    await post(http, f"{base}/unregister", {"instance_id": "engine-b"})  # the store's last
+    _, health = await get(http, f"{base}/health")
+    assert health["kv_stores"] == {} and health["blocks"] == 0
