@@ -16,8 +16,10 @@ import zmq
 
 from conductor.wire import BlockStored, decode_batch
 from conductor.wire.events import Tier
-from tests.real.checks import MODEL, documents, metric
+from tests.real.checks import MODEL, conductor_hit, documents, metric
 from tests.real.conftest import RealEngine
+from tests.support.api import eventually
+from tests.support.processes import ConductorProcess
 from tests.support.store import store_skip_reason
 
 BLOCK = 32
@@ -98,8 +100,30 @@ def _events(socket: zmq.Socket) -> list:
     return events
 
 
-async def test_a_prefix_saved_by_one_engine_is_loaded_by_another(store_pair, http) -> None:
-    _, engine_a, engine_b = store_pair
+async def _register(http, conductor: str, engine: RealEngine, kv_store: str) -> None:
+    body = {
+        "endpoint": engine.plan.events_endpoint,
+        "replay_endpoint": engine.plan.replay_endpoint,
+        "type": "vLLM",
+        "modelname": MODEL,
+        "block_size": BLOCK,
+        "instance_id": engine.name,
+        "kv_store": kv_store,
+    }
+    async with http.post(f"{conductor}/register", json=body) as response:
+        assert response.status == 200, await response.text()
+
+
+async def test_a_prefix_saved_by_one_engine_is_loaded_by_another(
+    store_pair, http, tmp_path
+) -> None:
+    """The conductor shows B the prefix on the CPU tier (the store) before B has seen it;
+    B then loads it from the store instead of computing it."""
+    store, engine_a, engine_b = store_pair
+    conductor = ConductorProcess(tmp_path)
+    conductor.wait_ready()
+    for engine in (engine_a, engine_b):
+        await _register(http, conductor.url, engine, store.address.master)
     context = zmq.Context()
     subscriber = context.socket(zmq.SUB)
     subscriber.setsockopt(zmq.SUBSCRIBE, b"")
@@ -107,13 +131,23 @@ async def test_a_prefix_saved_by_one_engine_is_loaded_by_another(store_pair, htt
     time.sleep(0.5)  # the subscription reaches the publisher
     try:
         prompt = documents(1, 500, seed=31)[0]
+        async with http.post(
+            f"{engine_a.url}/tokenize", json={"model": MODEL, "prompt": prompt}
+        ) as r:
+            tokens = (await r.json())["tokens"]
         first = await _complete(http, engine_a, prompt)
-        await asyncio.sleep(1.0)  # the connector saves after the step
+        saved_tokens = len(tokens) // BLOCK * BLOCK
+        seen_by_b = await eventually(
+            lambda: conductor_hit(http, conductor.url, engine_b.name, tokens, BLOCK),
+            lambda hit: hit["CPU"] == saved_tokens,
+        )
+        assert seen_by_b["GPU"] == 0  # B computed nothing; the store holds it all
         hits_before = await metric(http, engine_b.url, "vllm:external_prefix_cache_hits_total")
         second = await _complete(http, engine_b, prompt)
         events = _events(subscriber)
     finally:
         context.destroy(linger=0)
+        conductor.stop()
 
     prompt_tokens = first["usage"]["prompt_tokens"]
     full_blocks = prompt_tokens // BLOCK
