@@ -126,9 +126,7 @@ def main() -> None:
             fleet.wait(120)
             stop_s = time.monotonic() - stopping
     result = {
-        "fleet": str(args.fleet.relative_to(REPO))
-        if args.fleet.is_relative_to(REPO)
-        else str(args.fleet),
+        "fleet": str(args.fleet),
         "start_s": round(start_s, 1),
         "stop_s": round(stop_s, 1),
         "engine_rss_mib": memory,

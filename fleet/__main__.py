@@ -97,7 +97,7 @@ class Fleet:
                     and await self._start(["router"], http)
                     and await self._subscribed(http)
                 )
-            except TimeoutError as error:
+            except (TimeoutError, OSError) as error:  # OSError: a command that cannot start
                 self.say(str(error))
                 ok = False
             if not ok:

@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import json
 import shutil
+import sys
 import tempfile
 from pathlib import Path
 from typing import Any
@@ -122,9 +123,24 @@ def write_json(path: Path, payload: dict[str, Any]) -> Path:
     return path
 
 
+MODEL_FILES = {
+    "config.json",
+    "generation_config.json",
+    "model.safetensors",
+    "special_tokens_map.json",
+    "tokenizer.json",
+    "tokenizer_config.json",
+}
+
+
 def write_tiny_model(directory: Path) -> Path:
     """Writes the model into ``directory`` whole: into a sibling first, renamed when
-    complete, so an interrupted run never leaves a model that looks finished."""
+    complete, so an interrupted run never leaves a model that looks finished. An existing
+    ``directory`` is replaced only when it holds nothing but a tiny model's files."""
+    if directory.exists() and not (
+        directory.is_dir() and {p.name for p in directory.iterdir()} <= MODEL_FILES
+    ):
+        raise FileExistsError(f"{directory} exists and is not a tiny model: not replacing it")
     directory.parent.mkdir(parents=True, exist_ok=True)
     partial = Path(tempfile.mkdtemp(prefix=f".{directory.name}-", dir=directory.parent))
     try:
@@ -174,7 +190,10 @@ def main(argv: list[str] | None = None) -> None:
     )
     parser.add_argument("directory", type=Path)
     args = parser.parse_args(argv)
-    directory = write_tiny_model(args.directory)
+    try:
+        directory = write_tiny_model(args.directory)
+    except OSError as error:
+        sys.exit(f"mooncake-tiny-model: {error}")
     print(f"tiny model written to {directory}")
 
 

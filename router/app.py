@@ -439,7 +439,7 @@ class Router:
             if first:
                 await response.prepare(request)
             await response.write_eof()
-            if predicted is not None and tap is not None and upstream_response.status == 200:
+            if tap is not None and upstream_response.status == 200:
                 self.metrics.record_cache_use(upstream.instance_id, predicted, tap.cached_tokens())
             return response
 

@@ -26,12 +26,17 @@ SIM_FLEET = {
 PROMPT = "Explain how a prefix cache lets two requests share their work. " * 8
 
 
+def _running(pid: int) -> bool:
+    try:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:  # gone between the listing and the look
+        return False
+
+
 def _gone(pids: list[int], timeout: float = 10.0) -> bool:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
-        if not any(
-            psutil.pid_exists(pid) and psutil.Process(pid).status() != "zombie" for pid in pids
-        ):
+        if not any(_running(pid) for pid in pids):
             return True
         time.sleep(0.1)
     return False
@@ -201,3 +206,22 @@ def test_a_signal_while_engines_start_stops_everything(tmp_path: Path) -> None:
     assert fleet.stop(timeout=30) == 0
     assert _gone([child.pid for child in children])
     assert "stopping slow, conductor" in fleet.output()
+
+
+def test_an_engine_command_that_cannot_start_is_reported(tmp_path: Path) -> None:
+    """A vllm_python that exists but cannot be executed: one line, everything stopped."""
+    not_executable = tmp_path / "python"
+    not_executable.write_text("")
+    spec = {
+        "engines": [{"name": "real", "kind": "vllm"}],
+        "model": {"path": str(tmp_path / "model")},
+        "vllm_python": str(not_executable),
+    }
+    fleet = FleetProcess(tmp_path / "run", spec)
+    try:
+        assert fleet.wait_exit(timeout=60) == 1
+    finally:
+        fleet.stop()
+    output = fleet.output()
+    assert "Permission denied" in output and "Traceback" not in output
+    assert "stopping conductor" in output and "fleet stopped" in output

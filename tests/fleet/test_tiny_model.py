@@ -65,3 +65,19 @@ def test_tokenizer_handles_any_text_and_has_a_chat_template(tmp_path: Path) -> N
     config = json.loads((directory / "tokenizer_config.json").read_text())
     assert "add_generation_prompt" in config["chat_template"]
     assert config["bos_token"] == tiny_model.BOS
+
+
+def test_a_directory_that_is_not_a_tiny_model_is_never_replaced(tmp_path: Path) -> None:
+    precious = tmp_path / "precious"
+    precious.mkdir()
+    (precious / "notes.txt").write_text("keep me")
+    result = subprocess.run(
+        [sys.executable, "-m", "fleet.tiny_model", str(precious)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert result.returncode == 1
+    assert "exists and is not a tiny model" in result.stderr
+    assert [p.name for p in precious.iterdir()] == ["notes.txt"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["precious"]  # no partial left

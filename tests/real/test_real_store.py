@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import time
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 
@@ -128,7 +127,7 @@ async def test_a_prefix_saved_by_one_engine_is_loaded_by_another(
     subscriber = context.socket(zmq.SUB)
     subscriber.setsockopt(zmq.SUBSCRIBE, b"")
     subscriber.connect(engine_a.plan.events_endpoint)
-    time.sleep(0.5)  # the subscription reaches the publisher
+    await asyncio.sleep(0.5)  # the subscription reaches the publisher
     try:
         prompt = documents(1, 500, seed=31)[0]
         async with http.post(
