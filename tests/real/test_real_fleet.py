@@ -38,9 +38,16 @@ def url(fleet: dict[str, Any], name: str) -> str:
     return fleet[name]["url"]
 
 
-async def indexed_blocks(http: aiohttp.ClientSession, conductor: str) -> int:
-    async with http.get(f"{conductor}/health") as response:
-        return (await response.json())["blocks"]
+async def _engine_tokens(http: aiohttp.ClientSession, engine: str, body: dict) -> list[int]:
+    """The prompt's token ids as the engine itself makes them (chat template included)."""
+    request = {"model": body["model"]}
+    if "messages" in body:
+        request |= {"messages": body["messages"], "add_generation_prompt": True}
+    else:
+        request["prompt"] = body["prompt"]
+    async with http.post(f"{engine}/tokenize", json=request) as response:
+        assert response.status == 200, await response.text()
+        return (await response.json())["tokens"]
 
 
 async def test_a_chat_request_is_served_by_real_vllm_through_the_router(real_fleet, http):
@@ -56,12 +63,12 @@ async def test_a_chat_request_is_served_by_real_vllm_through_the_router(real_fle
             assert response.status == 200, await response.text()
             return response.headers, await response.json()
 
-    blocks = await indexed_blocks(http, conductor)
-    answers = [await chat()]
+    first_headers, first = await chat()
+    owner = first_headers["x-conductor-prefill-instance"]
     # the engine's events reach the conductor a moment after its answer
-    await eventually(lambda: indexed_blocks(http, conductor), lambda n: n > blocks)
-    answers.append(await chat())
-    (first_headers, first), (headers, second) = answers
+    tokens = await _engine_tokens(http, url(real_fleet, owner), body)
+    await indexed(http, conductor, owner, tokens, BLOCK)
+    headers, second = await chat()
     assert second["system_fingerprint"].startswith("vllm-0.32")
     assert headers["x-conductor-policy"] == "ttft"
     assert headers["x-conductor-prefill-instance"] == first_headers["x-conductor-prefill-instance"]
@@ -121,13 +128,13 @@ async def test_router_sends_shared_prefixes_to_the_engine_holding_them(
             return payload | {"prompt": text}
         return payload | {"messages": [{"role": "user", "content": text}]}
 
-    blocks = await indexed_blocks(http, url(real_fleet, "conductor"))
     headers, cached = await _served(http, router, path, body("First question?"))
     owner = headers["x-conductor-prefill-instance"]
     assert cached == 0 and headers["x-conductor-cached-tokens"] == "0"
-    await eventually(  # the engine's events reach the conductor a moment after its answer
-        lambda: indexed_blocks(http, url(real_fleet, "conductor")), lambda n: n >= blocks + 8
-    )
+    # the owner's events reach the conductor a moment after its answer; wait for this very
+    # prompt's blocks (a count of all blocks may grow with another test's late events)
+    tokens = await _engine_tokens(http, url(real_fleet, owner), body("First question?"))
+    await indexed(http, url(real_fleet, "conductor"), owner, tokens, BLOCK)
     for question in ("Second question?", "A third, rather longer question about caches?"):
         headers, cached = await _served(http, router, path, body(question))
         assert headers["x-conductor-prefill-instance"] == owner
@@ -209,10 +216,10 @@ async def test_drift_shows_when_the_cache_is_reset_behind_the_conductors_back(re
         return predicted - await metric(http, router, "router_cache_realized_tokens_total")
 
     owner = "vllm-b"  # the engine in dev mode: its prefix goes there first, straight
-    blocks = await indexed_blocks(http, conductor)
     async with http.post(f"{url(real_fleet, owner)}/v1/completions", json=body) as response:
         assert response.status == 200, await response.text()
-    await eventually(lambda: indexed_blocks(http, conductor), lambda n: n > blocks)
+    tokens = await _engine_tokens(http, url(real_fleet, owner), body)
+    await indexed(http, conductor, owner, tokens, BLOCK)
     routed_to, claimed, cached = await send()
     assert routed_to == owner and claimed == cached > 0
     before = await drift()
