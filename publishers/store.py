@@ -121,6 +121,24 @@ class KVBlockStore:
         self._store.close()
 
 
+# vLLM's ``--kv-transfer-config`` for its store connector (engines save and load blocks)
+STORE_CONNECTOR = {"kv_connector": "MooncakeStoreConnector", "kv_role": "kv_both"}
+
+
+def connector_config(address: StoreAddress, local_buffer_bytes: int) -> dict[str, str]:
+    """The JSON an engine's ``MOONCAKE_CONFIG_PATH`` names: a pure client of the store
+    (no segment of its own; the store process lends the memory, the reliable layout)."""
+    return {
+        "mode": "standalone-store",
+        "metadata_server": address.metadata_url,
+        "master_server_address": address.master,
+        "protocol": "tcp",
+        "device_name": "",
+        "global_segment_size": "0",
+        "local_buffer_size": f"{local_buffer_bytes // MIB}MB",
+    }
+
+
 def binary(name: str) -> Path:
     """``mooncake_master`` or ``mooncake_client``, shipped inside the wheel."""
     import mooncake
