@@ -16,6 +16,7 @@ namespace whose only interface is loopback.
 
 from __future__ import annotations
 
+import os
 import socket
 import subprocess
 import time
@@ -121,6 +122,9 @@ class KVBlockStore:
         self._store.close()
 
 
+# Mooncake's transfer engine advertises (and is reached on) the first non-loopback
+# interface it finds unless told otherwise; every store process and client gets this
+LOOPBACK_ENV = {"MC_TCP_BIND_ADDRESS": "127.0.0.1"}
 # vLLM's ``--kv-transfer-config`` for its store connector (engines save and load blocks)
 STORE_CONNECTOR = {"kv_connector": "MooncakeStoreConnector", "kv_role": "kv_both"}
 
@@ -202,7 +206,11 @@ class LocalStore:
         log = self.run_dir / f"{name}.log"
         with log.open("ab") as output:
             process = subprocess.Popen(
-                command, stdout=output, stderr=subprocess.STDOUT, cwd=self.run_dir
+                command,
+                stdout=output,
+                stderr=subprocess.STDOUT,
+                cwd=self.run_dir,
+                env={**os.environ, **LOOPBACK_ENV},
             )
         self.processes.append(process)
         _wait_listening(port, process, log, self.timeout)
