@@ -18,10 +18,13 @@ What an instance models (a disaggregated *prefill* instance, as in Mooncake):
   neither delays prefills nor holds blocks here;
 - a prefill's blocks are allocated (and announced) when it starts, as vLLM caches a prompt
   at scheduling time, and freed when it ends (its KV has gone to the decode instance);
-- its duration: ``kv_load_seconds`` for every reused token not already on its GPU (its
-  CPU tier, the optional shared store, or a peer's GPU when the ttft policy chose to pull
-  the peer's longer prefix: ``ttft-global``), then ``prefill_seconds`` for the rest after
-  the cached prefix — loading and computing are not overlapped, transfers not congested;
+- its duration: ``kv_load_seconds`` for every reused token from its own CPU tier, the
+  router's own ``PrefillCostModel.store_load_s`` (tokens × bytes per token ÷ the store's
+  bandwidth) for every token loaded from the optional shared Mooncake store, then
+  ``prefill_seconds`` for the rest after the cached prefix — loading and computing are not
+  overlapped, transfers not congested. With a store, every instance shares it: the router
+  prices its hits as store loads and KV balancing may count on a peer's longer prefix
+  (pulled through the store: the engine gets what the store holds when its prefill starts);
 - the request's first token, and so its TTFT, is the end of its prefill. The router learns
   it at once: ``Ticket.first_token()`` and ``release()`` (the prefill request is done).
 Events reach the conductor the instant they happen (no network delay), so the router
@@ -188,8 +191,8 @@ def cost_model_from_timing(timing: TimingModel) -> PrefillCostModel:
 
     TimingModel prefill = overhead + l·(a·((n+p)² − p²)·d + b·n·d²) / (G·mfu), and
     (n+p)² − p² = n·(n + 2p), which is PrefillCostModel's shape: per_token = l·b·d²/(G·mfu),
-    attention = l·a·d/(G·mfu). Loading cached KV (CPU tier, store, a peer) costs
-    kv_bytes_per_token / B per token.
+    attention = l·a·d/(G·mfu). Loading cached KV costs kv_bytes_per_token / B per token:
+    from a CPU tier, and from the store (its bytes per token and bandwidth are B's).
     """
     flops_per_s = timing.gpu_flops * timing.mfu
     load_per_token = timing.kv_load_seconds(1)
@@ -199,7 +202,8 @@ def cost_model_from_timing(timing: TimingModel) -> PrefillCostModel:
         attention_s=timing.num_layers * timing.attention_coef * timing.hidden_size / flops_per_s,
         cpu_load_per_token_s=load_per_token,
         disk_load_per_token_s=load_per_token,
-        transfer_per_token_s=load_per_token,
+        store_bytes_per_token=timing.kv_bytes_per_token,
+        store_bandwidth_bytes_s=timing.kv_load_bandwidth,
     )
 
 
@@ -223,6 +227,11 @@ class SimConfig:
     warm_start: bool = True  # every cache has served the trace's first request at t < 0
     verify: bool = False  # check the index against the block manager at every allocation
 
+    def store_blocks_for(self, requests: Sequence[TraceRequest]) -> int:
+        """The store's capacity (0: no store); never smaller than an instance's pool, so a
+        prompt it saves stays whole."""
+        return max(self.store_blocks, self.gpu_blocks_for(requests)) if self.store_blocks else 0
+
     def gpu_blocks_for(self, requests: Sequence[TraceRequest]) -> int:
         """The per-instance GPU pool; never smaller than the longest prompt needs.
 
@@ -244,7 +253,6 @@ class Job:
     request: TraceRequest
     tokens: list[int]
     ticket: Ticket
-    pull_from: str | None = None  # the peer whose prefix the ttft policy chose to pull
     cached_tokens: int = 0
 
 
@@ -266,7 +274,9 @@ class SharedStore:
 
     Instances save every complete block of a finished prefill and load, after their own
     GPU/CPU hit, the consecutive blocks the store holds. Its events (medium CPU) go to the
-    conductor as a shared pool, so every instance's CPU answer includes them.
+    conductor as a shared pool, so every instance's CPU answer includes them. Its evictions
+    are announced at once (the real store announces none: the conductor's existence checks
+    remove them within its check interval, a staleness not modelled here).
     """
 
     def __init__(self, capacity_blocks: int, block_size: int) -> None:
@@ -364,17 +374,19 @@ class TraceSimulation:
         self._turn = 0
         self.table = PrefixCacheTable()
         self.context = ContextKey(TENANT, MODEL, "", size)
-        gpu_blocks = config.gpu_blocks_for(requests)
-        self.instances = self._fleet(gpu_blocks)
-        self.pool = InstancePool.build((name, f"sim://{name}") for name in self.instances)
         self.store: SharedStore | None = None
-        if config.store_blocks:  # never smaller than a pool: a prompt it saves stays whole
-            self.store = SharedStore(max(config.store_blocks, gpu_blocks), size)
+        if config.store_blocks:
+            self.store = SharedStore(config.store_blocks_for(requests), size)
             self.store_source = StreamSource(
                 f"{STORE_INSTANCE}|{TENANT}|0", STORE_INSTANCE, TENANT, MODEL, "", size,
                 shared_pool=True,
             )  # fmt: skip
             self.table.add_stream(self.store_source)
+        self.instances = self._fleet(config.gpu_blocks_for(requests))
+        self.pool = InstancePool.build(
+            ((name, f"sim://{name}") for name in self.instances),
+            kv_stores=dict.fromkeys(self.instances, STORE_INSTANCE) if self.store else None,
+        )
 
     def _fleet(self, gpu_blocks: int) -> dict[str, PrefillInstance]:
         """The instances, registered with the conductor (and warmed up, if configured)."""
@@ -389,8 +401,11 @@ class TraceSimulation:
             )
             self.table.add_stream(instance.source)
             if config.warm_start and self.requests:
-                warm_up(instance.blocks, self.requests[0])
+                hashes = warm_up(instance.blocks, self.requests[0])
                 self._publish(instance.source.key, [w.event for w in instance.blocks.take_events()])
+                if self.store is not None:
+                    events = self.store.put(hashes, prompt_tokens(self.requests[0]))
+                    self._publish(self.store_source.key, events)
             instances[name] = instance
         return instances
 
@@ -441,9 +456,7 @@ class TraceSimulation:
         upstream = self.pool.prefill[decision.instance_id]
         ticket = self.pool.claim(upstream, self._queued_work(decision, len(tokens)))
         instance = self.instances[decision.instance_id]
-        instance.waiting.append(
-            Job(request, tokens, ticket, self._pull_source(decision, candidates))
-        )
+        instance.waiting.append(Job(request, tokens, ticket))
         if not instance.busy:
             self._start(instance)
 
@@ -459,16 +472,6 @@ class TraceSimulation:
         cost = self.params.cost
         return round(cost.prefill_s(prompt_length - cached, cached) / cost.per_token_s)
 
-    @staticmethod
-    def _pull_source(decision: Decision, candidates: Sequence[Candidate]) -> str | None:
-        """The peer to pull the prefix from, when the ttft policy counted on more cached
-        tokens than the chosen instance can reach itself (Mooncake's KV-cache balancing,
-        ``RoutingParams.balance_threshold``): the instance with the longest match."""
-        chosen = next(c for c in candidates if c.instance_id == decision.instance_id)
-        if decision.cached_tokens <= chosen.disk_tokens:
-            return None
-        return max(candidates, key=lambda c: c.disk_tokens).instance_id
-
     # -- engine ------------------------------------------------------------------------
 
     def _start(self, instance: PrefillInstance) -> None:
@@ -481,16 +484,16 @@ class TraceSimulation:
         self._publish(instance.source.key, [wire.event for wire in instance.blocks.take_events()])
         if expected is not None:
             self._check(instance, job, allocation, expected)
-        cached = allocation.num_cached_tokens + self._store_hit(job, allocation)
-        if job.pull_from is not None:
-            cached = max(cached, self._peer_hit(job))
+        from_store = self._store_hit(job, allocation)
+        cached = allocation.num_cached_tokens + from_store
         job.cached_tokens = cached
-        # Everything cached but the GPU hit crosses a link at B: the CPU tier, the store, a
-        # peer (the timing model has one bandwidth for all three, as the cost model).
-        loaded = cached - (allocation.num_cached_tokens - allocation.num_cpu_loaded_tokens)
         new_tokens = len(job.tokens) - cached
         timing = self.config.timing
-        duration = timing.kv_load_seconds(loaded) + timing.prefill_seconds(new_tokens, cached)
+        duration = (
+            timing.kv_load_seconds(allocation.num_cpu_loaded_tokens)
+            + self.params.cost.store_load_s(from_store)
+            + timing.prefill_seconds(new_tokens, cached)
+        )
         instance.busy = True
         instance.computed_tokens += new_tokens
         instance.busy_s += duration
@@ -504,15 +507,6 @@ class TraceSimulation:
         start = allocation.num_cached_tokens // size
         stop = (len(job.tokens) - 1) // size  # the engine recomputes at least one token
         return self.store.continuation(allocation.block_hashes, start, stop) * size
-
-    def _peer_hit(self, job: Job) -> int:
-        """What the peer holds of the prompt now (it may have evicted since the decision),
-        capped as the engine caps a hit."""
-        peer = job.pull_from
-        match = (self.table.match_tokens(self.context, job.tokens, instance_id=peer) or {}).get(
-            peer
-        )
-        return min(match.disk, self._hit_limit(job)) if match else 0
 
     def _hit_limit(self, job: Job) -> int:
         """The most an engine reuses of a prompt: complete blocks, the last token excluded."""
@@ -568,27 +562,31 @@ class TraceSimulation:
             )
 
 
-def warm_up(blocks: BlockManager, request: TraceRequest) -> None:
-    """Serve ``request`` before the replay starts (not measured).
+def warm_up(blocks: BlockManager, request: TraceRequest) -> list[int]:
+    """Serve ``request`` before the replay starts (not measured); its block hashes.
 
-    A fleet in service already holds its application's system prompt. Starting cold, the
-    first instance to cache a block every prompt shares (the conversation trace's block 0)
-    is, for max_prefix, the longest match of every later request: it would get them all.
+    A fleet in service already holds its application's system prompt (so does its store).
+    Starting cold, the first instance to cache a block every prompt shares (the
+    conversation trace's block 0) is, for max_prefix, the longest match of every later
+    request: it would get them all.
     """
-    blocks.allocate("warm-up", prompt_tokens(request))
+    allocation = blocks.allocate("warm-up", prompt_tokens(request))
+    assert allocation is not None  # an empty pool holds the longest prompt
     blocks.free("warm-up")
+    return allocation.block_hashes
 
 
 # -- references --------------------------------------------------------------------------
 
 
 def pooled_reference(requests: Sequence[TraceRequest], config: SimConfig) -> RunResult:
-    """One LRU cache with the fleet's total GPU capacity, load ignored: every request runs
-    alone, in arrival order, on the same BlockManager. No placement of the same blocks over
-    N separate caches can reuse more (short of LRU anomalies): the hit-ratio ceiling."""
+    """One LRU cache with the fleet's total capacity (the GPU blocks of all instances plus
+    the store's), load ignored: every request runs alone, in arrival order, on the same
+    BlockManager. No placement of the same blocks over N separate caches can reuse more
+    (short of LRU anomalies): the hit-ratio ceiling."""
     started = time.perf_counter()
     blocks = BlockManager(
-        config.gpu_blocks_for(requests) * config.num_instances,
+        config.gpu_blocks_for(requests) * config.num_instances + config.store_blocks_for(requests),
         config.block_size,
         num_cpu_blocks=config.cpu_blocks * config.num_instances,
     )
@@ -607,19 +605,25 @@ def pooled_reference(requests: Sequence[TraceRequest], config: SimConfig) -> Run
 
 
 GLOBAL_VARIANT = "ttft-global"
-RUNS = ("random", "round_robin", "least_loaded", "max_prefix", "kv_cost", "ttft", GLOBAL_VARIANT)
+LOCAL_VARIANT = "ttft-local"
+# the ttft policy with another balance_threshold than the router's default; they differ
+# from ttft only with a store (KV balancing pulls through it, and there is no other path)
+TTFT_VARIANTS = (LOCAL_VARIANT, GLOBAL_VARIANT)
+RUNS = ("random", "round_robin", "least_loaded", "max_prefix", "kv_cost", "ttft", *TTFT_VARIANTS)
 
 
 def simulate(requests: Sequence[TraceRequest], config: SimConfig, name: str) -> RunResult:
-    """One run: a policy of SIM_POLICIES, ``pooled`` (the pooled-cache reference) or
-    ``ttft-global``: the ttft policy with Mooncake's KV-cache balancing, i.e. allowed to
-    pull a peer's prefix (``balance_threshold = config.global_balance_threshold``)."""
+    """One run: a policy of SIM_POLICIES (with the router's defaults: KV balancing at
+    STORE_BALANCE_THRESHOLD when there is a store), ``pooled`` (the pooled-cache
+    reference), ``ttft-local`` (ttft without balancing) or ``ttft-global`` (balancing at
+    ``config.global_balance_threshold``)."""
     if name == "pooled":
         return pooled_reference(requests, config)
-    if name == GLOBAL_VARIANT:
-        routing = replace(config.routing, balance_threshold=config.global_balance_threshold)
+    if name in TTFT_VARIANTS:
+        threshold = math.inf if name == LOCAL_VARIANT else config.global_balance_threshold
+        routing = replace(config.routing, balance_threshold=threshold)
         result = TraceSimulation(requests, replace(config, routing=routing), "ttft").run()
-        result.policy = GLOBAL_VARIANT
+        result.policy = name
         return result
     return TraceSimulation(requests, config, name).run()
 

@@ -4,6 +4,11 @@ Everything that decides is in ``policy`` (pure) and ``pool`` (state); this modul
 sockets, timeouts, retries and streaming. A response carries the decision in
 ``x-conductor-*`` headers so operators can see why a request went where it went.
 
+With a Mooncake store configured (a prefill instance's ``kv_store``), the router asks the
+conductor's ``/health`` every ``store_check_interval_seconds`` whether each store is up: while
+one is down, its instances' hits are their GPU hits alone (no load priced, no prefix pulled
+through it). The store's cost is learned from the engines' own store-load metrics.
+
 Misconfiguration is loud: the router learns what each upstream serves (``/v1/models``, at
 start and again whenever an upstream's list is unknown), warns when one does not serve the
 configured ``modelname``, and answers vLLM's 404 itself for a model no upstream serves. Index
@@ -34,6 +39,7 @@ from .config import RouterConfig
 from .metrics import RouterMetrics
 from .policy import Decision, RoutingParams, SloViolation, choose, reusable_hits
 from .pool import CostLearner, InstancePool, Ticket, Upstream
+from .store import store_loads
 from .usage import UsageTap, cached_tokens
 
 log = logging.getLogger(__name__)
@@ -85,7 +91,10 @@ class Router:
                 (i.instance_id or f"decode-{n}", i.http_endpoint)
                 for n, i in enumerate(config.decode.instances)
             ),
+            config.kv_stores(),
         )
+        # each configured store's state as the conductor last reported it
+        self.store_states = dict.fromkeys(sorted(set(config.kv_stores().values())), "unchecked")
         self.metrics = RouterMetrics()
         self._turn = itertools.count()  # rotates ties between equally good instances
         self._tokenizer_turn = itertools.count()  # spreads /tokenize calls
@@ -107,6 +116,9 @@ class Router:
                 connector=aiohttp.TCPConnector(limit=0),
             )
             self.metrics.healthy.labels(upstream.instance_id).set(1)
+        for store in self.store_states:
+            self.metrics.store_up.labels(store).set(1)
+        self._publish_cost_model()
         self.conductor = ConductorClient(
             self._control, self.config.conductor, self.config.prefill.config
         )
@@ -116,6 +128,8 @@ class Router:
             asyncio.create_task(self._refresh_engine_load()),
             asyncio.create_task(self._keep_registered()),
         ]
+        if self.store_states:  # no store, nothing to watch
+            self._tasks.append(asyncio.create_task(self._watch_stores()))
         try:
             await self.conductor.register(self.config.prefill.instances)
         except RuntimeError as error:  # keep serving (fallback) and keep trying
@@ -149,7 +163,8 @@ class Router:
                 self.pool.mark_failed(upstream)
 
     async def _refresh_engine_load(self) -> None:
-        """Engines' own running+waiting counts, for load that other clients put on them."""
+        """Engines' own running+waiting counts, for load that other clients put on them,
+        and their store loads, for the store's cost."""
         while True:
             await asyncio.sleep(METRICS_REFRESH_S)
             for upstream in self.pool.all():
@@ -159,7 +174,50 @@ class Router:
                     async with self.session(upstream).get(
                         "/metrics", timeout=CONTROL_TIMEOUT
                     ) as response:
-                        upstream.engine_in_flight = engine_in_flight(await response.text())
+                        text = await response.text()
+                    upstream.engine_in_flight = engine_in_flight(text)
+                    if upstream.kv_store and self.learner is not None:
+                        self._learn_store_loads(upstream, text)
+
+    def _learn_store_loads(self, upstream: Upstream, metrics_text: str) -> None:
+        assert self.learner is not None
+        loads = store_loads(metrics_text)
+        if loads is None:
+            return
+        delta = loads.since(upstream.store_loads)
+        upstream.store_loads = loads
+        if delta is not None:
+            self.learner.observe_store_loads(delta)
+            self._publish_cost_model()
+
+    async def _watch_stores(self) -> None:
+        """The conductor's word on each configured store (its /health). Without an answer
+        the last word stands: the conductor's queries fail too, and routing falls back."""
+        assert self.conductor is not None
+        interval = self.config.conductor.store_check_interval_seconds
+        while True:
+            with contextlib.suppress(ConductorUnavailable):
+                states = await self.conductor.store_states(timeout=min(interval, 1.0))
+                for store in self.store_states:
+                    self._set_store_state(store, states.get(store, "unchecked"))
+            await asyncio.sleep(interval)
+
+    def _set_store_state(self, store: str, state: str) -> None:
+        previous, self.store_states[store] = self.store_states[store], state
+        if (previous == "down") == (state == "down"):
+            return
+        if state == "down":
+            self.pool.stores_down.add(store)
+            log.warning("kv store %s is down: its loads are not priced, nothing is pulled", store)
+        else:
+            self.pool.stores_down.discard(store)
+            log.info("kv store %s is %s: its loads are priced again", store, state)
+        self.metrics.store_up.labels(store).set(0 if state == "down" else 1)
+
+    def _publish_cost_model(self) -> None:
+        model = self.params.cost if self.learner is None else self.learner.model
+        for name in ("per_token_s", "store_bytes_per_token", "store_bandwidth_bytes_s"):
+            self.metrics.cost_model.labels(name).set(getattr(model, name))
 
     async def _learn_models(self) -> None:
         """What each upstream serves: at once (never holding start-up back), then for every
@@ -365,6 +423,7 @@ class Router:
         self.metrics.ttft_seconds.observe(ttft_s)
         if self.learner is not None:
             self.learner.observe(new_tokens, queued_tokens, ttft_s)
+            self._publish_cost_model()
 
     async def _prefill_only(
         self, path: str, body: dict[str, Any], prefill: Upstream, headers: dict[str, str]
@@ -456,15 +515,15 @@ class Router:
 
     async def health(self, request: web.Request) -> web.Response:
         healthy = [u.instance_id for u in self.pool.prefill.values() if u.healthy]
-        return web.json_response(
-            {
-                "status": "ok" if healthy else "degraded",
-                "prefill_instances": healthy,
-                "decode_instances": [u.instance_id for u in self.pool.healthy_decode()],
-                "policy": self.params.policy,
-            },
-            status=200 if healthy else 503,
-        )
+        body: dict[str, Any] = {
+            "status": "ok" if healthy else "degraded",
+            "prefill_instances": healthy,
+            "decode_instances": [u.instance_id for u in self.pool.healthy_decode()],
+            "policy": self.params.policy,
+        }
+        if self.store_states:
+            body["kv_stores"] = self.store_states
+        return web.json_response(body, status=200 if healthy else 503)
 
     async def prometheus(self, request: web.Request) -> web.Response:
         response = web.Response(body=generate_latest(self.metrics.registry))

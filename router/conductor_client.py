@@ -24,6 +24,7 @@ log = logging.getLogger(__name__)
 
 MSGPACK = "application/msgpack"
 Hits = dict[str, tuple[int, int, int]]
+STORE_STATES = ("up", "down", "unchecked")
 
 
 class ConductorUnavailable(Exception):
@@ -71,6 +72,8 @@ class ConductorClient:
                     "block_size": self._model.block_size,
                     "dp_rank": stream.dp_rank,
                 }
+                if instance.kv_store:  # our extension: absent for the Go conductor's sake
+                    body["kv_store"] = instance.kv_store
                 await self._register_one(body, deadline)
 
     async def _register_one(self, body: dict[str, Any], deadline: float) -> None:
@@ -87,6 +90,18 @@ class ConductorClient:
                     raise RuntimeError(f"conductor unreachable for registration: {error}") from None
                 await asyncio.sleep(delay)
                 delay = min(delay * 2, 1.0)
+
+    async def store_states(self, timeout: float) -> dict[str, str]:
+        """Each Mooncake store's state as the conductor's ``/health`` reports it (``up``,
+        ``down`` or ``unchecked``); raises ConductorUnavailable without an answer."""
+        try:
+            async with self._session.get(
+                self._section.address + "/health", timeout=aiohttp.ClientTimeout(total=timeout)
+            ) as response:
+                health = await response.json(content_type=None)
+        except (aiohttp.ClientError, TimeoutError, ValueError) as error:
+            raise ConductorUnavailable(f"health failed: {error!r}") from None
+        return parse_store_states(health)
 
     async def query(self, token_ids: Sequence[int], cache_salt: str | None = None) -> Hits:
         """Cumulative (GPU, CPU, DISK) hit in tokens per instance of the model's context."""
@@ -135,3 +150,15 @@ def parse_hits(answer: dict[str, Any], tenant_id: str) -> Hits:
             disk = max(cpu, _tokens(entry, "DISK", "disk", "longest_matched"))
             hits[str(name)] = (gpu, cpu, disk)
     return hits
+
+
+def parse_store_states(health: Any) -> dict[str, str]:
+    """``{master: state}`` from a ``/health`` answer's ``kv_stores``
+    (``{master: {"blocks", "state", "checked_s_ago"}}``). A store without a state this
+    router knows (an older conductor lists only block counts) is ``unchecked``."""
+    stores = health.get("kv_stores") if isinstance(health, dict) else None
+    states: dict[str, str] = {}
+    for master, entry in stores.items() if isinstance(stores, dict) else ():
+        state = entry.get("state") if isinstance(entry, dict) else None
+        states[str(master)] = state if state in STORE_STATES else "unchecked"
+    return states

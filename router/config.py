@@ -31,6 +31,9 @@ class ConductorSection(_Section):
     registration_timeout_seconds: float = Field(default=10.0, gt=0)
     # ours: re-register (idempotent) this often, so a restarted conductor relearns the fleet
     reregister_interval_seconds: float = Field(default=15.0, gt=0)
+    # ours, with a store configured: how often to ask the conductor's /health whether the
+    # store is up (a load from a store that is down is a recomputation)
+    store_check_interval_seconds: float = Field(default=1.0, gt=0)
 
     @field_validator("address")
     @classmethod
@@ -58,6 +61,17 @@ class PrefillInstance(_Section):
     instance_id: str = Field(min_length=1)
     http_endpoint: str = Field(min_length=1)
     registrations: list[StreamRegistration] = Field(default_factory=list)
+    # ours: the Mooncake store master (host:port) the engine saves its KV to and loads from
+    # (vLLM's MooncakeStoreConnector); sent in its registrations. Empty: none
+    kv_store: str = ""
+
+    @field_validator("kv_store")
+    @classmethod
+    def _master_address(cls, value: str) -> str:
+        host, _, port = value.rpartition(":")
+        if value and not (host and port.isdigit() and 1 <= int(port) <= 65535):
+            raise ValueError("must be the store master's address host:port (port 1..65535)")
+        return value
 
 
 class DecodeInstance(_Section):
@@ -94,11 +108,20 @@ class RoutingSection(_Section):
     policy: PolicyName = "ttft"
     overlap_weight: float = 1.0
     temperature: float = Field(default=0.0, ge=0)
+    # KV balancing through the store; absent: on at STORE_BALANCE_THRESHOLD when a prefill
+    # instance has a kv_store ("inf" turns it off)
     balance_threshold: float | None = Field(default=None, gt=1)
     ttft_slo_ms: float | None = Field(default=None, gt=0)
     ttft_slack: float = Field(default=RoutingParams().ttft_slack, ge=0)
     learn_cost_model: bool = True
     cost: PrefillCostModel = PrefillCostModel()
+
+    @field_validator("cost")
+    @classmethod
+    def _store_cost(cls, cost: PrefillCostModel) -> PrefillCostModel:
+        if not (cost.store_bytes_per_token > 0 and cost.store_bandwidth_bytes_s > 0):
+            raise ValueError("store_bytes_per_token and store_bandwidth_bytes_s must be > 0")
+        return cost
 
 
 class RouterConfig(_Section):
@@ -107,6 +130,23 @@ class RouterConfig(_Section):
     decode: DecodeSection = DecodeSection()
     routing: RoutingSection = RoutingSection()
 
+    @model_validator(mode="after")
+    def _balancing_needs_a_store(self) -> RouterConfig:
+        """KV balancing pulls a peer's prefix through a shared store: without one no engine
+        can load it, and the router would promise hits that are recomputed."""
+        threshold = self.routing.balance_threshold
+        if threshold is not None and math.isfinite(threshold) and not self.kv_stores():
+            raise ValueError(
+                "routing.balance_threshold needs a KV transfer path: set kv_store (the "
+                "Mooncake store master host:port the engines save to) on the prefill "
+                "instances, or drop balance_threshold"
+            )
+        return self
+
+    def kv_stores(self) -> dict[str, str]:
+        """instance_id → the store it shares, for the instances that have one."""
+        return {i.instance_id: i.kv_store for i in self.prefill.instances if i.kv_store}
+
     def routing_params(self) -> RoutingParams:
         routing = self.routing
         return RoutingParams(
@@ -114,7 +154,7 @@ class RouterConfig(_Section):
             block_size=self.prefill.config.block_size,
             overlap_weight=routing.overlap_weight,
             temperature=routing.temperature,
-            balance_threshold=routing.balance_threshold or math.inf,
+            balance_threshold=routing.balance_threshold,
             ttft_slo_s=None if routing.ttft_slo_ms is None else routing.ttft_slo_ms / 1000,
             ttft_slack=routing.ttft_slack,
             cost=routing.cost,

@@ -92,6 +92,20 @@ class RouterMetrics:
             buckets=PREDICTION_ERROR_BUCKETS,
             registry=registry,
         )
+        self.store_up = Gauge(
+            "router_kv_store_up",
+            "1 while loads from the Mooncake store are priced (the conductor reports it up "
+            "or has not checked it yet), 0 while it reports it down: no load is priced and "
+            "no prefix is pulled through it",
+            ["kv_store"],
+            registry=registry,
+        )
+        self.cost_model = Gauge(
+            "router_cost_model",
+            "The cost model the ttft policy prices with (configured, then learned)",
+            ["parameter"],
+            registry=registry,
+        )
         self.cache_unverified = Counter(
             "router_cache_unverified_answers_total",
             "Answers without a cached-token count to compare (e.g. streams without "

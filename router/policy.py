@@ -13,6 +13,9 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 POLICIES = ("round_robin", "least_loaded", "max_prefix", "kv_cost", "ttft")
+# pull a peer's prefix through the store when it is this many times the local hit
+# (bench/README.md "Trace replay": measured on the FAST'25 traces with a store)
+STORE_BALANCE_THRESHOLD = 1.5
 
 
 @dataclass(frozen=True, slots=True)
@@ -25,6 +28,9 @@ class Candidate:
     disk_tokens: int = 0  # ... adding DISK tiers (>= cpu_tokens)
     in_flight: int = 0  # requests sent and not finished
     queued_prefill_tokens: int = 0  # uncached prompt tokens sent and not yet prefilled
+    # its CPU tier is a Mooncake store it shares with others and can load from now: that
+    # part of its hit costs a store load, and KV balancing may pull a peer's prefix through it
+    store: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -38,9 +44,16 @@ class PrefillCostModel:
     overhead_s: float = 0.02
     per_token_s: float = 1.1e-4
     attention_s: float = 1.0e-9  # per new token × context token
-    cpu_load_per_token_s: float = 3.3e-6  # 320 KiB/token at 100 GB/s
+    cpu_load_per_token_s: float = 3.3e-6  # an own CPU tier: 320 KiB/token at 100 GB/s
     disk_load_per_token_s: float = 1.6e-5  # ~20 GB/s
-    transfer_per_token_s: float = 3.3e-6  # pulling a peer's KV over the network
+    # a shared Mooncake store: KV bytes per token (LLaMA3-70B in BF16: 80 layers × K and V
+    # × 8 heads × 128 × 2 B) and the bandwidth a load from it reaches (NIC-bound, 100 GB/s)
+    store_bytes_per_token: float = 327_680.0
+    store_bandwidth_bytes_s: float = 100e9
+
+    @property
+    def store_load_per_token_s(self) -> float:
+        return self.store_bytes_per_token / self.store_bandwidth_bytes_s
 
     def prefill_s(self, new_tokens: int, cached_tokens: int = 0) -> float:
         if new_tokens <= 0:
@@ -48,8 +61,14 @@ class PrefillCostModel:
         attention = self.attention_s * new_tokens * (new_tokens + 2 * cached_tokens)
         return self.overhead_s + self.per_token_s * new_tokens + attention
 
-    def load_s(self, cpu_tokens: int, disk_tokens: int) -> float:
-        return self.cpu_load_per_token_s * cpu_tokens + self.disk_load_per_token_s * disk_tokens
+    def store_load_s(self, tokens: int) -> float:
+        """Bringing ``tokens`` of KV from the store: tokens × bytes per token ÷ bandwidth."""
+        return tokens * self.store_bytes_per_token / self.store_bandwidth_bytes_s
+
+    def load_s(self, cpu_tokens: int, disk_tokens: int, store: bool = False) -> float:
+        """Loading the CPU part of a hit (from the store when ``store``) and the DISK part."""
+        cpu_s = self.store_load_s(cpu_tokens) if store else self.cpu_load_per_token_s * cpu_tokens
+        return cpu_s + self.disk_load_per_token_s * disk_tokens
 
 
 @dataclass(frozen=True, slots=True)
@@ -139,25 +158,31 @@ def ttft_estimate(
     prompt_tokens: int,
     model: PrefillCostModel,
     best_tokens: int = 0,
-    balance_threshold: float = math.inf,
+    balance_threshold: float | None = None,
 ) -> tuple[float, int]:
     """Mooncake's Algorithm 1 for one instance: (estimated TTFT, tokens not recomputed).
 
     Queue time is the prefill work already sent there. The instance reuses its GPU hit,
-    loads the CPU/DISK part of its cumulative hit, and computes the rest. When the best
-    instance's prefix is at least ``balance_threshold`` times longer, pulling that prefix
-    over the network is considered too (Mooncake's KV-cache balancing).
+    loads the CPU/DISK part of its cumulative hit (from the store, at the store's cost, when
+    it shares one), and computes the rest. An instance that shares a store also considers
+    pulling the best instance's prefix through it when that prefix is at least
+    ``balance_threshold`` times longer (Mooncake's KV-cache balancing; None: the default
+    ``STORE_BALANCE_THRESHOLD``, inf: never).
     """
     queue_s = model.per_token_s * candidate.queued_prefill_tokens
     reusable = min(candidate.disk_tokens, prompt_tokens)
     local_s = model.load_s(
-        candidate.cpu_tokens - candidate.gpu_tokens, candidate.disk_tokens - candidate.cpu_tokens
+        candidate.cpu_tokens - candidate.gpu_tokens,
+        candidate.disk_tokens - candidate.cpu_tokens,
+        candidate.store,
     ) + model.prefill_s(prompt_tokens - reusable, reusable)
     estimate, cached = local_s, reusable
-    if best_tokens > max(reusable, 0) * balance_threshold:
+    threshold = STORE_BALANCE_THRESHOLD if balance_threshold is None else balance_threshold
+    if candidate.store and best_tokens > max(reusable, 0) * threshold:
         pulled = min(best_tokens, prompt_tokens)
-        transfer_s = model.transfer_per_token_s * (pulled - candidate.gpu_tokens)
-        remote_s = transfer_s + model.prefill_s(prompt_tokens - pulled, pulled)
+        remote_s = model.store_load_s(pulled - candidate.gpu_tokens) + model.prefill_s(
+            prompt_tokens - pulled, pulled
+        )
         if remote_s < local_s:
             estimate, cached = remote_s, pulled
     return queue_s + estimate, cached
@@ -168,7 +193,7 @@ def ttft(
     turn: int,
     prompt_tokens: int,
     model: PrefillCostModel,
-    balance_threshold: float = math.inf,
+    balance_threshold: float | None = None,
     slo_s: float | None = None,
     slack: float = 0.0,
 ) -> Decision:
@@ -207,7 +232,9 @@ class RoutingParams:
     block_size: int = 16
     overlap_weight: float = 1.0
     temperature: float = 0.0
-    balance_threshold: float = math.inf  # inf: never pull a peer's KV (needs a transfer path)
+    # KV balancing for instances that share a store (the only transfer path): None is
+    # STORE_BALANCE_THRESHOLD, inf turns it off
+    balance_threshold: float | None = None
     ttft_slo_s: float | None = None
     # within (1 + slack) × the fastest TTFT estimate, the longest hit wins (0: Mooncake's
     # Algorithm 1 exactly); 0.5 measured best on the FAST'25 traces (bench/README.md)

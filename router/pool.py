@@ -1,5 +1,6 @@
-"""The router's view of its engines: health and load per instance, and the prefill cost
-model it learns from observed TTFTs. Synchronous; the app's tasks feed it."""
+"""The router's view of its engines: health, load and store per instance, and the cost
+model it learns from observed TTFTs and the engines' store loads. Synchronous; the app's
+tasks feed it."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from .policy import Candidate, PrefillCostModel
+from .store import StoreLoads
 
 RETRY_AFTER_FAILURE_S = 1.0
 
@@ -28,6 +30,8 @@ class Upstream:
     # its ``/v1/models`` entries; None until learned, and again after a failure (it may
     # come back as another deployment)
     models: tuple[dict[str, Any], ...] | None = None
+    kv_store: str = ""  # the Mooncake store master it saves to and loads from ("": none)
+    store_loads: StoreLoads | None = None  # its store-load counters at the last scrape
 
     @property
     def load(self) -> int:
@@ -65,15 +69,20 @@ class Ticket:
 
 @dataclass(slots=True)
 class CostLearner:
-    """Fits the per-token prefill cost from observed TTFTs (exponential moving average).
+    """Fits the per-token prefill cost from observed TTFTs (exponential moving average),
+    and the store's cost from the engines' own store-load counters.
 
-    Only ``per_token_s`` is learned: it dominates prefill time and one scalar converges
-    from few samples; the other constants stay as configured.
+    Of the prefill constants only ``per_token_s`` is learned: it dominates prefill time and
+    one scalar converges from few samples. The store's bytes per token and bandwidth are
+    ratios of exponentially weighted sums (bytes ÷ tokens, bytes ÷ seconds), so a scrape
+    with many loads weighs more than one with a single small load.
     """
 
     model: PrefillCostModel
     weight: float = 0.1
     samples: int = 0
+    store_samples: int = 0
+    _loads: tuple[float, float, float] = (0.0, 0.0, 0.0)  # weighted tokens, bytes, seconds
 
     def observe(self, new_tokens: int, queued_tokens: int, ttft_s: float) -> None:
         """A request with ``new_tokens`` to compute, sent behind ``queued_tokens``, took
@@ -86,19 +95,47 @@ class CostLearner:
         self.model = dataclasses.replace(self.model, per_token_s=learned)
         self.samples += 1
 
+    def observe_store_loads(self, loads: StoreLoads) -> None:
+        """What one engine loaded from the store between two scrapes."""
+        if loads.tokens <= 0 or loads.bytes <= 0 or loads.seconds <= 0:
+            return
+        keep = 1 - self.weight
+        tokens, nbytes, seconds = (
+            keep * old + new
+            for old, new in zip(
+                self._loads, (loads.tokens, loads.bytes, loads.seconds), strict=True
+            )
+        )
+        self._loads = (tokens, nbytes, seconds)
+        self.model = dataclasses.replace(
+            self.model,
+            store_bytes_per_token=nbytes / tokens,
+            store_bandwidth_bytes_s=nbytes / seconds,
+        )
+        self.store_samples += 1
+
 
 @dataclass
 class InstancePool:
     prefill: dict[str, Upstream]
     decode: dict[str, Upstream] = field(default_factory=dict)
+    stores_down: set[str] = field(default_factory=set)  # stores the conductor reports down
     _retry_at: dict[str, float] = field(default_factory=dict)
 
     @classmethod
     def build(
-        cls, prefill: Iterable[tuple[str, str]], decode: Iterable[tuple[str, str]] = ()
+        cls,
+        prefill: Iterable[tuple[str, str]],
+        decode: Iterable[tuple[str, str]] = (),
+        kv_stores: Mapping[str, str] | None = None,
     ) -> InstancePool:
+        """``kv_stores``: instance_id → the store master it shares (prefill instances)."""
+        stores = kv_stores or {}
         return cls(
-            {name: Upstream(name, url.rstrip("/")) for name, url in prefill},
+            {
+                name: Upstream(name, url.rstrip("/"), kv_store=stores.get(name, ""))
+                for name, url in prefill
+            },
             {name: Upstream(name, url.rstrip("/")) for name, url in decode},
         )
 
@@ -109,17 +146,29 @@ class InstancePool:
         self, hits: Mapping[str, tuple[int, int, int]], model: Any = None
     ) -> list[Candidate]:
         """Healthy prefill instances with their (GPU, CPU, DISK) hit and load; with a
-        ``model``, only those that may serve it (an unknown list may)."""
-        return [
-            Candidate(
-                up.instance_id,
-                *hits.get(up.instance_id, (0, 0, 0)),
-                in_flight=up.load,
-                queued_prefill_tokens=up.queued_prefill_tokens,
+        ``model``, only those that may serve it (an unknown list may). While an instance's
+        store is down its hit is its GPU hit alone: the engine recomputes the rest."""
+        candidates = []
+        for up in self.prefill.values():
+            if not up.healthy or (model is not None and not up.may_serve(model)):
+                continue
+            gpu, cpu, disk = hits.get(up.instance_id, (0, 0, 0))
+            store = bool(up.kv_store)
+            if up.kv_store in self.stores_down:
+                cpu = disk = gpu
+                store = False
+            candidates.append(
+                Candidate(
+                    up.instance_id,
+                    gpu,
+                    cpu,
+                    disk,
+                    in_flight=up.load,
+                    queued_prefill_tokens=up.queued_prefill_tokens,
+                    store=store,
+                )
             )
-            for up in self.prefill.values()
-            if up.healthy and (model is None or up.may_serve(model))
-        ]
+        return candidates
 
     def serves_nowhere(self, model: Any) -> bool:
         """True only when no upstream serves ``model`` and every upstream that could take

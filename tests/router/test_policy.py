@@ -9,6 +9,7 @@ import pytest
 
 from router.policy import (
     POLICIES,
+    STORE_BALANCE_THRESHOLD,
     Candidate,
     PrefillCostModel,
     RoutingParams,
@@ -29,7 +30,8 @@ MODEL = PrefillCostModel(
     attention_s=0.0,
     cpu_load_per_token_s=1e-5,
     disk_load_per_token_s=5e-5,
-    transfer_per_token_s=2e-5,
+    store_bytes_per_token=200_000,
+    store_bandwidth_bytes_s=1e10,  # 2e-5 s per token
 )
 
 
@@ -119,17 +121,38 @@ def test_ttft_slo_rejects_with_the_best_estimate():
     assert ttft(candidates, 0, 1000, MODEL, slo_s=10.0).instance_id == "b"
 
 
-def test_balance_threshold_pulls_a_long_remote_prefix_to_an_idle_instance():
-    holder = hit("a", 9000, queued_prefill_tokens=30_000)
-    idle = hit("b", 1000)
-    without = ttft([holder, idle], 0, 10_000, MODEL)
+def test_a_store_hit_costs_tokens_times_bytes_per_token_over_bandwidth():
+    own_tier = hit("a", gpu=1000, cpu=3000, disk=3000)
+    shared = hit("b", gpu=1000, cpu=3000, disk=3000, store=True)
+    prefill = MODEL.prefill_s(7000, 3000)
+    assert ttft_estimate(own_tier, 10_000, MODEL)[0] == pytest.approx(2000 * 1e-5 + prefill)
+    assert MODEL.store_load_s(2000) == pytest.approx(2000 * 200_000 / 1e10)
+    assert ttft_estimate(shared, 10_000, MODEL)[0] == pytest.approx(2000 * 2e-5 + prefill)
+
+
+def test_balancing_pulls_a_long_prefix_through_the_store_to_an_idle_instance():
+    holder = hit("a", 9000, queued_prefill_tokens=30_000, store=True)
+    idle = hit("b", 1000, store=True)
+    without = ttft([holder, idle], 0, 10_000, MODEL, balance_threshold=math.inf)
     assert (without.instance_id, without.cached_tokens) == ("b", 1000)
     pulled = ttft([holder, idle], 0, 10_000, MODEL, balance_threshold=4.0)
     assert (pulled.instance_id, pulled.cached_tokens) == ("b", 9000)
-    assert pulled.estimated_ttft_s < without.estimated_ttft_s
+    assert pulled.estimated_ttft_s == pytest.approx(
+        MODEL.store_load_s(8000) + MODEL.prefill_s(1000, 9000)
+    )
     # below the threshold the remote prefix is not considered
     not_enough = ttft([holder, idle], 0, 10_000, MODEL, balance_threshold=10.0)
     assert not_enough.cached_tokens == 1000
+    # the default threshold applies when none is given
+    assert 9000 / 1000 > STORE_BALANCE_THRESHOLD
+    assert ttft([holder, idle], 0, 10_000, MODEL).cached_tokens == 9000
+
+
+def test_an_instance_without_a_store_cannot_pull():
+    holder = hit("a", 9000, queued_prefill_tokens=30_000, store=True)
+    alone = hit("b", 1000)
+    decision = ttft([holder, alone], 0, 10_000, MODEL, balance_threshold=1.1)
+    assert (decision.instance_id, decision.cached_tokens) == ("b", 1000)
 
 
 @pytest.mark.parametrize("policy", POLICIES)
@@ -152,6 +175,7 @@ def test_prefill_cost_model_shape():
     assert model.prefill_s(2000) > 2 * model.prefill_s(1000) - model.overhead_s
     assert model.prefill_s(1000, cached_tokens=8000) > model.prefill_s(1000)
     assert math.isclose(model.load_s(0, 0), 0.0)
+    assert model.store_load_per_token_s == pytest.approx(327_680 / 100e9)
 
 
 def test_ttft_slack_keeps_a_request_with_its_prefix_when_nearly_as_fast():

