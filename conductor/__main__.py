@@ -23,6 +23,7 @@ from .config import (
     one_line,
 )
 from .index import PrefixCacheTable
+from .kv_store_watch import StoreWatch
 from .manager import RegistrationConflict, RegistrationFailed, ServiceManager
 from .metrics import ConductorMetrics
 from .runtime import configure_logging, run
@@ -63,7 +64,9 @@ def parse_settings(argv: list[str] | None = None) -> tuple[Settings, ConductorCo
 async def serve(settings: Settings, config: ConductorConfig) -> None:
     """Run until SIGINT/SIGTERM, then close every socket and task."""
     table = PrefixCacheTable()
-    manager = ServiceManager(table, ConductorMetrics(table), settings.replay_timeout_seconds)
+    metrics = ConductorMetrics(table)
+    stores = StoreWatch(table, metrics, config.store_admin_url, config.kv_store_check_interval_s)
+    manager = ServiceManager(table, metrics, stores, settings.replay_timeout_seconds)
     for registration in config.registrations():
         await manager.register(registration)
     runner = web.AppRunner(

@@ -231,7 +231,8 @@ class ConductorApi:
 
     async def health(self, request: web.Request) -> web.Response:
         """Always 200 while serving; ``status`` is "degraded" when a stream's events cannot
-        be indexed as registered, and ``streams`` says which one and why."""
+        be indexed as registered (``streams`` says which one and why) or a store is down
+        (``kv_stores``: each store's pool blocks, check state and age)."""
         states: dict[str, int] = {}
         streams: dict[str, dict[str, str]] = {}
         for key in sorted(self.manager.registrations):
@@ -242,16 +243,21 @@ class ConductorApi:
                 streams[key]["kv_store"] = self.manager.registrations[key].kv_store
             if key in self.manager.degraded:
                 streams[key]["degraded"] = self.manager.degraded[key]
+        stores = self.manager.stores.view()
+        blocks = self.table.store_blocks()
+        for kv_store, store in stores.items():
+            store["blocks"] = blocks.get(kv_store, 0)
+        store_down = any(store["state"] == "down" for store in stores.values())
         return reply(
             request,
             {
-                "status": "degraded" if self.manager.degraded else "ok",
+                "status": "degraded" if self.manager.degraded or store_down else "ok",
                 "services": len(self.manager.registrations),
                 "subscribers": states,
                 "streams": streams,
                 "contexts": len(self.table.contexts),
                 "blocks": self.table.block_count(),
-                "kv_stores": dict(sorted(self.table.store_blocks().items())),
+                "kv_stores": dict(sorted(stores.items())),
             },
         )
 

@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Annotated, Any, Literal
 
 from pydantic import (
+    AfterValidator,
     AliasChoices,
     BaseModel,
     BeforeValidator,
@@ -24,6 +25,7 @@ from pydantic import (
     field_validator,
     model_validator,
 )
+from yarl import URL
 
 from .hashing import pack_int32
 from .index import ContextKey, StreamSource
@@ -32,9 +34,28 @@ from .wire.events import MASK64
 DEFAULT_PORT = 13333
 DEFAULT_CONFIG_PATH = "~/.mooncake/conductor_config.json"
 LOG_LEVELS = ("DEBUG", "INFO", "WARN", "WARNING", "ERROR")
+DEFAULT_STORE_CHECK_INTERVAL_S = 2.0
+DEFAULT_STORE_ADMIN_PORT = 9003  # mooncake_master's -metrics_port default
+MIN_STORE_CHECK_INTERVAL_S = 0.05  # a check fetches every key of the store: not a busy loop
 
 EngineHash = Annotated[int, Field(ge=-(2**63), le=MASK64)]
 ZMQ_SCHEMES = ("tcp://", "ipc://", "inproc://")
+
+
+def master_address(value: str) -> str:
+    """A Mooncake store master's RPC address ``host:port``: how registrations name a store."""
+    host, _, port = value.rpartition(":")
+    if not host or not (port.isascii() and port.isdigit()) or not 1 <= int(port) <= 65535:
+        raise ValueError("must be the store master's address host:port (port 1..65535)")
+    return value
+
+
+def admin_url(value: str) -> str:
+    """The base URL of a master's admin HTTP server (``-metrics_port``), without a slash."""
+    url = URL(value)
+    if url.scheme not in ("http", "https") or not url.host or url.query_string or url.fragment:
+        raise ValueError("must be the http(s)://host:port URL of the master's admin server")
+    return value.rstrip("/")
 
 
 class _Strict(BaseModel):
@@ -88,10 +109,7 @@ class Registration(_Strict):
             return value
         if info.data.get("type") == "Mooncake":
             raise ValueError("only engines (vLLM, SGLang) save to a store")
-        host, _, port = value.rpartition(":")
-        if not host or not (port.isascii() and port.isdigit()) or not 1 <= int(port) <= 65535:
-            raise ValueError("must be the store master's address host:port (port 1..65535)")
-        return value
+        return master_address(value)
 
     @property
     def key(self) -> str:
@@ -199,6 +217,14 @@ class ConductorConfig(_Strict):
 
     kvevent_instance: dict[str, Registration] = Field(default_factory=dict)
     http_server_port: int = Field(default=DEFAULT_PORT, ge=1, le=65535)
+    # our extension: where each store master's admin server is (default: its host, 9003),
+    # and how often every store a registration names is checked for evicted blocks
+    kv_store_admin_urls: dict[
+        Annotated[str, AfterValidator(master_address)], Annotated[str, AfterValidator(admin_url)]
+    ] = Field(default_factory=dict)
+    kv_store_check_interval_s: float = Field(
+        default=DEFAULT_STORE_CHECK_INTERVAL_S, ge=MIN_STORE_CHECK_INTERVAL_S, le=3600
+    )
 
     @model_validator(mode="before")
     @classmethod
@@ -216,6 +242,12 @@ class ConductorConfig(_Strict):
 
     def registrations(self) -> list[Registration]:
         return list(self.kvevent_instance.values())
+
+    def store_admin_url(self, kv_store: str) -> str:
+        """The admin server of the master at ``kv_store``: as listed, else on the master's
+        host at the port ``mooncake_master`` serves it on by default."""
+        listed = self.kv_store_admin_urls.get(kv_store)
+        return listed or f"http://{kv_store.rpartition(':')[0]}:{DEFAULT_STORE_ADMIN_PORT}"
 
 
 class ConfigError(Exception):

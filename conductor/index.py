@@ -16,11 +16,14 @@ a fast /query walk:
   the CPU blocks that engines registered with that store's master address saved to it; its
   members are the engine slots of those registrations, and it lives as long as one of them
   is registered (an engine's clear, restart or unregister leaves the store's blocks alone).
+  The store evicts without an event: ``kv_store_watch`` checks its key list and calls
+  ``reconcile_store`` (blocks announced since the check began are kept) or ``store_down``.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from collections.abc import Set as AbstractSet
 from dataclasses import dataclass, field
 
 from .hashing import chain_hashes, prefix_hashes, salt_root
@@ -241,6 +244,11 @@ class PrefixContext:
         self._unset(tier, prefix_hash, slot.bit)
         return True
 
+    def evict(self, slot: _Slot, tier: Tier, engine_hash: int) -> None:
+        """Forget every copy of a block (its one key left the store, whoever saved it)."""
+        slot.holdings[tier].copies.pop(engine_hash, None)
+        self.release(slot, tier, engine_hash)
+
     def _unset(self, tier: Tier, prefix_hash: int, bit: int) -> None:
         blocks = self.blocks[tier]
         mask = blocks[prefix_hash] & ~bit
@@ -390,6 +398,9 @@ class PrefixCacheTable:
         self.contexts: dict[ContextKey, PrefixContext] = {}
         self._sources: dict[str, StreamSource] = {}
         self._stream_slots: dict[str, set[tuple[ContextKey, tuple[str, int]]]] = {}
+        # kv_store -> engine hashes its pools received since its running check began
+        self._store_checks: dict[str, set[int]] = {}
+        self.stores_down: set[str] = set()  # their CPU events are dropped, their pools empty
 
     # -- membership ----------------------------------------------------------------------
     def add_stream(self, source: StreamSource) -> None:
@@ -404,7 +415,11 @@ class PrefixCacheTable:
         A kv_store pool is no owner of the stream: its blocks stay in the store, so it keeps
         them while another registration names that store in the context.
         """
-        self._sources.pop(key, None)
+        source = self._sources.pop(key, None)
+        kv_store = source.kv_store if source else ""
+        if kv_store and all(s.kv_store != kv_store for s in self._sources.values()):
+            self.stores_down.discard(kv_store)  # the last one naming it: nothing is kept
+            self.end_store_check(kv_store)
         dropped = 0
         for context_key, slot_key in self._stream_slots.pop(key, set()):
             context = self.contexts[context_key]
@@ -440,6 +455,38 @@ class PrefixCacheTable:
             if pool is not None:
                 dropped += context.clear_slot(pool)
         return dropped
+
+    # -- kv_store checks (the store evicts without an event) -----------------------------
+    def begin_store_check(self, kv_store: str) -> None:
+        """Remember from now on which blocks the store's pools receive: the key list the
+        check is about to fetch may predate them, and they must not be taken for evicted."""
+        self._store_checks[kv_store] = set()
+
+    def end_store_check(self, kv_store: str) -> None:
+        self._store_checks.pop(kv_store, None)
+
+    def reconcile_store(self, kv_store: str, present: AbstractSet[int]) -> int:
+        """A check of the store answered: ``present`` holds the engine hash of each of its
+        keys. Every pool block it lacks that was not announced since the check began was
+        evicted, and goes; the store's CPU events are indexed again. Returns blocks dropped.
+        """
+        self.stores_down.discard(kv_store)
+        announced = self._store_checks.get(kv_store, set())
+        dropped = 0
+        for context in self.contexts.values():
+            pool = context.slots.get((kv_store, STORE_POOL_RANK))
+            if pool is None:
+                continue
+            for engine_hash in pool.holdings[Tier.CPU].by_engine_hash.keys() - present - announced:
+                context.evict(pool, Tier.CPU, engine_hash)
+                dropped += 1
+        return dropped
+
+    def store_down(self, kv_store: str) -> int:
+        """A check failed: the store may be gone or restart empty, so its pools are emptied
+        and its CPU events dropped until a check answers. Returns the blocks dropped."""
+        self.stores_down.add(kv_store)
+        return self.clear_store(kv_store)
 
     def _slot_for(self, source: StreamSource, context_key: ContextKey, dp_rank: int) -> tuple:
         """The stream's engine slot in a context, linked (with its kv_store's pool) once."""
@@ -490,15 +537,22 @@ class PrefixCacheTable:
         if not event.block_hashes:
             stats.ignored += 1
             return
+        tier = source.default_tier if event.tier is None else event.tier
+        saved = tier is Tier.CPU and source.kv_store  # saved to the store, not kept by the engine
+        if saved and source.kv_store in self.stores_down:
+            stats.drop("kv_store_down")
+            return
         context_key = source.context_key(event.lora_name)
         owner = (source.instance_id, dp_rank)
         prefixes = self._prefixes(self.contexts.get(context_key), owner, source, event, stats)
         if not prefixes:
             return  # counted by _prefixes; nothing created for a rejected event
         context, slot = self._slot_for(source, context_key, dp_rank)
-        tier = source.default_tier if event.tier is None else event.tier
-        if tier is Tier.CPU and source.kv_store:  # saved to the store, not kept by the engine
+        if saved:
             slot = context.store_pool(source.kv_store)
+            announced = self._store_checks.get(source.kv_store)
+            if announced is not None:
+                announced.update(event.block_hashes)
         stats.blocks_stored += context.hold(slot, tier, event.block_hashes, prefixes)
 
     @staticmethod

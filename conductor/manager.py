@@ -10,6 +10,7 @@ import zmq.asyncio
 
 from .config import Registration
 from .index import PrefixCacheTable
+from .kv_store_watch import StoreWatch
 from .metrics import ConductorMetrics
 from .subscriber import StreamCallbacks, StreamSubscriber
 from .wire import DecodeError, Message, decode_batch
@@ -44,10 +45,12 @@ class ServiceManager:
         self,
         table: PrefixCacheTable,
         metrics: ConductorMetrics,
+        stores: StoreWatch,
         replay_timeout: float = 2.0,
     ) -> None:
         self.table = table
         self.metrics = metrics
+        self.stores = stores  # checks each kv_store a registration names
         self.registrations: dict[str, Registration] = {}
         # service key -> why its stream is not indexed as registered (shown by /health)
         self.degraded: dict[str, str] = {}
@@ -94,6 +97,8 @@ class ServiceManager:
                 raise RegistrationFailed(f"cannot subscribe to {key}: {error}") from None
             self.registrations[key] = registration
             self._subscribers[key] = subscriber
+            if registration.kv_store:
+                self.stores.watch(registration.kv_store)
             self.metrics.services.set(len(self.registrations))
             log.info(
                 "registered stream=%s endpoint=%s replay=%s type=%s",
@@ -110,16 +115,19 @@ class ServiceManager:
             if key not in self.registrations:
                 raise ServiceNotFound(key)
             subscriber = self._subscribers.pop(key)
-            del self.registrations[key]
+            kv_store = self.registrations.pop(key).kv_store
             self.degraded.pop(key, None)
             await subscriber.stop()
             dropped = self.table.remove_stream(key)
+            if kv_store and all(r.kv_store != kv_store for r in self.registrations.values()):
+                await self.stores.forget(kv_store)
             self.metrics.forget_stream(key)
             self.metrics.services.set(len(self.registrations))
             log.info("unregistered stream=%s blocks_dropped=%d", key, dropped)
             return dropped
 
     async def close(self) -> None:
+        await self.stores.close()
         await asyncio.gather(*(s.stop() for s in self._subscribers.values()))
         self._subscribers.clear()
         self._context.term()

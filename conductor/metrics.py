@@ -12,6 +12,7 @@ from .index import ApplyStats, PrefixCacheTable
 from .wire.events import Tier
 
 SUBSCRIBER_STATES = ("connecting", "connected", "replaying", "disconnected", "stopped")
+STORE_STATES = ("unchecked", "up", "down")
 
 
 class _IndexCollector(Collector):
@@ -105,6 +106,44 @@ class ConductorMetrics:
         self.services = Gauge(
             "conductor_registered_services", "Registered event streams", registry=registry
         )
+        self.store_checks = counter(
+            "conductor_kv_store_checks_total",
+            "Key-list checks of each Mooncake store master, by outcome",
+            ("kv_store", "outcome"),
+        )
+        self.store_check_seconds = Histogram(
+            "conductor_kv_store_check_seconds",
+            "Time one check takes: fetch every key of the store, parse, drop the evicted",
+            ["kv_store"],
+            buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10),
+            registry=registry,
+        )
+        self.store_keys = Gauge(
+            "conductor_kv_store_keys",
+            "Keys the store held at its last answered check (unparsable: not a block's)",
+            ["kv_store", "kind"],
+            registry=registry,
+        )
+        self.store_blocks_dropped = counter(
+            "conductor_kv_store_blocks_dropped_total",
+            "Pool blocks dropped without an event: evicted (absent from the store's keys) "
+            "or the store down",
+            ("kv_store", "reason"),
+        )
+        self.store_state = Enum(
+            "conductor_kv_store_state",
+            "State of each store: down while its checks fail",
+            ["kv_store"],
+            states=list(STORE_STATES),
+            registry=registry,
+        )
+        self._per_store = [
+            self.store_checks,
+            self.store_check_seconds,
+            self.store_keys,
+            self.store_blocks_dropped,
+            self.store_state,
+        ]
         registry.register(_IndexCollector(table))
         self._per_stream = [
             m
@@ -130,7 +169,15 @@ class ConductorMetrics:
 
     def forget_stream(self, stream: str) -> None:
         """Drop a stream's label sets when it is unregistered (bounded cardinality)."""
-        for metric in self._per_stream:
-            for labels in list(metric._metrics):  # noqa: SLF001 - no public enumeration
-                if labels[0] == stream:
-                    metric.remove(*labels)
+        _forget(self._per_stream, stream)
+
+    def forget_store(self, kv_store: str) -> None:
+        """Drop a store's label sets when no registration names it any more."""
+        _forget(self._per_store, kv_store)
+
+
+def _forget(metrics: list, first_label: str) -> None:
+    for metric in metrics:
+        for labels in list(metric._metrics):  # noqa: SLF001 - no public enumeration
+            if labels[0] == first_label:
+                metric.remove(*labels)

@@ -628,6 +628,69 @@ def test_clear_store_empties_that_store_in_every_context(table: PrefixCacheTable
     check_invariants(table)
 
 
+def test_store_check_drops_what_the_store_lacks_unless_announced_during_it(
+    table: PrefixCacheTable,
+) -> None:
+    """The store evicts without an event: a check's key list drops every pool block it
+    lacks (all copies of it), except blocks announced after the check began, which the
+    list may predate. Engines' own blocks and other stores are not touched."""
+    _kv_fleet(table)
+    table.apply("b|default|0", batch(stored([10], prompt(1), tier=Tier.CPU)))  # a copy
+    table.apply("d|default|0", batch(stored([10], prompt(1), tier=Tier.CPU)))
+    table.begin_store_check(STORE)
+    # while the answer travels, b saves block 3 and a saves block 1 again
+    table.apply("b|default|0", batch(stored([13], toks(3), parent=12, tier=Tier.CPU)))
+    table.apply("a|default|0", batch(stored([11], toks(1), parent=10, tier=Tier.CPU)))
+    assert table.reconcile_store(STORE, {11, 999}) == 2  # 10 (both copies) and 12
+    table.end_store_check(STORE)
+    pool = table.contexts[ctx()].slots[(STORE, STORE_POOL_RANK)].holdings[Tier.CPU]
+    assert set(pool.by_engine_hash) == {11, 13} and pool.copies == {11: 1}
+    assert query(table, prompt(4)) == {
+        "a": (12, 16, 16),  # its GPU blocks 0-2, then block 3 from the store
+        "b": (0, 0, 0),
+        "c": (0, 0, 0),
+        "d": (0, 4, 4),
+    }
+    check_invariants(table)
+    table.begin_store_check(STORE)  # announced before this check: judged by its answer
+    assert table.reconcile_store(STORE, {11}) == 1
+    table.end_store_check(STORE)
+    assert set(pool.by_engine_hash) == {11}
+    check_invariants(table)
+
+
+def test_store_down_empties_its_pools_and_drops_its_cpu_events(table: PrefixCacheTable) -> None:
+    """A failed check: the store may be gone or restart empty. Its pools are emptied, its
+    members' CPU blocks dropped (counted) until a check answers; GPU blocks and other
+    stores go on. The last registration naming the store takes the down state with it."""
+    _kv_fleet(table)
+    assert table.store_down(STORE) == 3
+    assert query(table, prompt(3)) == {
+        "a": (12, 12, 12),
+        "b": (0, 0, 0),
+        "c": (0, 0, 0),
+        "d": (0, 0, 0),
+    }
+    stats = table.apply("b|default|0", batch(stored([10, 11], prompt(2), tier=Tier.CPU)))
+    assert (stats.blocks_stored, stats.dropped) == (0, {"kv_store_down": 1})
+    assert table.apply("b|default|0", batch(stored([10], prompt(1)))).blocks_stored == 1
+    assert table.apply("d|default|0", batch(stored([10], prompt(1), tier=Tier.CPU))).blocks_stored
+    assert table.reconcile_store(STORE, set()) == 0  # it answers again
+    assert table.apply("a|default|0", batch(stored([10], prompt(1), tier=Tier.CPU))).blocks_stored
+    assert query(table, prompt(1), instance_id="c") == {"c": (0, 0, 0)}
+    assert query(table, prompt(3), instance_id="b") == {"b": (4, 4, 4)}
+    check_invariants(table)
+
+    table.store_down(STORE)
+    table.remove_stream("a|default|0")
+    assert table.stores_down == {STORE}  # b still names it
+    table.remove_stream("b|default|0")
+    assert table.stores_down == set()
+    register(table, src("b", kv_store=STORE))
+    assert table.apply("b|default|0", batch(stored([10], prompt(1), tier=Tier.CPU))).blocks_stored
+    check_invariants(table)
+
+
 def test_kv_store_pool_and_mooncake_pool_combine(table: PrefixCacheTable) -> None:
     """A Mooncake pool still serves everybody; a block in both pools counts once each."""
     _kv_fleet(table)
@@ -1024,7 +1087,9 @@ class ReferenceModel:
 
     ``ranks`` are the (instance, DP rank) pairs the conductor knows: the registration's rank
     and every rank a batch stored at, until the stream is unregistered. ``stores`` is each
-    registered engine's kv_store; the CPU blocks it saves are held under ``store_key``.
+    registered engine's kv_store; the CPU blocks it saves are held under ``store_key``,
+    except while that store is ``down``. ``announced`` collects, per store key, the blocks
+    saved since the store's running check began.
     """
 
     registered: set[str] = field(default_factory=set)
@@ -1032,9 +1097,13 @@ class ReferenceModel:
     ranks: set[tuple[str, int]] = field(default_factory=set)
     held: dict[tuple[str, int, Tier], dict[int, Prefix]] = field(default_factory=dict)
     copies: Counter[tuple[str, int, Tier, int]] = field(default_factory=Counter)
+    down: set[str] = field(default_factory=set)
+    announced: dict[tuple[str, int, Tier], set[int]] = field(default_factory=dict)
 
     def hold(self, key: tuple[str, int, Tier], engine_hash: int, prefix: Prefix) -> None:
         """A block stored again is one more copy of it."""
+        if key in self.announced:
+            self.announced[key].add(engine_hash)
         holdings = self.held.setdefault(key, {})
         if engine_hash in holdings:
             self.copies[(*key, engine_hash)] += 1
@@ -1044,6 +1113,10 @@ class ReferenceModel:
     @staticmethod
     def store_key(kv_store: str) -> tuple[str, int, Tier]:
         return (f"store {kv_store}", -1, Tier.CPU)
+
+    def drops(self, instance: str, tier: Tier) -> bool:
+        """A CPU block of a member of a store that is down is not indexed."""
+        return tier is Tier.CPU and self.stores.get(instance, "") in self.down
 
     def target(self, instance: str, rank: int, tier: Tier) -> tuple[str, int, Tier]:
         """Where a stored block goes: CPU blocks of a store's member into the store."""
@@ -1129,6 +1202,19 @@ class ReferenceModel:
         for copy in [c for c in self.copies if c[:3] == key]:
             del self.copies[copy]
 
+    def reconcile(self, kv_store: str, present: set[int]) -> int:
+        """A check answered: blocks neither in its key list nor announced since it began go
+        (every copy); the store is up."""
+        key = self.store_key(kv_store)
+        keep = present | self.announced.get(key, set())
+        holdings = self.held.get(key, {})
+        gone = [h for h in holdings if h not in keep]
+        for engine_hash in gone:
+            del holdings[engine_hash]
+            self.copies.pop((*key, engine_hash), None)
+        self.down.discard(kv_store)
+        return len(gone)
+
     def register(self, instance: str, kv_store: str) -> None:
         self.registered.add(instance)
         self.stores[instance] = kv_store
@@ -1141,6 +1227,8 @@ class ReferenceModel:
         kv_store = self.stores.pop(instance)
         if kv_store and kv_store not in self.stores.values():
             self.clear_store(kv_store)
+            self.down.discard(kv_store)
+            self.announced.pop(self.store_key(kv_store), None)
         self.ranks = {(i, r) for i, r in self.ranks if i != instance}
 
     def answer(self, query: list[Prefix | None]) -> dict[str, dict[int, tuple[int, int, int]]]:
@@ -1198,8 +1286,8 @@ class ModelCheck:
 
     ENGINE_TIERS = (None, Tier.GPU, Tier.GPU, Tier.CPU, Tier.DISK)  # GPU most often
     POOL_TIERS = (None, Tier.CPU, Tier.DISK)  # a pool's GPU blocks have no defined meaning
-    OPS = ("store", "tokenless", "remove", "clear", "toggle", "clear_store", "restart")
-    OP_WEIGHTS = (45, 10, 30, 5, 5, 2, 2)
+    OPS = ("store", "tokenless", "remove", "clear", "toggle", "clear_store", "restart", "check")
+    OP_WEIGHTS = (45, 10, 30, 5, 5, 2, 2, 5)
 
     def __init__(self, seed: int) -> None:
         self.seed = seed
@@ -1215,13 +1303,23 @@ class ModelCheck:
         self.seen: Counter[str] = Counter()  # proves the run reached the interesting cases
 
     # -- one random operation ---------------------------------------------------------------
-    def step(self) -> str:
+    def step(self, saver: str | None = None) -> str:
+        """One random operation; ``saver`` (during a store check) makes it a save of that
+        registered instance to its store half of the time."""
         rng = self.rng
         instance = rng.choice(list(self.sources))
         op = rng.choices(self.OPS, self.OP_WEIGHTS)[0]
+        saving = saver is not None and rng.random() < 0.5
+        if saving:
+            instance, op = saver, "store"
         if instance not in self.model.registered or op == "toggle":
             self.toggle(instance)
             return "toggle"
+        if op == "check":
+            if saver is not None:  # one check at a time per store
+                return self.step(saver)
+            self.check_store(rng.choice(MC_STORES[1:]))
+            return op
         if op == "clear_store":
             kv_store = rng.choice(MC_STORES[1:])
             self.seen["clear_store"] += bool(self.table.clear_store(kv_store))
@@ -1235,6 +1333,8 @@ class ModelCheck:
         batch_rank = None if is_pool else rng.choice([None, 0, 1])
         rank = 0 if batch_rank is None else batch_rank
         tier_choice = rng.choice(self.POOL_TIERS if is_pool else self.ENGINE_TIERS)
+        if saving:
+            tier_choice = Tier.CPU
         tier = tier_choice if tier_choice is not None else (Tier.CPU if is_pool else Tier.GPU)
         p = rng.choice(self.prompts)
         start = rng.randrange(MC_BLOCKS)
@@ -1243,7 +1343,12 @@ class ModelCheck:
         blocks = [(mc_engine_hash(p[: j + 1], variant), p[: j + 1]) for j in range(start, end)]
         hashes = [h for h, _ in blocks]
         key = self.sources[instance].key
-        if op == "store":
+        if op in ("store", "tokenless") and self.model.drops(instance, tier):
+            event = stored(hashes, _flat(p[start:end]), tier=tier_choice)
+            stats = self.table.apply(key, batch(event, dp_rank=batch_rank))
+            assert (stats.blocks_stored, stats.dropped) == (0, {"kv_store_down": 1}), op
+            self.seen["dropped_store_down"] += 1
+        elif op == "store":
             parent_hash = mc_engine_hash(p[:start], rng.randrange(2)) if start else None
             placed = self.model.store(instance, rank, tier, blocks, parent_hash)
             event = stored(hashes, _flat(p[start:end]), parent_hash, tier=tier_choice)
@@ -1266,6 +1371,32 @@ class ModelCheck:
             self.model.clear(instance, rank)
             self.table.apply(key, batch(AllBlocksCleared(), dp_rank=batch_rank))
         return op
+
+    def check_store(self, kv_store: str) -> None:
+        """A store check: its key list is taken, up to three operations happen while it
+        travels (often saves to that store by its members), then it is applied (or, one
+        time in five, the check fails)."""
+        key = self.model.store_key(kv_store)
+        present = {h for h in self.model.held.get(key, {}) if self.rng.random() < 0.7}
+        self.table.begin_store_check(kv_store)
+        self.model.announced[key] = set()
+        members = [i for i in sorted(self.model.registered) if self.model.stores[i] == kv_store]
+        for _ in range(self.rng.randrange(4) if members else 0):
+            self.check(self.step(saver=self.rng.choice(members)))
+        if self.rng.random() < 0.2:
+            self.table.store_down(kv_store)
+            self.model.clear_store(kv_store)
+            self.model.down.add(kv_store)
+            self.seen["store_down"] += 1
+        else:
+            announced = self.model.announced.get(key, set())
+            kept = announced - present
+            dropped = self.model.reconcile(kv_store, present)
+            assert self.table.reconcile_store(kv_store, present) == dropped, self.where("check")
+            self.seen["evicted"] += dropped > 0
+            self.seen["announced_kept"] += bool(kept & set(self.model.held.get(key, {})))
+        self.table.end_store_check(kv_store)
+        self.model.announced.pop(key, None)
 
     def toggle(self, instance: str) -> None:
         """Unregister a registered stream, register an unregistered one."""
@@ -1326,7 +1457,8 @@ class ModelCheck:
 @pytest.mark.parametrize("seed", [1, 2, 3])
 def test_randomized_against_reference_model(seed: int) -> None:
     """Random store/remove/clear/unregister sequences on 3 engines and a store pool; each
-    engine registers with no kv_store or one of two, so kv_store pools come and go.
+    engine registers with no kv_store or one of two, so kv_store pools come and go, and
+    the stores are checked (blocks evicted, blocks saved during a check, failed checks).
 
     After every step each prompt is queried by tokens and by engine hashes, and the answer
     must equal the naive model's; the table's internal bookkeeping must stay exact. At the
@@ -1348,6 +1480,10 @@ def test_randomized_against_reference_model(seed: int) -> None:
         "store_only_hit",
         "store_outlives_member",
         "clear_store",
+        "evicted",
+        "announced_kept",
+        "store_down",
+        "dropped_store_down",
     ):
         assert mc.seen[case] > 0, f"the random run never reached {case!r}: {dict(mc.seen)}"
     for instance in list(mc.model.registered):
