@@ -1,38 +1,174 @@
 """The Mooncake-store tier: KV blocks saved to and loaded from a real Mooncake store.
 
 A prefix computed on one engine and saved to the store can be loaded by any other engine
-instead of recomputed. This module is the engine side of that path, for any engine or test
-that holds KV blocks as torch tensors: a client of ``MooncakeDistributedStore`` (PyPI
-``mooncake-transfer-engine-non-cuda``: TCP transport, the master's built-in HTTP metadata
-server) that puts and gets blocks by engine block hash, and the running store itself
-(``mooncake_master`` plus a ``mooncake_client`` process holding the memory, the layout that
-proved reliable over TCP; engines are pure clients).
+instead of recomputed. This module is the one place that knows how vLLM's
+``MooncakeStoreConnector`` lays blocks out in the store, so the engine simulator, the
+conductor's store checks and the tests agree with real vLLM:
 
-Blocks made by ``kv_block`` are derived from their hash, so a block loaded anywhere can be
+- a block's key is ``{model}@tp_rank:0@pcp0@dcp0@pp_rank:0@group:0@{digest hex}`` (``model``
+  is the basename of the engine's model path, the digest the block's full prefix-cache
+  hash), and the integer hash the engine's KV events carry for it is the digest's low 64
+  bits (``key_event_hash``);
+- a block's value is its raw KV bytes, ``[layers, 2, kv_heads, block_size, head_dim]``
+  (32 KiB for the tiny model at block size 32, as the connector stores it).
+
+``KVBlockStore`` is a client of ``MooncakeDistributedStore`` (PyPI
+``mooncake-transfer-engine-non-cuda``: TCP transport, the master's built-in HTTP metadata
+server) that checks, puts and gets a prompt's blocks in one round trip each. ``LocalStore``
+runs the store itself (``mooncake_master`` plus a ``mooncake_client`` process holding the
+memory, the layout that proved reliable over TCP; engines are pure clients).
+
+Blocks made by ``kv_block`` are derived from their digest, so a block loaded anywhere can be
 checked byte for byte against what the saving engine put. The Mooncake binaries bind some
 sockets on every interface whatever their flags say, so tests run them in a network
-namespace whose only interface is loopback.
+namespace whose only interface is loopback. torch and the wheel are imported only where
+blocks move: the key layout and the connector's config need neither.
 """
 
 from __future__ import annotations
 
+import json
 import os
+import re
 import socket
 import subprocess
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING, Any, Literal
 
-import torch
+from pydantic import BaseModel, ConfigDict, ValidationError, field_validator, model_validator
 
 from .local import free_port
 
+if TYPE_CHECKING:
+    import torch
+
 MIB = 1 << 20
+MASK64 = (1 << 64) - 1
+KEY_RANKS = "tp_rank:0@pcp0@dcp0@pp_rank:0@group:0"  # one rank of every kind, KV group 0
+# vLLM's ``--kv-transfer-config`` for its store connector (engines save and load blocks)
+STORE_CONNECTOR = {"kv_connector": "MooncakeStoreConnector", "kv_role": "kv_both"}
+# Mooncake's transfer engine advertises (and is reached on) the first non-loopback
+# interface it finds unless told otherwise; every store process and client gets this
+LOOPBACK_ENV = {"MC_TCP_BIND_ADDRESS": "127.0.0.1"}
+RPC_FAIL = -900  # Mooncake's ErrorCode::RPC_FAIL: the master did not answer
+_KEY = re.compile(rf"^(?P<model>[^@]+)@{re.escape(KEY_RANKS)}@(?P<digest>[0-9a-f]{{16,128}})$")
+_SIZE = re.compile(r"^\s*([\d.]+)\s*(gb|mb|kb|b)?\s*$")
+_UNITS = {"gb": 1 << 30, "mb": 1 << 20, "kb": 1 << 10, "b": 1}
 
 
 class StoreError(RuntimeError):
-    """The store refused an operation (its return code or a missing key)."""
+    """The store refused an operation (a return code, or an answer that makes no sense)."""
+
+
+class StoreUnavailable(StoreError):
+    """The store's master did not answer: nothing can be checked, saved or loaded now."""
+
+
+# -- the connector's key layout ----------------------------------------------------------
+
+
+def model_key_name(model: str) -> str:
+    """The model part of keys: the basename of the engine's model path, as vLLM takes it."""
+    return model.rstrip("/").split("/")[-1]
+
+
+def block_key(model_name: str, digest: bytes) -> str:
+    return f"{model_name}@{KEY_RANKS}@{digest.hex()}"
+
+
+def digest_event_hash(digest: bytes) -> int:
+    """The integer hash KV events carry for a block (``int.from_bytes(digest) & 2**64-1``)."""
+    return int.from_bytes(digest[-8:], "big")
+
+
+@dataclass(frozen=True, slots=True)
+class BlockKey:
+    model_name: str
+    digest: bytes
+
+    @property
+    def event_hash(self) -> int:
+        return digest_event_hash(self.digest)
+
+
+def parse_block_key(key: str) -> BlockKey:
+    """A store key the connector wrote; ValueError for any other key (other objects share
+    the store)."""
+    match = _KEY.match(key)
+    if match is None or len(match["digest"]) % 2:
+        raise ValueError(f"not a KV block key of MooncakeStoreConnector: {key[:120]!r}")
+    return BlockKey(match["model"], bytes.fromhex(match["digest"]))
+
+
+def key_event_hash(key: str) -> int:
+    return parse_block_key(key).event_hash
+
+
+# -- the connector's configuration (the file MOONCAKE_CONFIG_PATH names) ----------------------
+
+
+def parse_size(value: int | str) -> int:
+    """vLLM's sizes: bytes, or a string with a 1024-based unit (``"256MB"``)."""
+    if isinstance(value, int):
+        return value
+    match = _SIZE.match(value.lower())
+    if match is None:
+        raise ValueError(f"invalid size {value!r} (expected bytes or e.g. '256MB')")
+    return int(float(match[1]) * _UNITS[match[2] or "b"])
+
+
+class MooncakeConfig(BaseModel):
+    """vLLM's ``MooncakeStoreConfig``: where the store is and what a client lends it."""
+
+    model_config = ConfigDict(extra="ignore", frozen=True)
+
+    metadata_server: str
+    master_server_address: str
+    protocol: str = "rdma"
+    device_name: str = ""
+    mode: Literal["embedded", "standalone-store"] = "embedded"
+    global_segment_size: int = 4 << 30
+    local_buffer_size: int = 4 << 30
+
+    @field_validator("global_segment_size", "local_buffer_size", mode="before")
+    @classmethod
+    def _size(cls, value: Any) -> int:
+        if not isinstance(value, int | str):
+            raise ValueError("a size is bytes or a string such as '256MB'")
+        return parse_size(value)
+
+    @property
+    def address(self) -> StoreAddress:
+        return StoreAddress(self.master_server_address, self.metadata_server)
+
+    @model_validator(mode="after")
+    def _mode(self) -> MooncakeConfig:
+        """vLLM's rules: the store process lends the memory in standalone-store mode only."""
+        if self.local_buffer_size <= 0:
+            raise ValueError("local_buffer_size must be > 0")
+        if self.mode == "embedded" and self.global_segment_size == 0:
+            raise ValueError("embedded mode requires global_segment_size > 0")
+        if self.mode == "standalone-store" and self.global_segment_size != 0:
+            raise ValueError("standalone-store mode requires global_segment_size == 0")
+        return self
+
+    @classmethod
+    def from_file(cls, path: str | Path) -> MooncakeConfig:
+        """The file, validated; ValueError naming the file and what is wrong with it."""
+        try:
+            return cls.model_validate(json.loads(Path(path).read_text()))
+        except (OSError, ValueError, ValidationError) as error:
+            raise ValueError(f"Mooncake config {path}: {error}") from None
+
+    @classmethod
+    def from_env(cls) -> MooncakeConfig:
+        path = os.environ.get("MOONCAKE_CONFIG_PATH")
+        if not path:
+            raise ValueError("the environment variable 'MOONCAKE_CONFIG_PATH' is not set")
+        return cls.from_file(path)
 
 
 @dataclass(frozen=True, slots=True)
@@ -41,92 +177,6 @@ class StoreAddress:
 
     master: str  # host:port, also the store's name in registrations (``kv_store``)
     metadata_url: str  # http://host:port/metadata
-
-
-@dataclass(frozen=True, slots=True)
-class KVBlockShape:
-    """One block of KV cache as vLLM lays it out per layer: K and V for every KV head."""
-
-    layers: int
-    kv_heads: int
-    block_size: int
-    head_dim: int
-    dtype: torch.dtype = torch.float32
-
-    @property
-    def dims(self) -> tuple[int, int, int, int, int]:
-        return (self.layers, 2, self.kv_heads, self.block_size, self.head_dim)
-
-    @property
-    def nbytes(self) -> int:
-        count = self.layers * 2 * self.kv_heads * self.block_size * self.head_dim
-        return count * torch.tensor([], dtype=self.dtype).element_size()
-
-
-def kv_block(shape: KVBlockShape, block_hash: int) -> torch.Tensor:
-    """The block an engine would hold for ``block_hash``: content derived from the hash."""
-    generator = torch.Generator().manual_seed(block_hash & ((1 << 63) - 1))
-    return torch.randn(shape.dims, generator=generator).to(shape.dtype)
-
-
-def block_key(model: str, block_hash: int) -> str:
-    return f"{model}/kv/{block_hash & ((1 << 64) - 1):016x}"
-
-
-class KVBlockStore:
-    """A store client that saves and loads KV blocks by engine block hash."""
-
-    def __init__(
-        self,
-        address: StoreAddress,
-        model: str,
-        local_hostname: str = "127.0.0.1",
-        buffer_bytes: int = 64 * MIB,
-    ) -> None:
-        from mooncake.store import MooncakeDistributedStore  # the optional [store] extra
-
-        self.model = model
-        self._store = MooncakeDistributedStore()
-        code = self._store.setup(
-            local_hostname,
-            address.metadata_url,
-            0,  # no segment of its own: the store process holds the memory
-            buffer_bytes,
-            "tcp",
-            "",
-            address.master,
-        )
-        if code != 0:
-            raise StoreError(f"store setup against {address.master} failed with code {code}")
-
-    def put(self, block_hash: int, block: torch.Tensor) -> None:
-        code = self._store.put_tensor(block_key(self.model, block_hash), block)
-        if code != 0:
-            raise StoreError(f"put of block {block_hash:#x} failed with code {code}")
-
-    def get(self, block_hash: int) -> torch.Tensor:
-        block = self._store.get_tensor(block_key(self.model, block_hash))
-        if block is None:
-            raise StoreError(f"block {block_hash:#x} is not in the store")
-        return block
-
-    def contains(self, block_hashes: Sequence[int]) -> list[bool]:
-        """Which blocks the store holds now (one round trip for all of them)."""
-        keys = [block_key(self.model, h) for h in block_hashes]
-        answers = self._store.batch_is_exist(keys)
-        if any(answer < 0 for answer in answers):
-            raise StoreError("the store could not answer an existence check")
-        return [answer == 1 for answer in answers]
-
-    def close(self) -> None:
-        self._store.close()
-
-
-# Mooncake's transfer engine advertises (and is reached on) the first non-loopback
-# interface it finds unless told otherwise; every store process and client gets this
-LOOPBACK_ENV = {"MC_TCP_BIND_ADDRESS": "127.0.0.1"}
-# vLLM's ``--kv-transfer-config`` for its store connector (engines save and load blocks)
-STORE_CONNECTOR = {"kv_connector": "MooncakeStoreConnector", "kv_role": "kv_both"}
 
 
 def connector_config(address: StoreAddress, local_buffer_bytes: int) -> dict[str, str]:
@@ -141,6 +191,136 @@ def connector_config(address: StoreAddress, local_buffer_bytes: int) -> dict[str
         "global_segment_size": "0",
         "local_buffer_size": f"{local_buffer_bytes // MIB}MB",
     }
+
+
+# -- blocks ------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class KVBlockShape:
+    """One block of KV cache as vLLM lays it out per layer: K and V for every KV head."""
+
+    layers: int
+    kv_heads: int
+    block_size: int
+    head_dim: int
+    dtype: str = "float32"  # a torch dtype's name
+
+    @property
+    def dims(self) -> tuple[int, int, int, int, int]:
+        return (self.layers, 2, self.kv_heads, self.block_size, self.head_dim)
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        import torch
+
+        dtype = getattr(torch, self.dtype, None)
+        if not isinstance(dtype, torch.dtype):
+            raise ValueError(f"unknown torch dtype {self.dtype!r}")
+        return dtype
+
+    @property
+    def nbytes(self) -> int:
+        import torch
+
+        count = self.layers * 2 * self.kv_heads * self.block_size * self.head_dim
+        return count * torch.empty((), dtype=self.torch_dtype).element_size()
+
+
+def kv_block(shape: KVBlockShape, digest: bytes) -> torch.Tensor:
+    """The block an engine would hold for ``digest``: content derived from the digest."""
+    import torch
+
+    generator = torch.Generator().manual_seed(digest_event_hash(digest) & ((1 << 63) - 1))
+    return torch.randn(shape.dims, generator=generator).to(shape.torch_dtype)
+
+
+def block_bytes(block: torch.Tensor) -> Any:
+    """The raw bytes the connector stores for a block (a flat uint8 view, no copy)."""
+    import torch
+
+    return block.contiguous().reshape(-1).view(torch.uint8).numpy()
+
+
+class KVBlockStore:
+    """A store client that checks, saves and loads KV blocks by digest, one round trip per
+    batch. Calls block: an asyncio caller runs them off its event loop."""
+
+    def __init__(
+        self,
+        address: StoreAddress,
+        model_name: str,
+        local_hostname: str = "127.0.0.1",
+        buffer_bytes: int = 64 * MIB,
+        segment_bytes: int = 0,  # 0: the store process holds the memory
+        protocol: str = "tcp",
+        device_name: str = "",
+    ) -> None:
+        from mooncake.store import MooncakeDistributedStore  # the optional [store] extra
+
+        if local_hostname == LOOPBACK_ENV["MC_TCP_BIND_ADDRESS"]:
+            for name, value in LOOPBACK_ENV.items():
+                os.environ.setdefault(name, value)  # read when the transfer engine starts
+        self.model_name = model_name
+        self._store = MooncakeDistributedStore()
+        code = self._store.setup(
+            local_hostname,
+            address.metadata_url,
+            segment_bytes,
+            buffer_bytes,
+            protocol,
+            device_name,
+            address.master,
+        )
+        if code != 0:
+            raise StoreError(f"store setup against {address.master} failed with code {code}")
+
+    def keys(self, digests: Sequence[bytes]) -> list[str]:
+        return [block_key(self.model_name, digest) for digest in digests]
+
+    def contains(self, digests: Sequence[bytes]) -> list[bool]:
+        """Which blocks the store holds now."""
+        if not digests:
+            return []
+        answers = self._store.batch_is_exist(self.keys(digests))
+        failed = [answer for answer in answers if answer < 0]
+        if failed:
+            raise StoreUnavailable(f"the store could not answer an existence check ({failed[0]})")
+        return [answer == 1 for answer in answers]
+
+    def put(self, digests: Sequence[bytes], blocks: Sequence[torch.Tensor]) -> None:
+        """Save blocks (raw bytes under the connector's keys); all or none."""
+        if len(digests) != len(blocks):
+            raise ValueError("one block per digest")
+        if not digests:
+            return
+        code = self._store.put_batch(self.keys(digests), [block_bytes(b) for b in blocks])
+        if code == RPC_FAIL:
+            raise StoreUnavailable(f"the store's master did not answer a put ({code})")
+        if code != 0:
+            raise StoreError(f"put of {len(digests)} blocks failed with code {code}")
+
+    def get(self, digests: Sequence[bytes], shape: KVBlockShape) -> list[torch.Tensor | None]:
+        """Load blocks as tensors of ``shape``; None for a block the store does not hold (or
+        holds with another size)."""
+        import torch
+
+        if not digests:
+            return []
+        loaded: list[torch.Tensor | None] = []
+        for value in self._store.get_batch(self.keys(digests)):
+            if len(value) != shape.nbytes:
+                loaded.append(None)
+                continue
+            flat = torch.frombuffer(bytearray(value), dtype=shape.torch_dtype)
+            loaded.append(flat.view(shape.dims))
+        return loaded
+
+    def close(self) -> None:
+        self._store.close()
+
+
+# -- a store on this machine ----------------------------------------------------------------
 
 
 def binary(name: str) -> Path:
@@ -189,9 +369,28 @@ def _wait_listening(port: int, process: subprocess.Popen, log: Path, timeout: fl
     raise StoreError(f"nothing listens on {port}:\n{log.read_text(errors='replace')[-2000:]}")
 
 
+def _end(process: subprocess.Popen | None, kill: bool = False) -> None:
+    if process is None or process.poll() is not None:
+        return
+    if kill:
+        process.kill()
+    else:
+        process.terminate()
+    try:
+        process.wait(10)
+    except subprocess.TimeoutExpired:
+        process.kill()
+        process.wait(5)
+
+
 class LocalStore:
     """A store on this machine: ``mooncake_master`` and one store process lending it
-    ``segment_bytes`` of memory, on free loopback ports; logs in ``run_dir``."""
+    ``segment_bytes`` of memory, on free loopback ports; logs in ``run_dir``.
+
+    ``metrics_port`` is the master's admin HTTP port (``/get_all_keys``, ``/health`` ...).
+    ``kill_master`` and ``start_master`` take the master away and bring it back on the same
+    ports (with an empty store: a master keeps its objects in memory only).
+    """
 
     def __init__(self, run_dir: Path, segment_bytes: int, timeout: float = 20.0) -> None:
         self.run_dir, self.segment_bytes, self.timeout = run_dir, segment_bytes, timeout
@@ -200,9 +399,14 @@ class LocalStore:
         self.address = StoreAddress(
             f"127.0.0.1:{self.rpc_port}", f"http://127.0.0.1:{self.metadata_port}/metadata"
         )
-        self.processes: list[subprocess.Popen] = []
+        self.master: subprocess.Popen | None = None
+        self.store: subprocess.Popen | None = None
 
-    def _spawn(self, name: str, command: list[str], port: int) -> None:
+    @property
+    def admin_url(self) -> str:
+        return f"http://127.0.0.1:{self.metrics_port}"
+
+    def _spawn(self, name: str, command: list[str], port: int) -> subprocess.Popen:
         log = self.run_dir / f"{name}.log"
         with log.open("ab") as output:
             process = subprocess.Popen(
@@ -212,23 +416,29 @@ class LocalStore:
                 cwd=self.run_dir,
                 env={**os.environ, **LOOPBACK_ENV},
             )
-        self.processes.append(process)
-        _wait_listening(port, process, log, self.timeout)
+        try:
+            _wait_listening(port, process, log, self.timeout)
+        except StoreError:
+            _end(process, kill=True)
+            raise
+        return process
+
+    def start_master(self) -> None:
+        master = master_command(self.rpc_port, self.metadata_port, self.metrics_port)
+        self.master = self._spawn("master", master, self.metadata_port)
+
+    def kill_master(self) -> None:
+        """SIGKILL: the master dies without a word to its clients."""
+        _end(self.master, kill=True)
+        self.master = None
 
     def start(self) -> None:
-        master = master_command(self.rpc_port, self.metadata_port, self.metrics_port)
-        self._spawn("master", master, self.metadata_port)
+        self.start_master()
         store = store_process_command(self.address, self.store_port, self.segment_bytes)
-        self._spawn("store", store, self.store_port)
+        self.store = self._spawn("store", store, self.store_port)
         time.sleep(0.5)  # the store process mounts its segment right after its port opens
 
     def stop(self) -> None:
-        for process in reversed(self.processes):
-            if process.poll() is None:
-                process.terminate()
-                try:
-                    process.wait(10)
-                except subprocess.TimeoutExpired:
-                    process.kill()
-                    process.wait(5)
-        self.processes = []
+        _end(self.store)
+        _end(self.master)
+        self.store = self.master = None

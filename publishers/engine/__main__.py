@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import importlib.util
 import logging
 import os
 import signal
@@ -29,6 +30,7 @@ from pydantic import BaseModel, ConfigDict, ValidationError
 from conductor.runtime import configure_logging, run
 
 from ..publisher import KVEventPublisher, binds, offset_endpoint
+from ..store import KVBlockShape, MooncakeConfig, StoreError
 from .block_hash import HASH_ALGORITHMS, BlockHasher
 from .block_manager import BlockManager
 from .metrics import EngineMetrics, cache_config_info
@@ -39,6 +41,7 @@ from .scheduler import (
     Scheduler,
 )
 from .server import ServerSettings, create_app
+from .store_tier import KVTransferConfig, StoreCollector, StoreTier, connect
 from .timing import TimingModel
 from .tokenizer import Tokenizer
 
@@ -51,6 +54,7 @@ WILDCARD_HOSTS = ("", "*", "0.0.0.0", "::")
 SHUTDOWN_SECONDS = 0.5  # per stage; SIGTERM to exit stays well under 2 s
 REGISTER_BACKOFF = (0.1, 5.0)  # first and largest delay between attempts, seconds
 _TIMING_FIELDS = list(fields(TimingModel))
+STORE_DTYPES = ("float32", "float16", "bfloat16")
 
 
 class KVEventsConfig(BaseModel):
@@ -113,6 +117,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     vllm.add_argument("--prefix-caching-hash-algo", choices=HASH_ALGORITHMS, default="sha256")
     vllm.add_argument("--kv-events-config", type=_kv_events_config, default=KVEventsConfig())
+    vllm.add_argument(
+        "--kv-transfer-config",
+        type=_kv_transfer_config,
+        help='\'{"kv_connector": "MooncakeStoreConnector", "kv_role": "kv_both"}\': save '
+        "blocks to and load them from the Mooncake store MOONCAKE_CONFIG_PATH describes",
+    )
     vllm.add_argument("--data-parallel-rank", type=int, default=0)
 
     sim = parser.add_argument_group("simulator flags")
@@ -149,6 +159,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="HBM of the instance, sizing the KV pool without --num-gpu-blocks-override",
     )
     sim.add_argument("--sim-log-level", default="INFO")
+    store = parser.add_argument_group(
+        "store blocks (--kv-transfer-config): [layers, 2, kv heads, block size, head dim]"
+    )
+    store.add_argument("--sim-store-layers", type=int, default=2)
+    store.add_argument("--sim-store-kv-heads", type=int, default=2)
+    store.add_argument("--sim-store-head-dim", type=int, default=32)
+    store.add_argument("--sim-store-dtype", choices=STORE_DTYPES, default="float32")
     timing = parser.add_argument_group("timing model (TimingModel's fields)")
     for field in _TIMING_FIELDS:
         flag, factor = _timing_flag(field.name)
@@ -162,6 +179,32 @@ def _kv_events_config(text: str) -> KVEventsConfig:
         return KVEventsConfig.model_validate_json(text)
     except ValidationError as error:
         raise argparse.ArgumentTypeError(str(error)) from None
+
+
+def _kv_transfer_config(text: str) -> KVTransferConfig:
+    try:
+        return KVTransferConfig.model_validate_json(text)
+    except ValidationError as error:
+        raise argparse.ArgumentTypeError(str(error)) from None
+
+
+def store_shape(args: argparse.Namespace) -> KVBlockShape:
+    return KVBlockShape(
+        args.sim_store_layers,
+        args.sim_store_kv_heads,
+        args.block_size,
+        args.sim_store_head_dim,
+        args.sim_store_dtype,
+    )
+
+
+def open_store(args: argparse.Namespace) -> StoreTier | None:
+    """The store tier when ``--kv-transfer-config`` asks for one (``check`` vetted it)."""
+    if args.kv_transfer_config is None:
+        return None
+    tier = connect(args.kv_transfer_config, args.mooncake_config, args.model, store_shape(args))
+    log.info("kv store master=%s model_key=%s", tier.master, tier.client.model_name)
+    return tier
 
 
 def timing_model(args: argparse.Namespace) -> TimingModel:
@@ -280,6 +323,7 @@ async def serve(args: argparse.Namespace) -> None:
         "127.0.0.1" if args.host in (None, *WILDCARD_HOSTS) else args.host
     )
     names = tuple(args.served_model_name or [args.model])
+    store = open_store(args)
     publisher = create_publisher(args)
     settings = ServerSettings(
         served_model_names=names,
@@ -291,9 +335,10 @@ async def serve(args: argparse.Namespace) -> None:
         enable_scale_out=args.enable_scale_out,
         kv_events_config=kv_event_source(args.kv_events_config, publisher),
     )
+    labels = {"model_name": names[0], "engine": str(args.data_parallel_rank)}
     metrics = EngineMetrics(
         scheduler,
-        {"model_name": names[0], "engine": str(args.data_parallel_rank)},
+        labels,
         args.max_model_len,
         cache_config_info(
             block_size=args.block_size,
@@ -306,12 +351,15 @@ async def serve(args: argparse.Namespace) -> None:
             max_model_len=args.max_model_len,
         ),
     )
+    if store is not None:
+        metrics.registry.register(StoreCollector(store, labels))
     engine = EngineLoop(
         scheduler,
         publisher,
         time_scale=args.sim_time_scale,
         kv_transfer_timeout=args.sim_kv_transfer_timeout,
         observer=metrics,
+        connector=store,
     )
     runner = web.AppRunner(
         create_app(engine, tokenizer, settings, metrics),
@@ -338,7 +386,7 @@ async def serve(args: argparse.Namespace) -> None:
             publisher.endpoint if publisher else None,
         )
         if args.sim_register_with and publisher is not None:
-            body = registration_body(args, settings, publisher, host)
+            body = registration_body(args, settings, publisher, host, store)
             registration = asyncio.create_task(register(session, args.sim_register_with, body))
         await stop.wait()
         log.info("shutting down")
@@ -351,16 +399,24 @@ async def serve(args: argparse.Namespace) -> None:
         await session.close()
         await engine.close()
         await runner.cleanup()
+        if store is not None:
+            await store.close()
         if publisher is not None:
             publisher.close(timeout=SHUTDOWN_SECONDS)
 
 
 def registration_body(
-    args: argparse.Namespace, settings: ServerSettings, publisher: KVEventPublisher, host: str
+    args: argparse.Namespace,
+    settings: ServerSettings,
+    publisher: KVEventPublisher,
+    host: str,
+    store: StoreTier | None = None,
 ) -> dict[str, Any]:
-    """The conductor's ``/register`` body for this engine's stream, as peers reach it."""
+    """The conductor's ``/register`` body for this engine's stream, as peers reach it; with
+    a store, its master's address (``kv_store``), which shares the blocks the engine saves."""
     replay = publisher.replay_endpoint
-    return {
+    kv_store = {} if store is None else {"kv_store": store.master}
+    return kv_store | {
         "endpoint": connectable(publisher.endpoint, host),
         "replay_endpoint": connectable(replay, host) if replay else "",
         "type": "vLLM",
@@ -391,6 +447,23 @@ def check(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
         parser.error(  # vLLM refuses this too: a long prompt could never be scheduled
             "--max-num-batched-tokens must be >= --max-model-len without chunked prefill"
         )
+    check_store(args, parser)
+
+
+def check_store(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
+    """A store connector needs its config file (vLLM's rule), the wheel, and a block shape."""
+    args.mooncake_config = None
+    if args.kv_transfer_config is None:
+        return
+    dims = (args.sim_store_layers, args.sim_store_kv_heads, args.sim_store_head_dim)
+    if min(dims) < 1:
+        parser.error("--sim-store-layers, --sim-store-kv-heads, --sim-store-head-dim must be >= 1")
+    if importlib.util.find_spec("mooncake") is None or importlib.util.find_spec("torch") is None:
+        parser.error("--kv-transfer-config needs the store client: pip install -e '.[store]'")
+    try:
+        args.mooncake_config = MooncakeConfig.from_env()
+    except ValueError as error:
+        parser.error(f"--kv-transfer-config: {error}")
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -400,7 +473,7 @@ def main(argv: list[str] | None = None) -> None:
     configure_logging(args.sim_log_level.upper())
     try:
         run(serve(args))
-    except (OSError, zmq.ZMQError, ValueError) as error:
+    except (OSError, zmq.ZMQError, ValueError, StoreError) as error:
         sys.exit(f"mooncake-engine-sim: {error}")
 
 

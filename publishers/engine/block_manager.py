@@ -25,6 +25,11 @@ index and the router's choices are only as right as those events. So this mirror
   into fresh GPU blocks (cached and announced on the GPU) and stay on the CPU. As with
   vLLM's connector, the CPU walk starts where the GPU hit ends and stops at the first block
   the CPU does not hold.
+- External tier (a KV connector's store, e.g. vLLM's ``MooncakeStoreConnector``): the caller
+  looks the prompt up in the store and loads what it can before admission, then passes the
+  range of prompt blocks it loaded; the hit continues into that range from where the GPU
+  and CPU hits end (a gap means recompute). Loaded blocks are cached and announced on the
+  GPU like any other; the external tier's own events are the connector's business.
 
 Everything is synchronous and O(blocks touched) per call: the asyncio shell calls it once
 per request and step, and the trace simulator thousands of times a second. Events
@@ -64,10 +69,16 @@ class Allocation:
     """What the scheduler and timing model need to know about an admitted prompt."""
 
     num_prompt_tokens: int
-    num_cached_tokens: int  # not recomputed: the GPU hit plus the CPU-loaded tokens
+    num_cached_tokens: int  # not recomputed: the GPU hit plus the loaded tokens
     num_cpu_loaded_tokens: int  # part of ``num_cached_tokens`` copied back from the CPU tier
     block_hashes: tuple[int, ...]  # event hashes of the prompt's complete blocks
     num_scheduled_tokens: int  # of ``num_new_tokens``, those given KV slots now (a chunk)
+    num_external_loaded_tokens: int = 0  # part of ``num_cached_tokens`` from the external tier
+
+    @property
+    def num_loaded_tokens(self) -> int:
+        """Cached tokens that are not on the GPU: they cost a load, not a computation."""
+        return self.num_cpu_loaded_tokens + self.num_external_loaded_tokens
 
     @property
     def num_new_tokens(self) -> int:
@@ -77,12 +88,15 @@ class Allocation:
 
 @dataclass(frozen=True, slots=True)
 class CacheStats:
-    """Cumulative prefix-cache counters (vLLM's ``prefix_cache_queries/hits``, in tokens)."""
+    """Cumulative prefix-cache counters (vLLM's ``prefix_cache_queries/hits`` and, for the
+    external tier, ``external_prefix_cache_queries/hits``: the prompt past the GPU hit)."""
 
     requests: int = 0
     query_tokens: int = 0
     gpu_hit_tokens: int = 0
     cpu_hit_tokens: int = 0
+    external_query_tokens: int = 0
+    external_hit_tokens: int = 0
 
 
 class _CachedBlock(NamedTuple):  # a tuple: built once per hashed block, so it must be cheap
@@ -148,8 +162,12 @@ class BlockManager:
         cache_salt: str | None = None,
         token_budget: int | None = None,
         chunked: bool = True,
+        external: range | None = None,
     ) -> Allocation | None:
         """Admit a prompt: reuse its cached prefix, take blocks for the rest, cache it.
+
+        ``external``: the prompt's blocks (by index) already loaded from the external tier;
+        None when the engine has no such tier (nothing is counted as queried).
 
         With a ``token_budget`` only that many uncached tokens are scheduled now (a chunked
         prefill's first chunk; ``append_tokens`` schedules the rest), or, with ``chunked``
@@ -182,8 +200,13 @@ class BlockManager:
             if block.digest not in self._cpu_cache:
                 break
             num_cpu_hits += 1
+        num_external_hits = 0
+        start = len(gpu_hits) + num_cpu_hits
+        if external is not None and external.start <= start < external.stop:
+            num_external_hits = max(0, min(external.stop, hit_limit) - start)
 
-        num_cached_tokens = (len(gpu_hits) + num_cpu_hits) * self.block_size
+        num_cached_blocks = len(gpu_hits) + num_cpu_hits + num_external_hits
+        num_cached_tokens = num_cached_blocks * self.block_size
         num_uncached = len(token_ids) - num_cached_tokens
         num_scheduled = num_uncached if token_budget is None else min(num_uncached, token_budget)
         num_new_blocks = self._blocks_for(num_cached_tokens + num_scheduled) - len(gpu_hits)
@@ -209,12 +232,16 @@ class BlockManager:
 
         gpu_hit_tokens = len(gpu_hits) * self.block_size
         cpu_hit_tokens = num_cpu_hits * self.block_size
+        external_hit_tokens = num_external_hits * self.block_size
         stats = self._stats
         self._stats = CacheStats(
             stats.requests + 1,
             stats.query_tokens + len(token_ids),
             stats.gpu_hit_tokens + gpu_hit_tokens,
             stats.cpu_hit_tokens + cpu_hit_tokens,
+            stats.external_query_tokens
+            + (0 if external is None else len(token_ids) - gpu_hit_tokens),
+            stats.external_hit_tokens + external_hit_tokens,
         )
         return Allocation(
             num_prompt_tokens=len(token_ids),
@@ -222,7 +249,23 @@ class BlockManager:
             num_cpu_loaded_tokens=cpu_hit_tokens,
             block_hashes=tuple(block.event_hash for block in request.blocks),
             num_scheduled_tokens=num_scheduled,
+            num_external_loaded_tokens=external_hit_tokens,
         )
+
+    def prompt_digests(
+        self, token_ids: Sequence[int], cache_salt: str | None = None
+    ) -> list[bytes]:
+        """The digests of a prompt's complete blocks, as ``allocate`` will hash them."""
+        return self._hasher.block_digests(token_ids, self.block_size, cache_salt=cache_salt)
+
+    def num_gpu_prefix_blocks(self, digests: Sequence[bytes]) -> int:
+        """How many of these leading blocks the GPU caches now (changes nothing)."""
+        count = 0
+        for digest in digests:
+            if digest not in self._gpu_cache:
+                break
+            count += 1
+        return count
 
     def append_tokens(
         self, request_id: str, token_ids: Sequence[int], num_tokens: int | None = None

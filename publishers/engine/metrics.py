@@ -272,10 +272,11 @@ class EngineMetrics:
         self.ttft.observe(request.ttft)
         num_prompt = len(request.prompt_token_ids)
         cached = request.num_cached_tokens
+        external = cached if request.remote_prefill else request.num_external_cached_tokens
         sources = {
             "local_compute": num_prompt - cached,
-            "local_cache_hit": 0 if request.remote_prefill else cached,
-            "external_kv_transfer": cached if request.remote_prefill else 0,
+            "local_cache_hit": cached - external,
+            "external_kv_transfer": external,
         }
         self.prompt_tokens.labels(**self._labels).inc(num_prompt)
         self.prompt_tokens_cached.labels(**self._labels).inc(cached)
@@ -314,6 +315,12 @@ class _StateCollector(Collector):
              "Prefix cache queries, in terms of number of queried tokens.", stats.query_tokens),
             ("vllm:prefix_cache_hits",
              "Prefix cache hits, in terms of number of cached tokens.", stats.gpu_hit_tokens),
+            ("vllm:external_prefix_cache_queries",
+             "External prefix cache queries from KV connector cross-instance cache sharing, "
+             "in terms of number of queried tokens.", stats.external_query_tokens),
+            ("vllm:external_prefix_cache_hits",
+             "External prefix cache hits from KV connector cross-instance cache sharing, "
+             "in terms of number of cached tokens.", stats.external_hit_tokens),
             ("vllm:num_preemptions", "Cumulative number of preemption from the engine.",
              scheduler.num_preemptions),
             ("vllm:generation_tokens", "Number of generation tokens processed.",
@@ -344,7 +351,7 @@ class _StateCollector(Collector):
         yield self._labelled(
             cached,
             {"device": stats.gpu_hit_tokens, "host": stats.cpu_hit_tokens}
-            | dict.fromkeys(("disk", "p2p", "external_unspecified"), 0),
+            | {"disk": 0, "p2p": 0, "external_unspecified": stats.external_hit_tokens},
         )
         info = GaugeMetricFamily(
             "vllm:cache_config_info",

@@ -16,7 +16,9 @@ its blocks are cached (and announced) chunk by chunk.
 
 ``EngineLoop`` is the thin shell: it runs ``plan_step``, sleeps the step's duration times
 ``time_scale`` (so tests and demos run the same schedule faster), applies the step, wakes the
-requests' token streams and publishes the step's KV events as one batch, as vLLM does.
+requests' token streams and publishes the step's KV events as one batch, as vLLM does. With
+a KV connector (``store_tier.StoreTier``) a request is looked up and loaded from the store
+before it is queued, and its prompt saved after its prefill, announced in a batch of its own.
 
 Token bookkeeping follows vLLM: each step after the prompt computes the KV of the last
 sampled token and samples the next one. So a request's blocks hold every token but the last
@@ -66,7 +68,8 @@ class EngineRequest:
     ``do_remote_prefill``), so its first admission loads instead of computing it.
     ``keep_blocks``: a prefill for a remote decode (``do_remote_decode``): when finished its
     blocks stay allocated until the decode side has pulled them (``Scheduler.release``).
-    Times are on the model clock.
+    ``store_blocks``: the prompt blocks (by index) loaded from a KV store before the request
+    was queued; None when the engine has no store. Times are on the model clock.
     """
 
     request_id: str
@@ -75,12 +78,14 @@ class EngineRequest:
     cache_salt: str | None = None
     remote_prefill: bool = False
     keep_blocks: bool = False
+    store_blocks: range | None = None
     output_token_ids: list[int] = field(default_factory=list)
     arrival_time: float = 0.0
     scheduled_time: float | None = None  # first admission: the end of its queueing
     first_token_time: float | None = None
     finish_time: float | None = None
     num_cached_tokens: int = 0  # not computed at the first admission (vLLM's cached_tokens)
+    num_external_cached_tokens: int = 0  # of them, loaded from the KV store
     num_computed_tokens: int = 0  # tokens with KV, including this step's (vLLM's name)
     num_block_tokens: int = 0  # tokens the block manager knows (prompt, then outputs)
     num_preemptions: int = 0
@@ -216,6 +221,7 @@ class Scheduler:
                 cache_salt=request.cache_salt,
                 token_budget=None if first_remote else budget,  # loading costs no budget
                 chunked=self.enable_chunked_prefill,
+                external=request.store_blocks if request.scheduled_time is None else None,
             )
             if allocation is None:
                 break
@@ -325,20 +331,21 @@ class Scheduler:
     def _admit(self, request: EngineRequest, allocation: Allocation) -> Chunk:
         """Its first chunk; a first admission records its cache hit and queueing.
 
-        CPU hits are loaded, not computed; so is every prompt token a remote-prefill request
-        did not have at its first admission. A preempted request readmitted later
+        CPU and store hits are loaded, not computed; so is every prompt token a remote-prefill
+        request did not have at its first admission. A preempted request readmitted later
         recomputes what it lost like any other.
         """
-        computed, loaded = allocation.num_scheduled_tokens, allocation.num_cpu_loaded_tokens
+        computed, loaded = allocation.num_scheduled_tokens, allocation.num_loaded_tokens
         if request.scheduled_time is None:
             request.scheduled_time = self.clock
             request.block_hashes = allocation.block_hashes
             request.num_cached_tokens = allocation.num_cached_tokens
+            request.num_external_cached_tokens = allocation.num_external_loaded_tokens
             if request.remote_prefill:
                 loaded, computed = loaded + computed, 0
                 request.num_cached_tokens = allocation.num_prompt_tokens
         request.num_block_tokens = allocation.num_prompt_tokens
-        gpu_hit = allocation.num_cached_tokens - allocation.num_cpu_loaded_tokens
+        gpu_hit = allocation.num_cached_tokens - allocation.num_loaded_tokens
         request.num_computed_tokens = gpu_hit
         return self._advance(request, computed, loaded=loaded)
 
@@ -422,10 +429,19 @@ class StepObserver(Protocol):
     def finished(self, request: EngineRequest) -> None: ...
 
 
+class KVConnector(Protocol):
+    """A KV store shared by engines (``store_tier.StoreTier``)."""
+
+    async def prefetch(self, request: EngineRequest, blocks: BlockManager) -> range: ...
+
+    async def save(self, request: EngineRequest, blocks: BlockManager) -> list[WireEvent]: ...
+
+
 class EngineLoop:
     """Runs a ``Scheduler`` in real time and publishes its KV events (one batch per step).
 
-    The publisher is borrowed: whoever created it closes it after ``close``.
+    The publisher and the connector are borrowed: whoever created them closes them after
+    ``close``.
     """
 
     def __init__(
@@ -436,17 +452,21 @@ class EngineLoop:
         time_scale: float = 1.0,
         kv_transfer_timeout: float = 480.0,
         observer: StepObserver | None = None,
+        connector: KVConnector | None = None,
     ) -> None:
         if time_scale < 0:
             raise ValueError("time_scale must be >= 0")
         self.scheduler = scheduler
         self.publisher = publisher
         self.observer = observer
+        self.connector = connector
         self.time_scale = time_scale
         self.kv_transfer_timeout = kv_transfer_timeout  # wall seconds: a safety net, unscaled
         self.num_batches_published = 0
         self._streams: dict[str, RequestStream] = {}
         self._hold_timers: dict[str, asyncio.TimerHandle] = {}
+        self._lookups: dict[str, asyncio.Task[None]] = {}  # requests not queued yet
+        self._saves: set[asyncio.Task[None]] = set()
         self._work = asyncio.Event()
         self._step: StepPlan | None = None
         self._step_started = 0.0
@@ -468,9 +488,16 @@ class EngineLoop:
 
     async def close(self) -> None:
         """Stop stepping and end every request's stream (held prefills are dropped)."""
+        tasks = [*self._saves, *self._lookups.values()]
         if self._task is not None:
-            self._task.cancel()
-            await asyncio.gather(self._task, return_exceptions=True)
+            tasks.append(self._task)
+        for stream in list(self._streams.values()):
+            request = stream.request
+            if self._end_lookup(request, "abort"):
+                request.error = "engine shut down"
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
         for stream in list(self._streams.values()):
             request = stream.request
             if self.scheduler.finish(request, "abort"):
@@ -481,15 +508,45 @@ class EngineLoop:
         self._hold_timers.clear()
 
     def submit(self, request: EngineRequest) -> RequestStream:
+        """Queue a request, after its store lookup when there is a connector (a remote
+        prefill's KV comes from its prefill engine instead)."""
         stream = RequestStream(request)
         self._streams[request.request_id] = stream
-        self.scheduler.add(request, self._model_now())
-        self._work.set()
+        arrival = self._model_now()
+        if self.connector is None or request.remote_prefill:
+            self._queue(request, arrival)
+        else:
+            task = asyncio.create_task(self._look_up(request, arrival))
+            self._lookups[request.request_id] = task
         return stream
+
+    def _queue(self, request: EngineRequest, arrival: float) -> None:
+        self.scheduler.add(request, arrival)
+        self._work.set()
+
+    async def _look_up(self, request: EngineRequest, arrival: float) -> None:
+        assert self.connector is not None
+        try:
+            request.store_blocks = await self.connector.prefetch(request, self.scheduler.blocks)
+        except Exception:  # a fault in the tier must cost a recomputation, not the request
+            log.exception("store lookup failed request_id=%s", request.request_id)
+        finally:
+            self._lookups.pop(request.request_id, None)
+        self._queue(request, arrival)
+
+    def _end_lookup(self, request: EngineRequest, reason: str) -> bool:
+        """End a request still being looked up in the store: it never reaches the queue."""
+        task = self._lookups.pop(request.request_id, None)
+        if task is None:
+            return False
+        task.cancel()
+        request.finish_reason = reason
+        request.finish_time = self.scheduler.clock
+        return True
 
     def abort(self, request: EngineRequest, reason: str = "abort") -> None:
         """End a request that is still waiting or running (no-op once it finished)."""
-        if self.scheduler.finish(request, reason):
+        if self.scheduler.finish(request, reason) or self._end_lookup(request, reason):
             if self.observer is not None:
                 self.observer.finished(request)
             self._wake_streams([request.request_id])
@@ -524,6 +581,7 @@ class EngineLoop:
             self._step = None
             changed = self.scheduler.complete_step(plan)
             self._publish()
+            self._save_prefilled(changed)
             if self.observer is not None:
                 self.observer.step(plan, changed, self.scheduler.clock)
             for request in changed:
@@ -532,6 +590,27 @@ class EngineLoop:
                         self.kv_transfer_timeout, self._expire, request.request_id
                     )
             self._wake_streams(request.request_id for request in changed)
+
+    def _save_prefilled(self, changed: Iterable[EngineRequest]) -> None:
+        """Save the prompts whose prefill this step finished (their first token)."""
+        if self.connector is None:
+            return
+        for request in changed:
+            if len(request.output_token_ids) == 1 and not request.remote_prefill:
+                task = asyncio.create_task(self._save(request))
+                self._saves.add(task)
+                task.add_done_callback(self._saves.discard)
+
+    async def _save(self, request: EngineRequest) -> None:
+        assert self.connector is not None
+        try:
+            events = await self.connector.save(request, self.scheduler.blocks)
+        except Exception:  # a fault in the tier must not end the engine loop
+            log.exception("store save failed request_id=%s", request.request_id)
+            return
+        if events and self.publisher is not None:
+            self.publisher.publish(events)
+            self.num_batches_published += 1
 
     def _expire(self, request_id: str) -> None:
         if self.release(request_id):

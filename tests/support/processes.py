@@ -50,6 +50,7 @@ class EngineSim(LocalService):
         block_size: int = 4,
         time_scale: float = 0.01,
         port: int | None = None,
+        env: dict[str, str] | None = None,
     ) -> None:
         self.instance_id = instance_id
         super().__init__(
@@ -66,6 +67,7 @@ class EngineSim(LocalService):
             str(time_scale),
             *args,
             port=port,
+            env=env,
         )
 
 

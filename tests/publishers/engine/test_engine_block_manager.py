@@ -415,6 +415,42 @@ def test_hit_continues_from_gpu_into_cpu() -> None:
     assert stored.event.parent_hash == chain[1]
 
 
+# -- external tier (a KV store the caller loaded from) ------------------------------------
+
+
+def test_a_store_hit_continues_the_gpu_hit_and_is_announced_on_the_gpu() -> None:
+    blocks = manager(8)
+    chain = fill(blocks, "a", 0, 1)
+    tokens = list(range(17))  # 4 full blocks, the last token always computed
+    allocation = blocks.allocate("b", tokens, external=range(1, 4))
+    assert allocation is not None
+    assert allocation.num_cached_tokens == 16
+    assert (allocation.num_external_loaded_tokens, allocation.num_loaded_tokens) == (12, 12)
+    assert (blocks.stats.external_query_tokens, blocks.stats.external_hit_tokens) == (13, 12)
+    stored = blocks.take_events()[-1]
+    assert kinds([stored]) == [("BlockStored", "GPU", hashes_of(tokens)[1:])]
+    assert stored.event.parent_hash == chain[0]
+
+
+def test_a_store_range_past_a_gap_or_the_last_token_is_not_a_hit() -> None:
+    blocks = manager(16)
+    gap = blocks.allocate("gap", list(range(17)), external=range(1, 4))  # block 0 is missing
+    assert gap is not None and gap.num_cached_tokens == 0
+    assert blocks.stats.external_query_tokens == 17
+    capped = blocks.allocate("capped", list(range(100, 108)), external=range(0, 2))
+    assert capped is not None and capped.num_external_loaded_tokens == 4  # not the last block
+    plain = blocks.allocate("plain", list(range(50, 60)))
+    assert plain is not None and blocks.stats.external_query_tokens == 17 + 8  # no store
+
+
+def test_the_gpu_prefix_of_digests_is_read_without_changing_anything() -> None:
+    blocks = manager(8)
+    fill(blocks, "a", 0, 2)
+    digests = blocks.prompt_digests(list(range(13)))
+    assert len(digests) == 3 and blocks.num_gpu_prefix_blocks(digests) == 2
+    assert not blocks.take_events() and blocks.stats.requests == 1
+
+
 # -- reset and independence --------------------------------------------------------------
 
 

@@ -238,6 +238,16 @@ def test_a_remote_prefill_loads_the_prompt_instead_of_computing_it() -> None:
     assert decode.num_cached_tokens == 64  # vLLM counts transferred tokens as cached
 
 
+def test_blocks_loaded_from_a_store_are_priced_as_loads_and_counted_as_cached() -> None:
+    engine = scheduler()
+    loaded = request("loaded", 65, store_blocks=range(0, 16))
+    engine.add(loaded)
+    plan = engine.plan_step()
+    assert plan is not None and plan.chunks[0].num_loaded == 64
+    assert plan.duration == pytest.approx(TIMING.step_seconds([(1, 64)], loaded_tokens=64))
+    assert (loaded.num_cached_tokens, loaded.num_external_cached_tokens) == (64, 64)
+
+
 def published_batches(publisher: KVEventPublisher) -> list[EventBatch]:
     """Every batch the real publisher sent, read back through its replay socket and the
     conductor's decoder, as a conductor would see them."""

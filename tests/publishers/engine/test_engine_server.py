@@ -23,9 +23,11 @@ from publishers.engine.__main__ import (
     connectable,
     default_num_gpu_blocks,
     max_num_batched_tokens,
+    store_shape,
     timing_model,
 )
 from publishers.engine.timing import TimingModel
+from publishers.store import MIB, STORE_CONNECTOR, StoreAddress, connector_config
 from tests.support.api import eventually, get, matched, post, query
 from tests.support.processes import ConductorProcess, EngineSim, free_port
 
@@ -554,3 +556,30 @@ def test_the_token_budget_follows_vllm() -> None:
         parse("--no-enable-chunked-prefill", "--max-num-batched-tokens", "512")
     with pytest.raises(SystemExit):
         parse("--max-num-batched-tokens", "0")
+
+
+def test_a_store_connector_takes_vllms_flag_and_config_file(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    connector = json.dumps(STORE_CONNECTOR)
+    monkeypatch.delenv("MOONCAKE_CONFIG_PATH", raising=False)
+    assert parse().mooncake_config is None
+    with pytest.raises(SystemExit):
+        parse("--kv-transfer-config", connector)  # vLLM's rule: the file must be named
+    for wrong in (
+        STORE_CONNECTOR | {"kv_connector": "NixlConnector"},  # the simulator has one connector
+        STORE_CONNECTOR | {"kv_role": "kv_everything"},
+        STORE_CONNECTOR | {"kv_rnak": 0},
+    ):
+        with pytest.raises(SystemExit):
+            parse("--kv-transfer-config", json.dumps(wrong))
+
+    address = StoreAddress("127.0.0.1:50051", "http://127.0.0.1:8080/metadata")
+    config = tmp_path / "mooncake.json"
+    config.write_text(json.dumps(connector_config(address, 64 * MIB)))
+    monkeypatch.setenv("MOONCAKE_CONFIG_PATH", str(config))
+    args = parse("--kv-transfer-config", connector, "--block-size", "32")
+    assert args.mooncake_config.address == address
+    assert store_shape(args).nbytes == 32 << 10  # the tiny model's block: 2 x 2 x 2 x 32 x 32
+    with pytest.raises(SystemExit):
+        parse("--kv-transfer-config", connector, "--sim-store-layers", "0")
