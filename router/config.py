@@ -18,6 +18,8 @@ from pydantic import (
     model_validator,
 )
 
+from conductor.config import master_address
+
 from .policy import POLICIES, PrefillCostModel, RoutingParams
 
 
@@ -63,15 +65,7 @@ class PrefillInstance(_Section):
     registrations: list[StreamRegistration] = Field(default_factory=list)
     # ours: the Mooncake store master (host:port) the engine saves its KV to and loads from
     # (vLLM's MooncakeStoreConnector); sent in its registrations. Empty: none
-    kv_store: str = ""
-
-    @field_validator("kv_store")
-    @classmethod
-    def _master_address(cls, value: str) -> str:
-        host, _, port = value.rpartition(":")
-        if value and not (host and port.isdigit() and 1 <= int(port) <= 65535):
-            raise ValueError("must be the store master's address host:port (port 1..65535)")
-        return value
+    kv_store: Annotated[str, AfterValidator(lambda v: v and master_address(v))] = ""
 
 
 class DecodeInstance(_Section):

@@ -30,9 +30,9 @@ SHARED = "Answer as a careful assistant who explains every step in plain words. 
 class Fleet:
     """A conductor, engine simulators whose event streams the router registers, a router."""
 
-    def __init__(self, tmp_path: Path) -> None:
+    def __init__(self, tmp_path: Path, conductor_config: dict[str, Any] | None = None) -> None:
         self.tmp_path = tmp_path
-        self.conductor = ConductorProcess(tmp_path)
+        self.conductor = ConductorProcess(tmp_path, config=conductor_config)
         self.conductor.wait_ready()  # its URL is final once it listens
         self.engines: dict[str, EngineSim] = {}
         self.kv_ports: dict[str, tuple[int, int]] = {}
