@@ -22,7 +22,7 @@ a fast /query walk:
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from collections.abc import Set as AbstractSet
 from dataclasses import dataclass, field
 
@@ -32,6 +32,7 @@ from .wire.events import AllBlocksCleared, BlockRemoved, BlockStored, EventBatch
 TIERS = (Tier.GPU, Tier.CPU, Tier.DISK)
 STORE_POOL_RANK = -1  # a kv_store pool's slot key is (address, -1): DP ranks are never < 0
 EVERY_SLOT = -1  # the member mask of a Mooncake pool: all bits set
+RECONCILE_STEP = 20_000  # pool blocks a store check looks at between two yields (~5 ms)
 
 
 @dataclass(frozen=True, slots=True)
@@ -465,22 +466,44 @@ class PrefixCacheTable:
     def end_store_check(self, kv_store: str) -> None:
         self._store_checks.pop(kv_store, None)
 
-    def reconcile_store(self, kv_store: str, present: AbstractSet[int]) -> int:
+    def reconcile_store(
+        self, kv_store: str, present: AbstractSet[int], step: int = RECONCILE_STEP
+    ) -> Iterator[int]:
         """A check of the store answered: ``present`` holds the engine hash of each of its
         keys. Every pool block it lacks that was not announced since the check began was
-        evicted, and goes; the store's CPU events are indexed again. Returns blocks dropped.
+        evicted, and goes; the store's CPU events are indexed again at once.
+
+        Yields the blocks dropped after each ``step`` pool blocks looked at, so that with a
+        million of them the caller can let queries and events run in between (a block
+        announced meanwhile is kept like any other announced during the check).
         """
         self.stores_down.discard(kv_store)
-        announced = self._store_checks.get(kv_store, set())
-        dropped = 0
-        for context in self.contexts.values():
-            pool = context.slots.get((kv_store, STORE_POOL_RANK))
-            if pool is None:
-                continue
-            for engine_hash in pool.holdings[Tier.CPU].by_engine_hash.keys() - present - announced:
-                context.evict(pool, Tier.CPU, engine_hash)
-                dropped += 1
-        return dropped
+        pool_key = (kv_store, STORE_POOL_RANK)
+        for context_key in [k for k, c in self.contexts.items() if pool_key in c.slots]:
+            context, pool = self._pool(context_key, pool_key)
+            held = list(pool.holdings[Tier.CPU].by_engine_hash) if pool else []
+            for start in range(0, len(held), step):
+                context, pool = self._pool(context_key, pool_key)
+                if context is None or pool is None:  # its last registration left meanwhile
+                    break
+                holds = pool.holdings[Tier.CPU].by_engine_hash
+                announced = self._store_checks.get(kv_store, ())
+                gone = [
+                    engine_hash
+                    for engine_hash in held[start : start + step]
+                    if engine_hash not in present
+                    and engine_hash not in announced
+                    and engine_hash in holds
+                ]
+                for engine_hash in gone:
+                    context.evict(pool, Tier.CPU, engine_hash)
+                yield len(gone)
+
+    def _pool(
+        self, context_key: ContextKey, pool_key: tuple[str, int]
+    ) -> tuple[PrefixContext | None, _Slot | None]:
+        context = self.contexts.get(context_key)
+        return context, context.slots.get(pool_key) if context else None
 
     def store_down(self, kv_store: str) -> int:
         """A check failed: the store may be gone or restart empty, so its pools are emptied

@@ -98,6 +98,27 @@ async def fetch_keys(session: aiohttp.ClientSession, admin_url: str, timeout: fl
     return keys.finish()
 
 
+async def check_store(
+    table: PrefixCacheTable,
+    session: aiohttp.ClientSession,
+    kv_store: str,
+    admin_url: str,
+    timeout: float,
+) -> tuple[StoreKeys, int]:
+    """One check: fetch the key list, drop the pool blocks it shows evicted. Returns the
+    keys and how many blocks were dropped; raises CheckFailed."""
+    table.begin_store_check(kv_store)
+    try:
+        keys = await fetch_keys(session, admin_url, timeout)
+        evicted = 0
+        for dropped in table.reconcile_store(kv_store, keys.digests):
+            evicted += dropped
+            await asyncio.sleep(0)  # a million pool blocks must not hold queries back
+        return keys, evicted
+    finally:
+        table.end_store_check(kv_store)
+
+
 @dataclass(slots=True)
 class _Store:
     admin_url: str
@@ -180,23 +201,21 @@ class StoreWatch:
     async def _check(self, kv_store: str, store: _Store) -> None:
         assert self._session is not None
         started = time.monotonic()
-        self._table.begin_store_check(kv_store)
         try:
-            keys = await fetch_keys(self._session, store.admin_url, self._timeout)
+            keys, evicted = await check_store(
+                self._table, self._session, kv_store, store.admin_url, self._timeout
+            )
         except CheckFailed as failure:
             outcome = failure.outcome
             self._down(kv_store, store, str(failure))
         else:
             outcome = "ok"
-            self._up(kv_store, store, keys)
-        finally:
-            self._table.end_store_check(kv_store)
+            self._up(kv_store, store, keys, evicted)
         store.checked_at = time.monotonic()
         self._metrics.store_checks.labels(kv_store, outcome).inc()
         self._metrics.store_check_seconds.labels(kv_store).observe(store.checked_at - started)
 
-    def _up(self, kv_store: str, store: _Store, keys: StoreKeys) -> None:
-        evicted = self._table.reconcile_store(kv_store, keys.digests)
+    def _up(self, kv_store: str, store: _Store, keys: StoreKeys, evicted: int) -> None:
         self._metrics.store_blocks_dropped.labels(kv_store, "evicted").inc(evicted)
         self._metrics.store_keys.labels(kv_store, "block").set(keys.keys - keys.unparsable)
         self._metrics.store_keys.labels(kv_store, "unparsable").set(keys.unparsable)

@@ -641,7 +641,7 @@ def test_store_check_drops_what_the_store_lacks_unless_announced_during_it(
     # while the answer travels, b saves block 3 and a saves block 1 again
     table.apply("b|default|0", batch(stored([13], toks(3), parent=12, tier=Tier.CPU)))
     table.apply("a|default|0", batch(stored([11], toks(1), parent=10, tier=Tier.CPU)))
-    assert table.reconcile_store(STORE, {11, 999}) == 2  # 10 (both copies) and 12
+    assert sum(table.reconcile_store(STORE, {11, 999})) == 2  # 10 (both copies) and 12
     table.end_store_check(STORE)
     pool = table.contexts[ctx()].slots[(STORE, STORE_POOL_RANK)].holdings[Tier.CPU]
     assert set(pool.by_engine_hash) == {11, 13} and pool.copies == {11: 1}
@@ -653,9 +653,36 @@ def test_store_check_drops_what_the_store_lacks_unless_announced_during_it(
     }
     check_invariants(table)
     table.begin_store_check(STORE)  # announced before this check: judged by its answer
-    assert table.reconcile_store(STORE, {11}) == 1
+    assert sum(table.reconcile_store(STORE, {11}, step=1)) == 1
     table.end_store_check(STORE)
     assert set(pool.by_engine_hash) == {11}
+    check_invariants(table)
+
+
+def test_store_check_yields_and_keeps_what_is_announced_between_its_steps(
+    table: PrefixCacheTable,
+) -> None:
+    """A check of a big pool runs in steps the service interleaves with events: a block
+    saved again between two steps is kept, one removed between them is not counted, and a
+    pool whose last registration left ends the check."""
+    _kv_fleet(table)
+    table.begin_store_check(STORE)
+    steps = table.reconcile_store(STORE, set(), step=1)
+    assert next(steps) == 1  # block 10
+    table.apply("a|default|0", batch(stored([11], toks(1), parent=10, tier=Tier.CPU)))
+    table.apply("a|default|0", batch(removed([12], tier=Tier.CPU)))
+    assert list(steps) == [0, 0]  # 11 was saved again while the check ran, 12 is gone
+    table.end_store_check(STORE)
+    pool = table.contexts[ctx()].slots[(STORE, STORE_POOL_RANK)].holdings[Tier.CPU]
+    assert set(pool.by_engine_hash) == {11}
+    check_invariants(table)
+
+    table.begin_store_check(STORE)
+    steps = table.reconcile_store(STORE, set(), step=1)
+    assert next(steps) == 1
+    table.remove_stream("a|default|0")
+    table.remove_stream("b|default|0")
+    assert list(steps) == []
     check_invariants(table)
 
 
@@ -675,7 +702,7 @@ def test_store_down_empties_its_pools_and_drops_its_cpu_events(table: PrefixCach
     assert (stats.blocks_stored, stats.dropped) == (0, {"kv_store_down": 1})
     assert table.apply("b|default|0", batch(stored([10], prompt(1)))).blocks_stored == 1
     assert table.apply("d|default|0", batch(stored([10], prompt(1), tier=Tier.CPU))).blocks_stored
-    assert table.reconcile_store(STORE, set()) == 0  # it answers again
+    assert sum(table.reconcile_store(STORE, set())) == 0  # it answers again
     assert table.apply("a|default|0", batch(stored([10], prompt(1), tier=Tier.CPU))).blocks_stored
     assert query(table, prompt(1), instance_id="c") == {"c": (0, 0, 0)}
     assert query(table, prompt(3), instance_id="b") == {"b": (4, 4, 4)}
@@ -1392,7 +1419,8 @@ class ModelCheck:
             announced = self.model.announced.get(key, set())
             kept = announced - present
             dropped = self.model.reconcile(kv_store, present)
-            assert self.table.reconcile_store(kv_store, present) == dropped, self.where("check")
+            steps = self.table.reconcile_store(kv_store, present, step=2)
+            assert sum(steps) == dropped, self.where("check")
             self.seen["evicted"] += dropped > 0
             self.seen["announced_kept"] += bool(kept & set(self.model.held.get(key, {})))
         self.table.end_store_check(kv_store)
