@@ -20,7 +20,7 @@ import pytest
 from aiohttp import web
 
 from conductor.config import ConductorConfig, one_line
-from conductor.kv_store_watch import StoreKeys
+from conductor.kv_store_watch import CHECK_TIMEOUT, StoreKeys
 from conductor.wire import BlockStored, decode_batch
 from conductor.wire.events import Tier
 from tests.support.api import eventually, get, metric, post, query, register_and_connect
@@ -357,3 +357,28 @@ async def test_a_store_nobody_answers_for_is_down_from_its_first_check(
     text = await (await http.get(f"{base}/metrics")).text()
     assert f'conductor_kv_store_checks_total{{kv_store="{other}",outcome="unreachable"}}' in text
     assert conductor.log().count(f"kv_store={other} down") == 1
+
+
+async def test_a_master_that_stops_answering_is_down_after_its_silence_timeout(
+    conductor_factory, admin, http, publisher_factory
+):
+    """A hung master (it accepts the request, then says nothing) is down once the check's
+    silence timeout passes, and its pool is emptied."""
+    admin.keys = [store_key(h) for h in HASHES]
+    base = conductor_factory(config=store_config(admin)).url
+    a = publisher_factory()
+    await register_and_connect(http, base, a, "engine-a", kv_store=STORE)
+    await a.publish([stored(HASHES, PROMPT, medium="cpu")])
+    await eventually(lambda: cpu_of(http, base, "engine-a"), lambda cpu: cpu == 12)
+    admin.gate = asyncio.Event()  # never opened
+    silence = CHECK_TIMEOUT.sock_read
+    assert silence is not None
+    health = await eventually(
+        lambda: store_health(http, base),
+        lambda h: h["kv_stores"][STORE]["state"] == "down",
+        timeout=silence + 5,
+    )
+    assert health["kv_stores"][STORE]["blocks"] == 0
+    text = await (await http.get(f"{base}/metrics")).text()
+    assert f'conductor_kv_store_checks_total{{kv_store="{STORE}",outcome="timeout"}} 1.0' in text
+    admin.gate.set()
