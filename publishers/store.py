@@ -33,7 +33,8 @@ import re
 import socket
 import subprocess
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
@@ -235,11 +236,12 @@ def kv_block(shape: KVBlockShape, digest: bytes) -> torch.Tensor:
     return torch.randn(shape.dims, generator=generator).to(shape.torch_dtype)
 
 
-def block_bytes(block: torch.Tensor) -> Any:
-    """The raw bytes the connector stores for a block (a flat uint8 view, no copy)."""
+def same_bytes(block: torch.Tensor, expected: torch.Tensor) -> bool:
+    """Byte for byte (not float equality, which would take -0.0 for 0.0)."""
     import torch
 
-    return block.contiguous().reshape(-1).view(torch.uint8).numpy()
+    flat = (t.contiguous().reshape(-1).view(torch.uint8) for t in (block, expected))
+    return torch.equal(*flat)
 
 
 class KVBlockStore:
@@ -289,32 +291,48 @@ class KVBlockStore:
         return [answer == 1 for answer in answers]
 
     def put(self, digests: Sequence[bytes], blocks: Sequence[torch.Tensor]) -> None:
-        """Save blocks (raw bytes under the connector's keys); all or none."""
+        """Save blocks (raw bytes under the connector's keys) straight from one registered
+        buffer; all or none."""
+        import torch
+
         if len(digests) != len(blocks):
             raise ValueError("one block per digest")
         if not digests:
             return
-        code = self._store.put_batch(self.keys(digests), [block_bytes(b) for b in blocks])
-        if code == RPC_FAIL:
-            raise StoreUnavailable(f"the store's master did not answer a put ({code})")
-        if code != 0:
-            raise StoreError(f"put of {len(digests)} blocks failed with code {code}")
+        batch = torch.stack([block.contiguous() for block in blocks])
+        with self._registered(batch) as pointers:
+            codes = self._store.batch_put_from(self.keys(digests), *pointers)
+        if RPC_FAIL in codes:
+            raise StoreUnavailable(f"the store's master did not answer a put ({RPC_FAIL})")
+        failed = [code for code in codes if code != 0]
+        if failed:
+            raise StoreError(f"put of {len(failed)} of {len(codes)} blocks failed ({failed[0]})")
 
     def get(self, digests: Sequence[bytes], shape: KVBlockShape) -> list[torch.Tensor | None]:
-        """Load blocks as tensors of ``shape``; None for a block the store does not hold (or
-        holds with another size)."""
+        """Load blocks as tensors of ``shape``, straight into one registered buffer; None
+        for a block the store does not hold (or holds with another size)."""
         import torch
 
         if not digests:
             return []
-        loaded: list[torch.Tensor | None] = []
-        for value in self._store.get_batch(self.keys(digests)):
-            if len(value) != shape.nbytes:
-                loaded.append(None)
-                continue
-            flat = torch.frombuffer(bytearray(value), dtype=shape.torch_dtype)
-            loaded.append(flat.view(shape.dims))
-        return loaded
+        batch = torch.empty((len(digests), *shape.dims), dtype=shape.torch_dtype)
+        with self._registered(batch) as pointers:
+            sizes = self._store.batch_get_into(self.keys(digests), *pointers)
+        loaded = zip(batch, sizes, strict=True)
+        return [block if size == shape.nbytes else None for block, size in loaded]
+
+    @contextmanager
+    def _registered(self, batch: torch.Tensor) -> Iterator[tuple[list[int], list[int]]]:
+        """The transfer engine moves bytes only to and from memory registered with it: one
+        registration for a whole batch; yields each block's address and size."""
+        base, size = batch.data_ptr(), batch[0].nbytes
+        code = self._store.register_buffer(base, batch.nbytes)
+        if code != 0:
+            raise StoreError(f"registering {batch.nbytes} bytes failed with code {code}")
+        try:
+            yield [base + index * size for index in range(len(batch))], [size] * len(batch)
+        finally:
+            self._store.unregister_buffer(base)
 
     def close(self) -> None:
         self._store.close()

@@ -8,6 +8,12 @@ real fleet work with the simulator; everything only the simulator has starts wit
 With ``--sim-register-with URL`` the engine registers its own event stream with a conductor
 (retrying with capped backoff until the conductor answers) and unregisters on shutdown, so
 the conductor never routes to a stopped simulator's cache.
+
+With vLLM's ``--kv-transfer-config '{"kv_connector": "MooncakeStoreConnector", "kv_role":
+"kv_both"}'`` and ``MOONCAKE_CONFIG_PATH`` naming vLLM's config file, the engine saves
+blocks to and loads them from a real Mooncake store as vLLM's connector does
+(``store_tier.py``; block shape ``--sim-store-*``, the tiny model's by default), and its
+registration carries the store's master address (``kv_store``).
 """
 
 from __future__ import annotations
@@ -41,7 +47,7 @@ from .scheduler import (
     Scheduler,
 )
 from .server import ServerSettings, create_app
-from .store_tier import KVTransferConfig, StoreCollector, StoreTier, connect
+from .store_tier import KVTransferConfig, StoreTier, connect
 from .timing import TimingModel
 from .tokenizer import Tokenizer
 
@@ -198,11 +204,12 @@ def store_shape(args: argparse.Namespace) -> KVBlockShape:
     )
 
 
-def open_store(args: argparse.Namespace) -> StoreTier | None:
+def open_store(args: argparse.Namespace, labels: dict[str, str]) -> StoreTier | None:
     """The store tier when ``--kv-transfer-config`` asks for one (``check`` vetted it)."""
     if args.kv_transfer_config is None:
         return None
-    tier = connect(args.kv_transfer_config, args.mooncake_config, args.model, store_shape(args))
+    config, shape = args.mooncake_config, store_shape(args)
+    tier = connect(args.kv_transfer_config, config, args.model, shape, labels)
     log.info("kv store master=%s model_key=%s", tier.master, tier.client.model_name)
     return tier
 
@@ -323,7 +330,8 @@ async def serve(args: argparse.Namespace) -> None:
         "127.0.0.1" if args.host in (None, *WILDCARD_HOSTS) else args.host
     )
     names = tuple(args.served_model_name or [args.model])
-    store = open_store(args)
+    labels = {"model_name": names[0], "engine": str(args.data_parallel_rank)}
+    store = open_store(args, labels)
     publisher = create_publisher(args)
     settings = ServerSettings(
         served_model_names=names,
@@ -335,7 +343,6 @@ async def serve(args: argparse.Namespace) -> None:
         enable_scale_out=args.enable_scale_out,
         kv_events_config=kv_event_source(args.kv_events_config, publisher),
     )
-    labels = {"model_name": names[0], "engine": str(args.data_parallel_rank)}
     metrics = EngineMetrics(
         scheduler,
         labels,
@@ -352,7 +359,7 @@ async def serve(args: argparse.Namespace) -> None:
         ),
     )
     if store is not None:
-        metrics.registry.register(StoreCollector(store, labels))
+        metrics.registry.register(store.collector)
     engine = EngineLoop(
         scheduler,
         publisher,

@@ -16,11 +16,11 @@ What vLLM's connector does, the simulator does with real store traffic:
   ``BlockStored`` per block with medium ``"cpu"``, the previous prompt block as parent, the
   block's tokens, no extra keys. Nothing is announced when the store evicts.
 
-Store calls block, so they run on one worker thread, off the event loop. When the master
-does not answer, the tier goes down at once: requests are served by recomputing, nothing
-is saved or announced, and it is logged once; a TCP probe of the master every
-``retry_s`` brings the tier back when the master listens again (a call to a dead master
-takes seconds, a probe does not).
+Store calls block, so they run on one worker thread, off the event loop, and each is
+recorded as vLLM records it (``store_metrics``). When the master does not answer, the tier
+goes down at once: requests are served by recomputing, nothing is saved or announced, and
+it is logged once; a TCP probe of the master every ``retry_s`` brings the tier back when the
+master listens again (a call to a dead master takes seconds, a probe does not).
 """
 
 from __future__ import annotations
@@ -29,14 +29,11 @@ import asyncio
 import logging
 import os
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
-from typing import Any, Literal
+from functools import partial
+from typing import Any, Literal, TypeVar
 
-import numpy as np
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
-from prometheus_client.registry import Collector
 from pydantic import BaseModel, ConfigDict, field_validator
 
 from conductor.wire.events import BlockStored, Tier
@@ -48,19 +45,21 @@ from ..store import (
     MooncakeConfig,
     StoreError,
     StoreUnavailable,
-    block_bytes,
     kv_block,
     model_key_name,
+    same_bytes,
 )
 from .block_hash import event_hash
 from .block_manager import KV_CACHE_GROUP, BlockManager
 from .scheduler import EngineRequest
+from .store_metrics import StoreCollector, StoreOperations, StoreStats
 
 log = logging.getLogger(__name__)
 
 STORE_CONNECTOR = "MooncakeStoreConnector"
 CONNECTOR_MEDIUM = "cpu"  # what vLLM's store connector names its tier, lowercase
 PROBE_TIMEOUT_S = 0.5
+T = TypeVar("T")
 
 
 class KVTransferConfig(BaseModel):
@@ -89,28 +88,6 @@ class KVTransferConfig(BaseModel):
         return self.kv_role != "kv_consumer"
 
 
-@dataclass(slots=True)
-class StoreStats:
-    """Cumulative counters of the tier (the ``sim_store_*`` metrics)."""
-
-    loaded_blocks: int = 0
-    saved_blocks: int = 0
-    load_seconds: float = 0.0
-    save_seconds: float = 0.0
-    mismatched_blocks: int = 0  # loaded, but not the bytes ``kv_block`` makes: recomputed
-    missing_blocks: int = 0  # there at the check, gone at the load: recomputed
-    failed_puts: int = 0  # refused by a reachable store (full): not announced
-    unavailable_calls: int = 0  # the master did not answer, or the tier was down
-
-
-@dataclass(frozen=True, slots=True)
-class _Loaded:
-    blocks: range
-    seconds: float
-    mismatched: int
-    missing: int
-
-
 class StoreTier:
     """One engine's connector to one store; ``close`` it after the engine loop."""
 
@@ -119,6 +96,7 @@ class StoreTier:
         client: KVBlockStore,
         shape: KVBlockShape,
         master: str,
+        labels: dict[str, str],
         *,
         loads: bool = True,
         saves: bool = True,
@@ -127,7 +105,8 @@ class StoreTier:
         self.client, self.shape, self.master = client, shape, master
         self.loads, self.saves, self.retry_s = loads, saves, retry_s
         self.stats = StoreStats()
-        self.up = True
+        self.operations = StoreOperations(labels)
+        self.collector = StoreCollector(self.operations, self.stats)
         self._executor = ThreadPoolExecutor(1, thread_name_prefix="kv-store")
         self._probe: asyncio.Task[None] | None = None
 
@@ -140,28 +119,17 @@ class StoreTier:
         if not self.loads or gpu == len(digests):
             return range(gpu, gpu)
         loaded = await self._call(self._load, digests, gpu)
-        if loaded is None:
-            return range(gpu, gpu)
-        self.stats.loaded_blocks += len(loaded.blocks)
-        self.stats.load_seconds += loaded.seconds
-        self.stats.mismatched_blocks += loaded.mismatched
-        self.stats.missing_blocks += loaded.missing
-        return loaded.blocks
+        return range(gpu, gpu) if loaded is None else loaded
 
     async def save(self, request: EngineRequest, blocks: BlockManager) -> list[WireEvent]:
         """Put the prompt's full blocks the store lacks; the connector's events for them."""
-        if not self.saves:
-            return []
         prompt = request.prompt_token_ids
         digests = blocks.prompt_digests(prompt, request.cache_salt)
-        if not digests:
+        if not self.saves or not digests:
             return []
-        started = time.perf_counter()
         saved = await self._call(self._save, digests)
         if saved is None:
             return []
-        self.stats.saved_blocks += len(saved)
-        self.stats.save_seconds += time.perf_counter() - started
         size = blocks.block_size
         return [
             WireEvent(
@@ -188,42 +156,59 @@ class StoreTier:
 
     # -- on the store thread ---------------------------------------------------------------
 
-    def _load(self, digests: Sequence[bytes], gpu: int) -> _Loaded:
+    def _timed(self, operation: str, keys: int, call: Callable[[], T], num_bytes: int = 0) -> T:
+        """One store call, recorded as vLLM records it (an error counts all its keys)."""
         started = time.perf_counter()
-        present = self.client.contains(digests)
+        try:
+            result = call()
+        except StoreError:
+            seconds = time.perf_counter() - started
+            self.operations.record(operation, seconds, keys, 0, keys, "error")
+            raise
+        self.operations.record(operation, time.perf_counter() - started, keys, num_bytes)
+        return result
+
+    def _load(self, digests: Sequence[bytes], gpu: int) -> range:
+        present = self._timed("lookup_exists", len(digests), partial(self.client.contains, digests))
         end = present.index(False) if False in present else len(present)
         if end <= gpu:
-            return _Loaded(range(gpu, gpu), 0.0, 0, 0)
+            return range(gpu, gpu)
         wanted = digests[gpu:end]
+        started = time.perf_counter()
+        loaded = self.client.get(wanted, self.shape)
+        got = sum(1 for block in loaded if block is not None)
+        self.operations.record("load_get", time.perf_counter() - started, len(wanted),
+                               got * self.shape.nbytes, len(wanted) - got)  # fmt: skip
         verdicts: list[bool] = []  # every loaded block is checked, byte for byte
-        missing = mismatched = 0
-        for digest, block in zip(wanted, self.client.get(wanted, self.shape), strict=True):
+        for digest, block in zip(wanted, loaded, strict=True):
             if block is None:
-                missing += 1
+                self.stats.missing_blocks += 1
                 verdicts.append(False)
                 continue
-            expected = kv_block(self.shape, digest)
-            same = np.array_equal(block_bytes(block), block_bytes(expected))
+            same = same_bytes(block, kv_block(self.shape, digest))
             if not same:
-                mismatched += 1
+                self.stats.mismatched_blocks += 1
                 log.error("store block mismatch key=%s: recomputing", self.client.keys([digest])[0])
             verdicts.append(same)
         good = verdicts.index(False) if False in verdicts else len(verdicts)
-        seconds = time.perf_counter() - started
-        return _Loaded(range(gpu, gpu + good), seconds, mismatched, missing)
+        self.stats.loaded_blocks += good
+        return range(gpu, gpu + good)
 
     def _save(self, digests: Sequence[bytes]) -> list[int]:
-        present = self.client.contains(digests)
+        present = self._timed("save_exists", len(digests), partial(self.client.contains, digests))
         missing = [index for index, there in enumerate(present) if not there]
         wanted = [digests[index] for index in missing]
-        self.client.put(wanted, [kv_block(self.shape, digest) for digest in wanted])
+        if wanted:
+            put = partial(self.client.put, wanted, [kv_block(self.shape, d) for d in wanted])
+            self._timed("save_put", len(wanted), put, len(wanted) * self.shape.nbytes)
+        self.stats.saved_blocks += len(wanted)
         return missing
 
     # -- availability ----------------------------------------------------------------------
 
-    async def _call(self, function: Any, *args: Any) -> Any:
+    async def _call(self, function: Callable[..., T], *args: Any) -> T | None:
         """Run a store call on the store thread; None when the store cannot serve it."""
-        if not self.up:
+        if not self.stats.up:
             self.stats.unavailable_calls += 1
             return None
         try:
@@ -234,20 +219,19 @@ class StoreTier:
             self.stats.unavailable_calls += 1
             self._went_down(error)
         except StoreError as error:  # a reachable store refused (full): skip, as vLLM does
-            self.stats.failed_puts += 1
             log.warning("store operation failed: %s", error)
         return None
 
-    def _guarded(self, function: Any, *args: Any) -> Any:
+    def _guarded(self, function: Callable[..., T], *args: Any) -> T:
         """Calls queued before the tier went down must not wait on the dead master too."""
-        if not self.up:
+        if not self.stats.up:
             raise StoreUnavailable("the store is down")
         return function(*args)
 
     def _went_down(self, error: StoreError) -> None:
-        if not self.up:
+        if not self.stats.up:
             return
-        self.up = False
+        self.stats.up = False
         log.warning("store unreachable master=%s (%s): recomputing until it is back",
                     self.master, error)  # fmt: skip
         self._probe = asyncio.create_task(self._wait_for_master(), name="kv-store-probe")
@@ -263,13 +247,17 @@ class StoreTier:
             except (OSError, TimeoutError):
                 continue
             writer.close()
-            self.up = True
+            self.stats.up = True
             log.info("store reachable again master=%s", self.master)
             return
 
 
 def connect(
-    transfer: KVTransferConfig, config: MooncakeConfig, model: str, shape: KVBlockShape
+    transfer: KVTransferConfig,
+    config: MooncakeConfig,
+    model: str,
+    shape: KVBlockShape,
+    labels: dict[str, str],
 ) -> StoreTier:
     """The tier ``vllm serve``'s flag and environment describe (blocks while the client
     sets up). It advertises the address vLLM's connector would: its override, then
@@ -289,47 +277,4 @@ def connect(
         device_name=config.device_name,
     )
     master = config.master_server_address
-    return StoreTier(client, shape, master, loads=transfer.loads, saves=transfer.saves)
-
-
-def _family(
-    kind: type[CounterMetricFamily] | type[GaugeMetricFamily],
-    name: str,
-    documentation: str,
-    labels: dict[str, str],
-    value: float,
-) -> Metric:
-    family = kind(name, documentation, labels=list(labels))
-    family.add_metric(list(labels.values()), value)
-    return family
-
-
-class StoreCollector(Collector):
-    """The tier's ``sim_store_*`` metrics, read at scrape time."""
-
-    def __init__(self, tier: StoreTier, labels: dict[str, str]) -> None:
-        self._tier, self._labels = tier, labels
-
-    def collect(self) -> Iterable[Metric]:
-        stats, labels = self._tier.stats, self._labels
-        yield _family(GaugeMetricFamily, "sim_store_up",
-                      "1 while the store's master answers", labels, self._tier.up)  # fmt: skip
-        counters = (
-            ("sim_store_loaded_blocks", "Blocks loaded from the store and verified",
-             stats.loaded_blocks),
-            ("sim_store_saved_blocks", "Blocks put to the store (and announced)",
-             stats.saved_blocks),
-            ("sim_store_load_seconds", "Wall seconds spent checking and loading",
-             stats.load_seconds),
-            ("sim_store_save_seconds", "Wall seconds spent checking and saving",
-             stats.save_seconds),
-            ("sim_store_mismatched_blocks", "Loaded blocks with the wrong bytes (recomputed)",
-             stats.mismatched_blocks),
-            ("sim_store_missing_blocks", "Blocks gone between check and load (recomputed)",
-             stats.missing_blocks),
-            ("sim_store_failed_puts", "Puts a reachable store refused", stats.failed_puts),
-            ("sim_store_unavailable_calls", "Store calls skipped or failed: master down",
-             stats.unavailable_calls),
-        )  # fmt: skip
-        for name, documentation, value in counters:
-            yield _family(CounterMetricFamily, name, documentation, labels, value)
+    return StoreTier(client, shape, master, labels, loads=transfer.loads, saves=transfer.saves)

@@ -20,6 +20,7 @@ import zmq
 import zmq.asyncio
 
 from publishers.engine.block_hash import BlockHasher
+from router.store import store_loads
 from tests.support.api import eventually, metric
 from tests.support.processes import REPO, ConductorProcess, EngineSim
 
@@ -190,7 +191,8 @@ async def test_a_4k_prompt_saved_by_one_engine_loads_byte_identical_in_another(
     """A computes a 4,096-token prompt and saves its 128 blocks; before B has seen it, the
     conductor shows it on B's CPU tier (the store's pool); B then loads 127 blocks (all but
     the last token's) instead of computing them, each verified byte for byte, and reports
-    them as cached and as external prefix-cache hits. The test reads every block back too."""
+    them as cached and as external prefix-cache hits, with vLLM's store-operation metrics
+    (what the router learns the store's bandwidth from). The test reads every block back."""
     from publishers.store import KVBlockShape, KVBlockStore, kv_block
 
     conductor = ConductorProcess(
@@ -219,6 +221,10 @@ async def test_a_4k_prompt_saved_by_one_engine_loads_byte_identical_in_another(
         assert await metric(http, b.url, "sim_store_loaded_blocks_total") == 127
         assert await metric(http, b.url, "sim_store_mismatched_blocks_total") == 0
         assert await saved_blocks(http, b) == 0  # A had saved them all
+        async with http.get(f"{b.url}/metrics") as response:
+            loads = store_loads(await response.text())  # as the router reads vLLM's
+        assert loads is not None and (loads.tokens, loads.bytes) == (4064, 127 * 32768)
+        assert loads.seconds > 0
     finally:
         conductor.stop()
 
