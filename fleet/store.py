@@ -30,7 +30,7 @@ from publishers.store import (
     store_process_command,
 )
 
-from .plan import ServicePlan, free_port
+from .service import ServicePlan, free_port
 from .spec import MASTER_NAME, STORE_NAME, StoreSection
 from .tiny_model import write_json
 

@@ -22,7 +22,7 @@ from pathlib import Path
 import aiohttp
 import psutil
 
-from .plan import ServicePlan
+from .service import ServicePlan
 
 PR_SET_PDEATHSIG = 1
 STOP_TIMEOUT_S = 15.0  # vLLM's graceful shutdown can take several seconds on a busy machine

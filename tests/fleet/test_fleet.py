@@ -14,7 +14,8 @@ import aiohttp
 import psutil
 import pytest
 
-from fleet.plan import SERVICE_PORTS, cpu_share, make_plan
+from fleet.plan import cpu_share, make_plan
+from fleet.service import SERVICE_PORTS
 from fleet.spec import FleetSpec
 from tests.support.fleet import FleetProcess
 

@@ -23,7 +23,8 @@ import aiohttp
 import psutil
 import pytest
 
-from fleet.plan import ServicePlan, make_plan
+from fleet.plan import make_plan
+from fleet.service import ServicePlan
 from fleet.spec import FleetSpec
 from fleet.supervisor import child_environment
 from fleet.tiny_model import write_tiny_model
