@@ -157,12 +157,16 @@ def compare(load: dict[int, float], compute: dict[int, float], model_load: Calla
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--prompts", type=int, default=3, help="prompts (and repeats) each")
-    parser.add_argument("--segment-mib", type=int, default=3072)
+    parser.add_argument("--segment-mib", type=int, help="default: room for every block put")
     parser.add_argument("--no-forward", action="store_true", help="skip the tiny model's run")
     args = parser.parse_args()
     results: dict[str, object] = {}
+    prompt_bytes = sum(
+        PROMPT_TOKENS * shape.nbytes // shape.block_size for shape in LAYOUTS.values()
+    )
+    segment = args.segment_mib * MIB if args.segment_mib else (args.prompts + 2) * prompt_bytes
     with tempfile.TemporaryDirectory(prefix="store-bench-") as tmp:
-        local = LocalStore(Path(tmp), args.segment_mib * MIB)
+        local = LocalStore(Path(tmp), segment)
         local.start()
         try:
             client = KVBlockStore(local.address, "bench", buffer_bytes=1024 * MIB)
