@@ -12,7 +12,6 @@ import importlib.util
 import socket
 
 ISOLATED_INTERFACES = {"lo", "lan0", "lan1"}  # what scripts/isolated-net.sh creates
-NAMESPACE_ADDRESS = "169.254.77.1"  # its veth address, private to the namespace
 
 
 def store_skip_reason() -> str | None:
