@@ -14,6 +14,15 @@ prompts as token ids, streaming. The engines run ``--sim-time-scale 1/speedup``,
 model clock and the compressed arrivals agree: TTFTs are read on the model clock
 (``x-engine-ttft-ms``) and are comparable with the trace's own seconds.
 
+``--store on`` (or ``both``) gives every run a fresh real Mooncake store (master and store
+process, ``publishers.store.LocalStore``): the engines save every prefilled block to it and
+load from it what their own cache lacks (vLLM's MooncakeStoreConnector, simulated), the
+conductor indexes it as a shared CPU tier and the router prices loads from it. The bytes
+moved are small stand-in blocks (``STORE_BLOCK_FLAGS``: 1 KiB per 16 tokens); the engines
+charge a load the timing model's time for the modelled engine's KV, like every other cost.
+The store's binaries listen on every interface: run it inside
+``scripts/isolated-net.sh``.
+
 Run ``python bench/router_replay.py --help``; bench/README.md "Router replay" has results.
 """
 
@@ -57,6 +66,7 @@ from bench.trace_sim import (
 )
 from publishers.engine.timing import TimingModel
 from publishers.local import HOST, LocalService, free_port
+from publishers.store import LOOPBACK_ENV, MIB, STORE_CONNECTOR, LocalStore, connector_config
 from router.conductor_client import parse_hits
 from router.policy import POLICIES
 
@@ -71,6 +81,12 @@ STARTUP_TIMEOUT_S = 30.0
 WARM_UP_TIMEOUT_S = 30.0
 REQUEST_TIMEOUT_S = 900.0  # wall; an overloaded engine queues for a long time, not forever
 STOP_TIMEOUT_S = 5.0
+STORE_MODES = {"off": (False,), "on": (True,), "both": (False, True)}
+STORE_SEGMENT_MB = 1024
+STORE_BUFFER_BYTES = 64 << 20  # each engine's transfer buffer
+# one layer, one KV head of dim 8: real bytes through the real store, 1 KiB per 16 tokens
+STORE_BLOCK_FLAGS = ("--sim-store-layers", "1", "--sim-store-kv-heads", "1",
+                     "--sim-store-head-dim", "8")  # fmt: skip
 DEFAULT_CONCURRENCY = 1024  # above any slice's in-flight peak: arrivals stay open-loop
 LATE_WARNING_S = 0.5  # wall; a client this late no longer replays the trace's arrivals
 
@@ -93,6 +109,8 @@ class ReplaySetup:
     slos_s: tuple[float, ...]
     reject_slo_ms: float | None
     engine_speed: float  # GPU FLOPs relative to TimingModel's default engine
+    store_runs: tuple[bool, ...] = (False,)  # each policy without and/or with a store
+    store_mb: int = STORE_SEGMENT_MB
 
     @property
     def timing(self) -> TimingModel:
@@ -125,6 +143,8 @@ def build_setup(args: argparse.Namespace) -> ReplaySetup:
         slos_s=tuple(args.slo_s),
         reject_slo_ms=args.reject_slo_ms,
         engine_speed=args.engine_speed,
+        store_runs=STORE_MODES[args.store],
+        store_mb=args.store_mb,
     )
 
 
@@ -155,10 +175,13 @@ def describe(setup: ReplaySetup) -> dict[str, Any]:
         "client_concurrency": setup.concurrency,
         "trace_span_s": span_s,
         "offered_load_uncached": work_s / (setup.engines * span_s) if span_s else math.nan,
+        "warm_up_prompt_tokens": len(prompt_tokens(requests[0])),
         "ideal_hit_ratio": reused / total if total else 0.0,
         "pooled_hit_ratio": pooled.hit_ratio,
         "slos_s": list(setup.slos_s),
         "reject_slo_ms": setup.reject_slo_ms,
+        "store_runs": list(setup.store_runs),
+        "store_segment_mb": setup.store_mb,
     }
 
 
@@ -206,8 +229,13 @@ class Engine:
     replay_endpoint: str
 
 
+def run_label(policy: str, store: bool) -> str:
+    return f"{policy}+store" if store else policy
+
+
 class Fleet:
-    """A fresh conductor, E engine simulators and a router with one policy.
+    """A fresh conductor, E engine simulators and a router with one policy (and, with
+    ``store``, a fresh Mooncake store they all share).
 
     Fresh processes per policy rather than reset caches: the conductor's index, the
     router's load accounting and learned cost model and the engines' model clocks all start
@@ -215,8 +243,14 @@ class Fleet:
     process is stopped on the way out, whatever happened.
     """
 
-    def __init__(self, setup: ReplaySetup, policy: str, log_dir: Path) -> None:
+    def __init__(self, setup: ReplaySetup, policy: str, log_dir: Path, store: bool) -> None:
         self.setup, self.policy, self.log_dir = setup, policy, log_dir
+        self.label = run_label(policy, store)
+        self.store: LocalStore | None = None
+        if store:
+            store_dir = log_dir / f"{self.label}-store"
+            store_dir.mkdir(parents=True, exist_ok=True)
+            self.store = LocalStore(store_dir, setup.store_mb * MIB)
         self.services: list[LocalService] = []
         self.engines: list[Engine] = []
         self.conductor: LocalService | None = None
@@ -234,26 +268,33 @@ class Fleet:
         self.stop()
 
     def _start(self) -> None:
-        self.conductor = self._spawn("conductor", "conductor", "--config", "/nonexistent")
+        conductor_config = self.log_dir / f"conductor-{self.label}.json"
+        conductor_config.write_text(json.dumps(self.conductor_config(), indent=2))
+        if self.store is not None:
+            with STOPPING.deferred():
+                self.store.start()
+        self.conductor = self._spawn("conductor", "conductor", "--config", str(conductor_config))
         for index in range(self.setup.engines):
             self.engines.append(self._engine(f"engine-{index}"))
         for service in self.services:
             service.wait_ready(STARTUP_TIMEOUT_S)
-        config_path = self.log_dir / f"router-{self.policy}.json"
+        config_path = self.log_dir / f"router-{self.label}.json"
         config_path.write_text(json.dumps(self.router_config(), indent=2))
         self.router = self._spawn(
             "router", "router", "--config", str(config_path), "--log-level", "WARNING"
         )
         self.router.wait_ready(STARTUP_TIMEOUT_S)  # it listens once it has registered every stream
 
-    def _spawn(self, name: str, module: str, *args: str) -> LocalService:
+    def _spawn(
+        self, name: str, module: str, *args: str, env: dict[str, str] | None = None
+    ) -> LocalService:
         with STOPPING.deferred():
             service = LocalService(
                 self.log_dir,
-                f"{self.policy}-{name}",
+                f"{self.label}-{name}",
                 module,
                 *args,
-                env={"CONDUCTOR_LOG_LEVEL": "WARN"},
+                env={"CONDUCTOR_LOG_LEVEL": "WARN", **(env or {})},
             )
             self.services.append(service)
         return service
@@ -267,6 +308,14 @@ class Fleet:
             "endpoint": endpoint,
             "replay_endpoint": replay,
         }
+        store_args: tuple[str, ...] = ()
+        env: dict[str, str] = {}
+        if self.store is not None:
+            mooncake_config = self.log_dir / f"mooncake-{self.label}.json"
+            config = connector_config(self.store.address, STORE_BUFFER_BYTES)
+            mooncake_config.write_text(json.dumps(config))
+            store_args = ("--kv-transfer-config", json.dumps(STORE_CONNECTOR), *STORE_BLOCK_FLAGS)
+            env = {"MOONCAKE_CONFIG_PATH": str(mooncake_config), **LOOPBACK_ENV}
         service = self._spawn(
             instance_id,
             "publishers.engine",
@@ -280,8 +329,17 @@ class Fleet:
             "--sim-time-scale", repr(setup.time_scale),
             "--sim-gpu-flops", repr(setup.timing.gpu_flops),
             "--sim-log-level", "WARNING",
+            *store_args,
+            env=env,
         )  # fmt: skip
         return Engine(instance_id, service, endpoint, replay)
+
+    def conductor_config(self) -> dict[str, Any]:
+        """No services of its own (the router registers the engines); where the store's
+        admin server is, so the conductor can expire what the store evicts."""
+        if self.store is None:
+            return {}
+        return {"kv_store_admin_urls": {self.store.address.master: self.store.admin_url}}
 
     def router_config(self) -> dict[str, Any]:
         """The router's config file: the engines and their event streams, one policy."""
@@ -297,6 +355,7 @@ class Fleet:
                     {
                         "instance_id": engine.instance_id,
                         "http_endpoint": engine.service.url,
+                        "kv_store": self.store.address.master if self.store else "",
                         "registrations": [
                             {
                                 "endpoint": engine.endpoint,
@@ -312,9 +371,11 @@ class Fleet:
         }
 
     def stop(self) -> None:
-        """Router first (no new work), then engines, then the conductor."""
+        """Router first (no new work), then engines, then the conductor, then the store."""
         for service in reversed(self.services):
             service.stop(STOP_TIMEOUT_S)
+        if self.store is not None:
+            self.store.stop()
 
     def logs(self) -> str:
         return "\n".join(f"--- {s.name} ({s.log_path})\n{s.log_tail()}" for s in self.services)
@@ -442,6 +503,8 @@ async def replay(setup: ReplaySetup, router_url: str, bodies: list[bytes]) -> li
 async def warm_up(fleet: Fleet, request: TraceRequest) -> None:
     """Serve ``request`` on every engine directly (not measured), then wait until the
     conductor reports it cached on each: proof that every event stream is subscribed.
+    With a store, each engine's turn waits until the store holds what the one before saved,
+    so the later engines load the prompt from the store, as they would in service.
 
     A fleet in service already holds its application's shared prefix; starting cold, the
     first engine to cache the conversation trace's common first block would be every later
@@ -452,19 +515,39 @@ async def warm_up(fleet: Fleet, request: TraceRequest) -> None:
     assert fleet.conductor is not None
     query = {"model": MODEL, "block_size": ENGINE_BLOCK_SIZE, "token_ids": tokens}
     timeout = aiohttp.ClientTimeout(total=WARM_UP_TIMEOUT_S)
+
+    async def indexed_everywhere(session: aiohttp.ClientSession, which: int) -> None:
+        deadline = time.monotonic() + WARM_UP_TIMEOUT_S
+        while time.monotonic() < deadline:
+            async with session.post(f"{fleet.conductor.url}/query", json=query) as answer:
+                hits = parse_hits(await answer.json(), "default")
+            if all(hits.get(e.instance_id, (0, 0, 0))[which] >= expected for e in fleet.engines):
+                return
+            await asyncio.sleep(0.1)
+        raise TimeoutError(f"the conductor did not index the warm-up on every engine: {hits}")
+
     async with aiohttp.ClientSession(timeout=timeout) as session:
         for engine in fleet.engines:
             async with session.post(f"{engine.service.url}/v1/completions", json=body) as answer:
                 if answer.status != 200:
                     raise RuntimeError(f"warm-up on {engine.instance_id}: {await answer.text()}")
-        deadline = time.monotonic() + WARM_UP_TIMEOUT_S
-        while time.monotonic() < deadline:
-            async with session.post(f"{fleet.conductor.url}/query", json=query) as answer:
-                hits = parse_hits(await answer.json(), "default")
-            if all(hits.get(e.instance_id, (0, 0, 0))[0] >= expected for e in fleet.engines):
-                return
-            await asyncio.sleep(0.1)
-    raise TimeoutError(f"the conductor did not index the warm-up on every engine: {hits}")
+            if fleet.store is not None:  # the store's pool is every engine's CPU tier
+                await indexed_everywhere(session, 1)
+        await indexed_everywhere(session, 0)
+
+
+async def store_loaded_tokens(fleet: Fleet) -> int:
+    """Prompt tokens the engines loaded from the store rather than computed (the warm-up
+    included): the sum of their ``vllm:external_prefix_cache_hits_total``."""
+    total = 0.0
+    timeout = aiohttp.ClientTimeout(total=10)
+    async with aiohttp.ClientSession(timeout=timeout) as session:
+        for engine in fleet.engines:
+            async with session.get(f"{engine.service.url}/metrics") as answer:
+                for line in (await answer.text()).splitlines():
+                    if line.startswith("vllm:external_prefix_cache_hits_total"):
+                        total += float(line.rsplit(" ", 1)[1])
+    return int(total)
 
 
 # -- summaries ---------------------------------------------------------------------------
@@ -493,7 +576,7 @@ def per_instance(outcomes: Sequence[Outcome], instances: Sequence[str]) -> dict[
 
 
 def summarize(
-    policy: str, outcomes: Sequence[Outcome], setup: ReplaySetup, instances: Sequence[str]
+    label: str, outcomes: Sequence[Outcome], setup: ReplaySetup, instances: Sequence[str]
 ) -> dict[str, Any]:
     """One policy's figures. SLO attainment is over every request sent: a rejected (429)
     or failed request is a miss, as trace_sim counts rejections."""
@@ -504,7 +587,7 @@ def summarize(
     ttfts = [o.ttft_s for o in served if o.ttft_s is not None]
     load = per_instance(outcomes, instances)
     summary: dict[str, Any] = {
-        "policy": policy,
+        "policy": label,
         "requests": len(outcomes),
         "served": len(served),
         "rejected": len(rejected),
@@ -566,19 +649,22 @@ def format_table(setup: dict[str, Any], runs: Sequence[dict[str, Any]]) -> str:
 # -- driver ------------------------------------------------------------------------------
 
 
-def run_policy(setup: ReplaySetup, policy: str, bodies: list[bytes], log_dir: Path) -> dict:
+def run_policy(
+    setup: ReplaySetup, policy: str, bodies: list[bytes], log_dir: Path, store: bool = False
+) -> dict:
     """Start a fleet for ``policy``, warm it up, replay, stop it; the policy's summary."""
     started = time.perf_counter()
-    with Fleet(setup, policy, log_dir) as fleet:
+    with Fleet(setup, policy, log_dir, store) as fleet:
         assert fleet.router is not None
         try:
             asyncio.run(warm_up(fleet, setup.requests[0]))
         except (OSError, aiohttp.ClientError, RuntimeError, TimeoutError) as error:
-            raise RuntimeError(f"{policy}: warm-up failed: {error}\n{fleet.logs()}") from None
+            raise RuntimeError(f"{fleet.label}: warm-up failed: {error}\n{fleet.logs()}") from None
         replay_started = time.perf_counter()
         outcomes = asyncio.run(replay(setup, fleet.router.url, bodies))
         replay_s = time.perf_counter() - replay_started
-        summary = summarize(policy, outcomes, setup, [e.instance_id for e in fleet.engines])
+        summary = summarize(fleet.label, outcomes, setup, [e.instance_id for e in fleet.engines])
+        summary["store_loaded_tokens"] = asyncio.run(store_loaded_tokens(fleet))
         if summary["errors"]:
             summary["logs"] = fleet.logs()
     summary["replay_wall_s"] = replay_s
@@ -634,6 +720,14 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         help=f"smoke run: {QUICK['requests']} requests, {QUICK['engines']} engines, "
         f"{QUICK['policies']}, speedup {QUICK['speedup']:g} (explicit flags still win)",
     )
+    add(
+        "--store",
+        choices=sorted(STORE_MODES),
+        default="off",
+        help="run each policy without a Mooncake store, with one, or both (needs the [store] "
+        "extra; run inside scripts/isolated-net.sh)",
+    )
+    add("--store-mb", type=int, default=STORE_SEGMENT_MB, help="the store's memory")
     add("--log-dir", type=Path, help="keep the processes' logs and configs here")
     add("--json", type=Path, default=RESULTS_DIR / "router_replay.json")
     args = parser.parse_args(argv)
@@ -667,13 +761,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         log_dir = args.log_dir or Path(scratch)
         log_dir.mkdir(parents=True, exist_ok=True)
         for policy in setup.policies:
-            runs.append(run_policy(setup, policy, bodies, log_dir))
-            print(f"  {policy}: {runs[-1]['wall_s']:.1f} s", file=sys.stderr)
+            for store in setup.store_runs:
+                runs.append(run_policy(setup, policy, bodies, log_dir, store))
+                print(f"  {runs[-1]['policy']}: {runs[-1]['wall_s']:.1f} s", file=sys.stderr)
     wall_s = time.perf_counter() - started
     print(format_table(described, runs))
     print(
         f"ideal hit {described['ideal_hit_ratio']:.1%}, pooled-LRU hit "
-        f"{described['pooled_hit_ratio']:.1%}; {len(runs)} policies in {wall_s:.0f} s wall"
+        f"{described['pooled_hit_ratio']:.1%}; {len(runs)} runs in {wall_s:.0f} s wall"
     )
     write_json(args.json, described, runs, wall_s)
     print(f"wrote {args.json}")

@@ -16,14 +16,18 @@ from pathlib import Path
 
 import pytest
 
+from tests.support.store import store_skip_reason
+
 REPO = Path(__file__).resolve().parents[2]
 BUDGET_S = 60.0
+STORE_BUDGET_S = 180.0  # two fleets, one with a store to start and fill
 
 
-def test_quick_replay_completes_without_errors(tmp_path: Path) -> None:
+def run_replay(tmp_path: Path, *flags: str, budget_s: float = BUDGET_S) -> dict:
+    """``bench/router_replay.py`` as a user runs it, within the budget; its JSON report."""
     report_path = tmp_path / "router_replay.json"
     replay = subprocess.Popen(
-        [sys.executable, "bench/router_replay.py", "--quick", "--json", str(report_path)],
+        [sys.executable, "bench/router_replay.py", *flags, "--json", str(report_path)],
         cwd=REPO,
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
@@ -31,14 +35,17 @@ def test_quick_replay_completes_without_errors(tmp_path: Path) -> None:
         start_new_session=True,  # its conductor, engines and router share its process group
     )
     try:
-        output, _ = replay.communicate(timeout=BUDGET_S)
+        output, _ = replay.communicate(timeout=budget_s)
     except subprocess.TimeoutExpired:
         os.killpg(replay.pid, signal.SIGTERM)  # the bench stops every process it started
         output, _ = replay.communicate(timeout=15)
-        pytest.fail(f"the quick replay took over {BUDGET_S:.0f} s:\n{output[-3000:]}")
+        pytest.fail(f"the replay took over {budget_s:.0f} s:\n{output[-3000:]}")
     assert replay.returncode == 0, output
+    return json.loads(report_path.read_text())
 
-    report = json.loads(report_path.read_text())
+
+def test_quick_replay_completes_without_errors(tmp_path: Path) -> None:
+    report = run_replay(tmp_path, "--quick")
     runs = report["runs"]
     assert list(runs) == report["setup"]["policies"] and len(runs) == 2
     for policy, run in runs.items():
@@ -48,3 +55,22 @@ def test_quick_replay_completes_without_errors(tmp_path: Path) -> None:
         assert run["ttft_p50_s"] is not None and run["ttft_p50_s"] > 0, policy
         served = sum(entry["requests"] for entry in run["instances"].values())
         assert served == run["served"], policy  # every answer named a configured engine
+
+
+@pytest.mark.skipif(store_skip_reason() is not None, reason=str(store_skip_reason()))
+def test_a_replay_with_the_store_loads_what_another_engine_saved(tmp_path: Path) -> None:
+    """With ``--store both`` the same slice runs without and with a real store. With it, the
+    warm-up's prompt, computed by the first engine, is loaded by the second from the store."""
+    report = run_replay(
+        tmp_path, "--requests", "30", "--engines", "2", "--policies", "round_robin",
+        "--speedup", "20", "--store", "both", budget_s=STORE_BUDGET_S,
+    )  # fmt: skip
+    runs = report["runs"]
+    assert list(runs) == ["round_robin", "round_robin+store"]
+    for label, run in runs.items():
+        assert run["errors"] == 0, (label, run["error_samples"])
+        assert run["served"] == run["requests"] == 30, label
+    assert runs["round_robin"]["store_loaded_tokens"] == 0
+    warm_up_prompt = report["setup"]["warm_up_prompt_tokens"] // 16 * 16
+    assert runs["round_robin+store"]["store_loaded_tokens"] >= warm_up_prompt - 16
+    assert runs["round_robin+store"]["hit_ratio"] >= runs["round_robin"]["hit_ratio"]
