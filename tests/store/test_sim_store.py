@@ -1,7 +1,8 @@
 """The engine simulator's store tier against a real Mooncake store, as vLLM's
 ``MooncakeStoreConnector`` behaves: the events it publishes are the captured connector's,
 a 4k-token prompt saved by one simulated engine loads byte-identical in another (and the
-conductor shows it there first), and a dead master costs recomputation, not requests."""
+conductor shows it there first), a block with the wrong bytes is caught and recomputed, and
+a dead master costs recomputation, not requests."""
 
 from __future__ import annotations
 
@@ -286,3 +287,28 @@ async def test_a_dead_master_costs_recomputation_until_it_returns(
             break
     assert await saved_blocks(http, a) == 40, "nothing saved once the master was back"
     assert cached(await complete(http, b, prompt)) == 608  # 19 of 20 blocks, from the store
+
+
+async def test_a_block_with_the_wrong_bytes_is_recomputed_from_there_on(
+    real_store, store_engines, http
+) -> None:
+    """Blocks put under the connector's keys by someone else, the fourth with other bytes:
+    the engine loads the three before it, counts and logs the bad one, computes the rest."""
+    from publishers.store import KVBlockShape, KVBlockStore, kv_block
+
+    prompt = [(13 * i + 5) % 30_000 + 100 for i in range(257)]  # 8 full blocks
+    digests = BlockHasher("sha256", "0").block_digests(prompt, BLOCK)
+    shape = KVBlockShape(layers=2, kv_heads=2, block_size=BLOCK, head_dim=32)
+    blocks = [kv_block(shape, digest) for digest in digests]
+    blocks[3] = kv_block(shape, digests[4])
+    client = KVBlockStore(real_store.address, CAPTURE["model_path_basename"])
+    try:
+        client.put(digests, blocks)
+    finally:
+        client.close()
+
+    engine = store_engines("sim-c", real_store)
+    assert cached(await complete(http, engine, prompt)) == 3 * BLOCK
+    assert await metric(http, engine.url, "sim_store_mismatched_blocks_total") == 1
+    assert await metric(http, engine.url, "sim_store_loaded_blocks_total") == 3
+    assert "store block mismatch" in engine.log()
