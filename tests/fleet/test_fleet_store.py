@@ -83,6 +83,13 @@ async def test_the_simulated_store_fleet_moves_kv_through_the_store(fleet, http)
         == (answer["usage"]["prompt_tokens_details"]["cached_tokens"])
     )
 
+    async def store_health() -> dict[str, Any]:
+        async with http.get(f"{conductor}/health") as response:
+            return (await response.json())["kv_stores"][master["master_address"]]
+
+    # the conductor checks the store at the admin URL the fleet gave it
+    await eventually(store_health, lambda store: store["state"] == "up", timeout=15)
+
     connections = established_tcp(fleet_pids(services))
     assert {"mooncake_master", "mooncake_client"} <= {c[0] for c in connections}
     outside = [c for c in connections if not (is_loopback(c[1]) and is_loopback(c[2]))]
