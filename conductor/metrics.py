@@ -115,7 +115,7 @@ class ConductorMetrics:
             "conductor_kv_store_check_seconds",
             "Time one check takes: fetch every key of the store, parse, drop the evicted",
             ["kv_store"],
-            buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10),
+            buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60),
             registry=registry,
         )
         self.store_keys = Gauge(

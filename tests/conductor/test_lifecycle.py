@@ -64,6 +64,8 @@ async def test_config_file_registrations_are_indexed(conductor_factory, http, pu
             '"modelname": "m", "block_size": 0}}}',
             "block_size",
         ),
+        ('{"kv_store_admin_urls": {"10.0.0.9:50051": "10.0.0.9:9003"}}', "kv_store_admin_urls"),
+        ('{"kv_store_check_interval_s": 0}', "kv_store_check_interval_s"),
     ],
 )
 def test_invalid_config_exits_with_one_line_reason(tmp_path, content, reason):
