@@ -258,6 +258,7 @@ class KVBlockStore:
         protocol: str = "tcp",
         device_name: str = "",
     ) -> None:
+        import torch  # noqa: F401  (seconds to import: paid here, not by the first request)
         from mooncake.store import MooncakeDistributedStore  # the optional [store] extra
 
         if local_hostname == LOOPBACK_ENV["MC_TCP_BIND_ADDRESS"]:
