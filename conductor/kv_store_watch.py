@@ -128,6 +128,7 @@ class _Store:
     state: str = "unchecked"
     checked_at: float | None = None  # monotonic end of the last check
     task: asyncio.Task[None] | None = None
+    told_unparsable: bool = False  # foreign keys are said once, then only counted
 
 
 class StoreWatch:
@@ -220,6 +221,15 @@ class StoreWatch:
         self._metrics.store_keys.labels(kv_store, "unparsable").set(keys.unparsable)
         if evicted:
             log.debug("kv_store=%s keys=%d evicted_blocks_dropped=%d", kv_store, keys.keys, evicted)
+        if keys.unparsable and not store.told_unparsable:
+            store.told_unparsable = True
+            log.warning(
+                "kv_store=%s: %d of its %d keys are no MooncakeStoreConnector block keys "
+                "(model@...@digest hex); they are ignored",
+                kv_store,
+                keys.unparsable,
+                keys.keys,
+            )
         if store.state == "down":
             log.warning("kv_store=%s answers again: its CPU events are indexed", kv_store)
         self._set_state(kv_store, store, "up")

@@ -251,7 +251,8 @@ async def test_evicted_blocks_leave_and_blocks_saved_during_a_check_stay(
     check's answer (which predates it) travels survives that check, and is judged by the
     next one. Keys of other models and malformed keys change nothing."""
     admin.keys = [store_key(h) for h in HASHES] + [store_key(7, "other"), "junk"]
-    base = conductor_factory(config=store_config(admin)).url
+    conductor = conductor_factory(config=store_config(admin))
+    base = conductor.url
     a, b = publisher_factory(), publisher_factory()
     await register_and_connect(http, base, a, "engine-a", kv_store=STORE)
     await register_and_connect(http, base, b, "engine-b", kv_store=STORE)
@@ -266,6 +267,7 @@ async def test_evicted_blocks_leave_and_blocks_saved_during_a_check_stay(
     assert await metric(http, base, "conductor_kv_store_blocks_dropped_total") == 1
     text = await (await http.get(f"{base}/metrics")).text()
     assert f'conductor_kv_store_keys{{kind="unparsable",kv_store="{STORE}"}} 1.0' in text
+    assert conductor.log().count("are no MooncakeStoreConnector block keys") == 1
 
     # a check is under way with the key list of now; block 1 is saved again meanwhile
     admin.gate, admin.asked = asyncio.Event(), asyncio.Event()
