@@ -516,6 +516,7 @@ class EngineLoop:
         if self.connector is None or request.remote_prefill:
             self._queue(request, arrival)
         else:
+            request.arrival_time = arrival  # also for an abort before it is queued
             task = asyncio.create_task(self._look_up(request, arrival))
             self._lookups[request.request_id] = task
         return stream
