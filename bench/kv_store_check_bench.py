@@ -42,7 +42,7 @@ import aiohttp
 from aiohttp import web
 
 REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(REPO))  # bench scripts run from a checkout, installed or not
 
 from conductor.config import DEFAULT_STORE_CHECK_INTERVAL_S  # noqa: E402
 from conductor.index import PrefixCacheTable, StreamSource  # noqa: E402
