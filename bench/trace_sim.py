@@ -22,9 +22,9 @@ What an instance models (a disaggregated *prefill* instance, as in Mooncake):
   router's own ``PrefillCostModel.store_load_s`` (tokens × bytes per token ÷ the store's
   bandwidth) for every token loaded from the optional shared Mooncake store, then
   ``prefill_seconds`` for the rest after the cached prefix — loading and computing are not
-  overlapped, transfers not congested. With a store, every instance shares it: the router
-  prices its hits as store loads and KV balancing may count on a peer's longer prefix
-  (pulled through the store: the engine gets what the store holds when its prefill starts);
+  overlapped, transfers not congested. With a store, every instance shares it and loads
+  what the store holds past its own hit when its prefill starts, as vLLM's connector does;
+  the router prices that pull at the store's cost when KV balancing counts it;
 - the request's first token, and so its TTFT, is the end of its prefill. The router learns
   it at once: ``Ticket.first_token()`` and ``release()`` (the prefill request is done).
 Events reach the conductor the instant they happen (no network delay), so the router
@@ -615,7 +615,8 @@ RUNS = ("random", "round_robin", "least_loaded", "max_prefix", "kv_cost", "ttft"
 def simulate(requests: Sequence[TraceRequest], config: SimConfig, name: str) -> RunResult:
     """One run: a policy of SIM_POLICIES (with the router's defaults: KV balancing at
     STORE_BALANCE_THRESHOLD when there is a store), ``pooled`` (the pooled-cache
-    reference), ``ttft-local`` (ttft without balancing) or ``ttft-global`` (balancing at
+    reference), ``ttft-local`` (ttft without balancing: store hits are not counted, though
+    the engines still load them) or ``ttft-global`` (balancing at
     ``config.global_balance_threshold``)."""
     if name == "pooled":
         return pooled_reference(requests, config)

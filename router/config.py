@@ -104,7 +104,7 @@ class RoutingSection(_Section):
     temperature: float = Field(default=0.0, ge=0)
     # KV balancing through the store; absent: on at STORE_BALANCE_THRESHOLD when a prefill
     # instance has a kv_store ("inf" turns it off)
-    balance_threshold: float | None = Field(default=None, gt=1)
+    balance_threshold: float | None = Field(default=None, ge=1)
     ttft_slo_ms: float | None = Field(default=None, gt=0)
     ttft_slack: float = Field(default=RoutingParams().ttft_slack, ge=0)
     learn_cost_model: bool = True

@@ -13,7 +13,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 POLICIES = ("round_robin", "least_loaded", "max_prefix", "kv_cost", "ttft")
-# pull a peer's prefix through the store when it is this many times the local hit
+# count a prefix pulled through the store when it is this many times the instance's own
 # (bench/README.md "Trace replay": measured on the FAST'25 traces with a store)
 STORE_BALANCE_THRESHOLD = 1.5
 
@@ -29,7 +29,7 @@ class Candidate:
     in_flight: int = 0  # requests sent and not finished
     queued_prefill_tokens: int = 0  # uncached prompt tokens sent and not yet prefilled
     # its CPU tier is a Mooncake store it shares with others and can load from now: that
-    # part of its hit costs a store load, and KV balancing may pull a peer's prefix through it
+    # part of its hit is KV other instances saved, pulled at the store's cost (KV balancing)
     store: bool = False
 
 
@@ -157,35 +157,31 @@ def ttft_estimate(
     candidate: Candidate,
     prompt_tokens: int,
     model: PrefillCostModel,
-    best_tokens: int = 0,
     balance_threshold: float | None = None,
 ) -> tuple[float, int]:
     """Mooncake's Algorithm 1 for one instance: (estimated TTFT, tokens not recomputed).
 
     Queue time is the prefill work already sent there. The instance reuses its GPU hit,
-    loads the CPU/DISK part of its cumulative hit (from the store, at the store's cost, when
-    it shares one), and computes the rest. An instance that shares a store also considers
-    pulling the best instance's prefix through it when that prefix is at least
-    ``balance_threshold`` times longer (Mooncake's KV-cache balancing; None: the default
-    ``STORE_BALANCE_THRESHOLD``, inf: never).
+    loads the CPU/DISK part of its cumulative hit, and computes the rest. For an instance
+    that shares a store, the CPU part is the store's: KV other instances computed and saved,
+    pulled at the store's cost. That is Mooncake's KV-cache balancing, and as in Algorithm 1
+    the pull is counted when the prefix it reaches is at least ``balance_threshold`` times
+    the instance's own (None: ``STORE_BALANCE_THRESHOLD``; inf: never, as a router that
+    ignores the store).
     """
     queue_s = model.per_token_s * candidate.queued_prefill_tokens
     reusable = min(candidate.disk_tokens, prompt_tokens)
-    local_s = model.load_s(
+    if candidate.store:
+        own = min(candidate.gpu_tokens, prompt_tokens)
+        threshold = STORE_BALANCE_THRESHOLD if balance_threshold is None else balance_threshold
+        if not reusable > own * threshold:
+            return queue_s + model.prefill_s(prompt_tokens - own, own), own
+    load_s = model.load_s(
         candidate.cpu_tokens - candidate.gpu_tokens,
         candidate.disk_tokens - candidate.cpu_tokens,
         candidate.store,
-    ) + model.prefill_s(prompt_tokens - reusable, reusable)
-    estimate, cached = local_s, reusable
-    threshold = STORE_BALANCE_THRESHOLD if balance_threshold is None else balance_threshold
-    if candidate.store and best_tokens > max(reusable, 0) * threshold:
-        pulled = min(best_tokens, prompt_tokens)
-        remote_s = model.store_load_s(pulled - candidate.gpu_tokens) + model.prefill_s(
-            prompt_tokens - pulled, pulled
-        )
-        if remote_s < local_s:
-            estimate, cached = remote_s, pulled
-    return queue_s + estimate, cached
+    )
+    return queue_s + load_s + model.prefill_s(prompt_tokens - reusable, reusable), reusable
 
 
 def ttft(
@@ -199,10 +195,8 @@ def ttft(
 ) -> Decision:
     """The instance with the lowest estimated TTFT (or, within ``slack`` × of it, the one
     reusing most); raises SloViolation past the SLO."""
-    best_tokens = max(c.disk_tokens for c in candidates)
     estimates = {
-        c.instance_id: ttft_estimate(c, prompt_tokens, model, best_tokens, balance_threshold)
-        for c in candidates
+        c.instance_id: ttft_estimate(c, prompt_tokens, model, balance_threshold) for c in candidates
     }
     fastest = min(seconds for seconds, _ in estimates.values())
     # within ``slack`` of the fastest estimate, the longest hit wins: placing a request
@@ -232,8 +226,8 @@ class RoutingParams:
     block_size: int = 16
     overlap_weight: float = 1.0
     temperature: float = 0.0
-    # KV balancing for instances that share a store (the only transfer path): None is
-    # STORE_BALANCE_THRESHOLD, inf turns it off
+    # KV balancing: pulling through a shared store (the only transfer path) what other
+    # instances saved there; None is STORE_BALANCE_THRESHOLD, inf turns it off
     balance_threshold: float | None = None
     ttft_slo_s: float | None = None
     # within (1 + slack) × the fastest TTFT estimate, the longest hit wins (0: Mooncake's

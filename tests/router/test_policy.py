@@ -130,17 +130,20 @@ def test_a_store_hit_costs_tokens_times_bytes_per_token_over_bandwidth():
     assert ttft_estimate(shared, 10_000, MODEL)[0] == pytest.approx(2000 * 2e-5 + prefill)
 
 
-def test_balancing_pulls_a_long_prefix_through_the_store_to_an_idle_instance():
+def test_balancing_pulls_a_prefix_through_the_store_to_an_idle_instance():
+    """Both instances share the store that holds 9000 tokens of the prompt; the holder has
+    them on its GPU but is busy, the idle one holds 1000."""
     holder = hit("a", 9000, queued_prefill_tokens=30_000, store=True)
-    idle = hit("b", 1000, store=True)
+    idle = hit("b", 1000, cpu=9000, store=True)
     without = ttft([holder, idle], 0, 10_000, MODEL, balance_threshold=math.inf)
     assert (without.instance_id, without.cached_tokens) == ("b", 1000)
+    assert without.estimated_ttft_s == pytest.approx(MODEL.prefill_s(9000, 1000))
     pulled = ttft([holder, idle], 0, 10_000, MODEL, balance_threshold=4.0)
     assert (pulled.instance_id, pulled.cached_tokens) == ("b", 9000)
     assert pulled.estimated_ttft_s == pytest.approx(
         MODEL.store_load_s(8000) + MODEL.prefill_s(1000, 9000)
     )
-    # below the threshold the remote prefix is not considered
+    # below the threshold the pull is not counted
     not_enough = ttft([holder, idle], 0, 10_000, MODEL, balance_threshold=10.0)
     assert not_enough.cached_tokens == 1000
     # the default threshold applies when none is given
@@ -148,11 +151,12 @@ def test_balancing_pulls_a_long_prefix_through_the_store_to_an_idle_instance():
     assert ttft([holder, idle], 0, 10_000, MODEL).cached_tokens == 9000
 
 
-def test_an_instance_without_a_store_cannot_pull():
-    holder = hit("a", 9000, queued_prefill_tokens=30_000, store=True)
-    alone = hit("b", 1000)
-    decision = ttft([holder, alone], 0, 10_000, MODEL, balance_threshold=1.1)
-    assert (decision.instance_id, decision.cached_tokens) == ("b", 1000)
+def test_without_a_store_the_cpu_tier_is_the_instances_own_whatever_the_threshold():
+    own_tier = hit("b", 1000, cpu=9000)
+    for threshold in (None, 1.0, 10.0, math.inf):
+        estimate, cached = ttft_estimate(own_tier, 10_000, MODEL, threshold)
+        assert cached == 9000
+        assert estimate == pytest.approx(8000 * 1e-5 + MODEL.prefill_s(1000, 9000))
 
 
 @pytest.mark.parametrize("policy", POLICIES)
