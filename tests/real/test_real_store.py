@@ -159,6 +159,11 @@ async def test_the_router_prices_a_prefix_only_the_store_holds(store_fleet, http
     assert cached == min(saved_tokens, len(tokens) - 1)
     loaded = await metric(http, url(store_fleet, owner), EXTERNAL_HITS) - hits_before[owner]
     assert loaded == cached  # all of it came from the store
+    async with http.get(f"{conductor}/health") as response:  # checked at the fleet's admin URL
+        store = (await response.json())["kv_stores"][
+            store_fleet["mooncake-master"]["master_address"]
+        ]
+    assert store["state"] == "up" and store["blocks"] > 0
 
 
 async def test_everything_the_store_moves_stays_on_loopback(store_fleet, http) -> None:
