@@ -58,7 +58,7 @@ async def _hit(http: aiohttp.ClientSession, conductor: str, tokens: list[int], n
 async def test_the_simulated_store_fleet_moves_kv_through_the_store(fleet, http) -> None:
     _, services = fleet
     master, store = services["mooncake-master"], services["mooncake-store"]
-    assert master["master_address"] == "127.0.0.1:50051" and master["url"].endswith(":9003")
+    assert master["master_address"] == "127.0.0.1:25051" and master["url"].endswith(":9003")
     assert store["segment_mb"] == SIM_STORE["kv_store"]["segment_mb"]
     a, b = services["sim-0"]["url"], services["sim-1"]["url"]
     conductor, router = services["conductor"]["url"], services["router"]["url"]
