@@ -13,9 +13,10 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 POLICIES = ("round_robin", "least_loaded", "max_prefix", "kv_cost", "ttft")
-# count a prefix pulled through the store when it is this many times the instance's own
-# (bench/README.md "Trace replay": measured on the FAST'25 traces with a store)
-STORE_BALANCE_THRESHOLD = 1.5
+# count a prefix pulled through the store when it is this many times the instance's own:
+# 1, whenever the store holds more. On the FAST'25 traces with a store, 1 gave the lowest
+# mean and p90 TTFT of 1, 1.5, 2, 4 and inf (bench/README.md "Trace replay")
+STORE_BALANCE_THRESHOLD = 1.0
 
 
 @dataclass(frozen=True, slots=True)
