@@ -452,9 +452,15 @@ class LocalStore:
         self.master = None
 
     def start(self) -> None:
+        """Master, then the store process; a store process that cannot start takes the
+        master down with it (no orphan for the caller to find)."""
         self.start_master()
         store = store_process_command(self.address, self.store_port, self.segment_bytes)
-        self.store = self._spawn("store", store, self.store_port)
+        try:
+            self.store = self._spawn("store", store, self.store_port)
+        except StoreError:
+            self.stop()
+            raise
         time.sleep(0.5)  # the store process mounts its segment right after its port opens
 
     def stop(self) -> None:
