@@ -6,7 +6,9 @@ is asked for all its keys (``GET /get_all_keys`` on the master's admin server), 
 block announced before that request went out whose digest no key carries was evicted: it
 leaves the index. A block announced while the answer is on its way may be missing from it
 and is kept. Checks start at a fixed rate, so a block evicted at time t is gone from
-``/query`` by t + interval + one check's duration (docs/kv-store.md has the measurements).
+``/query`` by t + interval + one check's duration, as long as checks take at most
+``MAX_CHECK_SHARE`` of the interval; a bigger store is checked less often, by
+t + 1/MAX_CHECK_SHARE × one check's duration (docs/kv-store.md has the measurements).
 
 A check that fails (refused, timed out, not 200, a broken answer) means the master is down
 or restarting, and a restarted master is empty: the store's pools are emptied at once and
@@ -37,6 +39,7 @@ log = logging.getLogger(__name__)
 
 KEY_DIGEST = re.compile(rb"@([0-9a-fA-F]{16,128})\r?$", re.MULTILINE)
 CHUNK_BYTES = 1 << 18  # parsed between two yields to the loop: ~2,300 keys, a few ms
+MAX_CHECK_SHARE = 0.2  # of the conductor's time a store's checks may take at most
 # a dead master refuses at once; a hung one is down after 10 s of silence; a million keys
 # stream for seconds (bench/kv_store_check_bench.py), so only the whole answer gets 60 s
 CHECK_TIMEOUT = aiohttp.ClientTimeout(total=60, sock_connect=2, sock_read=10)
@@ -190,14 +193,19 @@ class StoreWatch:
         }
 
     async def _run(self, kv_store: str, store: _Store) -> None:
-        """Checks start every interval (at once after one that overran)."""
+        """Checks start every interval, but a store too big to list that often is listed
+        at most ``MAX_CHECK_SHARE`` of the time: a check of a million keys takes seconds of
+        the conductor's CPU, and back-to-back checks starved ``/query`` of its loop."""
         next_start = time.monotonic()
         while True:
+            started = time.monotonic()
             try:
                 await self._check(kv_store, store)
             except Exception:  # a bug must cost one check, never the store's next ones
                 log.exception("kv_store=%s check could not be completed", kv_store)
-            next_start = max(next_start + self._interval, time.monotonic())
+            ended = time.monotonic()
+            rest = (ended - started) * (1 / MAX_CHECK_SHARE - 1)
+            next_start = max(next_start + self._interval, ended + rest)
             await asyncio.sleep(next_start - time.monotonic())
 
     async def _check(self, kv_store: str, store: _Store) -> None:
