@@ -43,8 +43,9 @@ class StoreLoads:
 
 
 def store_loads(metrics_text: str) -> StoreLoads | None:
-    """The store-load counters of a ``/metrics`` text; None when the engine reports no
-    store reads (no connector, or one without these metrics) or the text does not parse."""
+    """The store-load counters of a ``/metrics`` text; None when it is no vLLM engine's (no
+    external prefix-cache counter) or does not parse. Reads not reported yet count as 0:
+    labelled counters appear at their first increment."""
     totals = {HIT_TOKENS: 0.0, LOAD_BYTES: 0.0, LOAD_SECONDS: 0.0}
     seen = set()
     try:
@@ -61,6 +62,6 @@ def store_loads(metrics_text: str) -> StoreLoads | None:
                 seen.add(sample.name)
     except ValueError:
         return None
-    if LOAD_BYTES not in seen or LOAD_SECONDS not in seen:
+    if HIT_TOKENS not in seen:
         return None
     return StoreLoads(totals[HIT_TOKENS], totals[LOAD_BYTES], totals[LOAD_SECONDS])

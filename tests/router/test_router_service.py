@@ -38,7 +38,9 @@ class Fleet:
         self.kv_ports: dict[str, tuple[int, int]] = {}
         self.router: RouterProcess | None = None
 
-    def engine(self, name: str, *args: str, time_scale: float = 0.05) -> EngineSim:
+    def engine(
+        self, name: str, *args: str, time_scale: float = 0.05, env: dict[str, str] | None = None
+    ) -> EngineSim:
         pub, replay = self.kv_ports.setdefault(name, (free_port(), free_port()))
         events = {
             "enable_kv_cache_events": True,
@@ -56,6 +58,7 @@ class Fleet:
             *args,
             time_scale=time_scale,
             port=self.engines[name].port if name in self.engines else None,
+            env=env,
         )
         engine.wait_ready()  # its URL is final once it listens
         self.engines[name] = engine

@@ -205,3 +205,56 @@ async def test_the_store_cost_is_learned_from_the_engines_store_loads(
         assert await metric(http, router, parameter("store_bytes_per_token")) == 1024
     finally:
         fleet.stop()
+
+
+@pytest.mark.skipif(store_skip_reason() is not None, reason=str(store_skip_reason()))
+async def test_the_store_cost_is_learned_from_simulated_engines_loading_from_a_real_store(
+    store_fleet, http, tmp_path
+):
+    """Engine a computes a prompt and saves it to a real store; engine b (round robin) loads
+    it from there. The router reads both engines' store metrics (recorded as vLLM records
+    its store calls) and prices the store with what b's loads took."""
+    import json
+
+    from publishers.store import MIB, STORE_CONNECTOR, LocalStore, connector_config
+
+    (tmp_path / "store").mkdir()
+    store = LocalStore(tmp_path / "store", 64 << 20)
+    store.start()
+    try:
+        fleet = store_fleet(store.address.master, store.admin_url)
+        config_path = tmp_path / "mooncake.json"
+        config_path.write_text(json.dumps(connector_config(store.address, 16 * MIB)))
+        for name in ("a", "b"):
+            fleet.engine(
+                name, "--kv-transfer-config", json.dumps(STORE_CONNECTOR),
+                env={"MOONCAKE_CONFIG_PATH": str(config_path)},
+            )  # fmt: skip
+        config = with_store(fleet.config(["a", "b"], policy="round_robin"), store.address.master)
+        router = fleet.start_router(config)
+        parameter = 'router_cost_model{{parameter="{}"}}'.format
+        rounds = iter(range(100))
+
+        async def a_saves_b_loads() -> float:
+            """A new prompt to a, then to b; the store bandwidth the router prices now."""
+            start = 1000 * next(rounds) + 100
+            prompt = list(range(start, start + 641))  # 160 full blocks of 4 tokens
+            saved = await metric(http, fleet.engines["a"], "sim_store_saved_blocks_total")
+            _, headers, _ = await complete(http, router, prompt)
+            assert headers["x-conductor-prefill-instance"] == "a"
+            await eventually(
+                lambda: metric(http, fleet.engines["a"], "sim_store_saved_blocks_total"),
+                lambda blocks: blocks == saved + 160,
+            )
+            _, headers, answer = await complete(http, router, prompt)
+            assert headers["x-conductor-prefill-instance"] == "b"
+            assert answer["usage"]["prompt_tokens_details"]["cached_tokens"] == 640  # loaded
+            return await metric(http, router, parameter("store_bandwidth_bytes_s"))
+
+        # a load before the router's first look at b's metrics is its baseline, not learned
+        bandwidth = await eventually(a_saves_b_loads, lambda value: value != 100e9, timeout=30)
+        assert 1e5 < bandwidth < 1e11  # loopback TCP, whatever this machine's load
+        # the simulator's blocks: 2 layers × K and V × 2 heads × 32 dims × 4 B per token
+        assert await metric(http, router, parameter("store_bytes_per_token")) == 1024
+    finally:
+        store.stop()

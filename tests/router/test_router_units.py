@@ -323,9 +323,10 @@ def test_store_loads_are_read_from_vllm_metrics():
     metrics = VllmStoreMetrics()
     metrics.load(tokens=128, nbytes=131072, seconds=0.008, reads=2)
     assert store_loads(metrics.text()) == StoreLoads(128, 131072, 0.008)
-    no_connector = CollectorRegistry()
-    Counter("vllm:external_prefix_cache_hits", "hits", registry=no_connector).inc(5)
-    assert store_loads(generate_latest(no_connector).decode()) is None
+    nothing_loaded = CollectorRegistry()
+    Counter("vllm:external_prefix_cache_hits", "hits", registry=nothing_loaded)
+    assert store_loads(generate_latest(nothing_loaded).decode()) == StoreLoads(0, 0, 0)
+    assert store_loads("sglang:cache_hit_rate 0.5\n") is None  # no vLLM engine
     assert store_loads("vllm:x{ 1\n") is None  # does not parse
     now = StoreLoads(228, 231072, 0.5)
     assert now.since(StoreLoads(128, 131072, 0.25)) == StoreLoads(100, 100000, 0.25)
