@@ -18,7 +18,7 @@ model clock and the compressed arrivals agree: TTFTs are read on the model clock
 process, ``publishers.store.LocalStore``): the engines save every prefilled block to it and
 load from it what their own cache lacks (vLLM's MooncakeStoreConnector, simulated), the
 conductor indexes it as a shared CPU tier and the router prices loads from it. The bytes
-moved are small stand-in blocks (``STORE_BLOCK_FLAGS``: 1 KiB per 16 tokens); the engines
+moved are small stand-in blocks (``STORE_BLOCK_FLAGS``: 64 bytes per token); the engines
 charge a load the timing model's time for the modelled engine's KV, like every other cost.
 The store's binaries listen on every interface: run it inside
 ``scripts/isolated-net.sh``.
@@ -72,7 +72,7 @@ from router.policy import POLICIES
 
 REPO = Path(__file__).resolve().parent.parent
 RESULTS_DIR = REPO / "bench" / "results"
-ENGINE_BLOCK_SIZE = 16  # a 512-token trace block is 32 engine blocks
+DEFAULT_BLOCK_SIZE = 16  # a 512-token trace block is 32 engine blocks
 MAX_TOKENS_CAP = 4  # decode is not what routing decides; a few tokens keep the run fast
 DEFAULT_POLICIES = ("ttft", "max_prefix", "least_loaded", "round_robin")
 DEFAULT_SPEEDUP = 10.0
@@ -84,7 +84,7 @@ STOP_TIMEOUT_S = 5.0
 STORE_MODES = {"off": (False,), "on": (True,), "both": (False, True)}
 STORE_SEGMENT_MB = 1024
 STORE_BUFFER_BYTES = 64 << 20  # each engine's transfer buffer
-# one layer, one KV head of dim 8: real bytes through the real store, 1 KiB per 16 tokens
+# one layer, one KV head of dim 8: real bytes through the real store, 64 bytes per token
 STORE_BLOCK_FLAGS = ("--sim-store-layers", "1", "--sim-store-kv-heads", "1",
                      "--sim-store-head-dim", "8")  # fmt: skip
 DEFAULT_CONCURRENCY = 1024  # above any slice's in-flight peak: arrivals stay open-loop
@@ -109,6 +109,7 @@ class ReplaySetup:
     slos_s: tuple[float, ...]
     reject_slo_ms: float | None
     engine_speed: float  # GPU FLOPs relative to TimingModel's default engine
+    block_size: int = DEFAULT_BLOCK_SIZE  # the engines' (and so the store's keys')
     store_runs: tuple[bool, ...] = (False,)  # each policy without and/or with a store
     store_mb: int = STORE_SEGMENT_MB
 
@@ -130,7 +131,7 @@ def build_setup(args: argparse.Namespace) -> ReplaySetup:
     """The slice, and the engines' pool: ~1/E of the slice's distinct tokens each (the
     fleet together could hold every block once, so where a prefix lives decides hits)."""
     requests = load_trace(trace_path(args.trace), args.requests, time_scale=1 / args.speedup)
-    sizing = SimConfig(num_instances=args.engines, block_size=ENGINE_BLOCK_SIZE)
+    sizing = SimConfig(num_instances=args.engines, block_size=args.block_size)
     return ReplaySetup(
         trace=args.trace,
         requests=requests,
@@ -143,6 +144,7 @@ def build_setup(args: argparse.Namespace) -> ReplaySetup:
         slos_s=tuple(args.slo_s),
         reject_slo_ms=args.reject_slo_ms,
         engine_speed=args.engine_speed,
+        block_size=args.block_size,
         store_runs=STORE_MODES[args.store],
         store_mb=args.store_mb,
     )
@@ -155,7 +157,7 @@ def describe(setup: ReplaySetup) -> dict[str, Any]:
     requests = setup.requests
     reused, total = unbounded_token_hits(requests, warm_start=True)  # as the fleet is
     pooled = pooled_reference(
-        requests, SimConfig(num_instances=setup.engines, block_size=ENGINE_BLOCK_SIZE)
+        requests, SimConfig(num_instances=setup.engines, block_size=setup.block_size)
     )
     span_s = (requests[-1].arrival_s - requests[0].arrival_s) * setup.speedup
     timing = setup.timing
@@ -168,7 +170,7 @@ def describe(setup: ReplaySetup) -> dict[str, Any]:
         "policies": list(setup.policies),
         "speedup": setup.speedup,
         "engine_time_scale": setup.time_scale,
-        "engine_block_size": ENGINE_BLOCK_SIZE,
+        "engine_block_size": setup.block_size,
         "gpu_blocks_per_engine": setup.gpu_blocks,
         "max_model_len": setup.max_model_len,
         "max_tokens_cap": MAX_TOKENS_CAP,
@@ -320,7 +322,7 @@ class Fleet:
             instance_id,
             "publishers.engine",
             "--served-model-name", MODEL,
-            "--block-size", str(ENGINE_BLOCK_SIZE),
+            "--block-size", str(setup.block_size),
             "--num-gpu-blocks-override", str(setup.gpu_blocks),
             "--max-model-len", str(setup.max_model_len),
             "--kv-events-config", json.dumps(events),
@@ -350,7 +352,7 @@ class Fleet:
         return {
             "conductor": {"address": self.conductor.url},
             "prefill": {
-                "config": {"modelname": MODEL, "block_size": ENGINE_BLOCK_SIZE},
+                "config": {"modelname": MODEL, "block_size": self.setup.block_size},
                 "instances": [
                     {
                         "instance_id": engine.instance_id,
@@ -511,9 +513,10 @@ async def warm_up(fleet: Fleet, request: TraceRequest) -> None:
     request's longest match (trace_sim's ``warm_up`` explains the same choice)."""
     tokens = prompt_tokens(request)
     body = {"model": MODEL, "prompt": tokens, "max_tokens": 1}
-    expected = len(tokens) // ENGINE_BLOCK_SIZE * ENGINE_BLOCK_SIZE
+    size = fleet.setup.block_size
+    expected = len(tokens) // size * size
     assert fleet.conductor is not None
-    query = {"model": MODEL, "block_size": ENGINE_BLOCK_SIZE, "token_ids": tokens}
+    query = {"model": MODEL, "block_size": size, "token_ids": tokens}
     timeout = aiohttp.ClientTimeout(total=WARM_UP_TIMEOUT_S)
 
     async def indexed_everywhere(session: aiohttp.ClientSession, which: int) -> None:
@@ -683,6 +686,12 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     add("--requests", type=int, default=500, help="replay the first N requests")
     add("--engines", type=int, default=4)
     add(
+        "--block-size",
+        type=int,
+        default=DEFAULT_BLOCK_SIZE,
+        help="the engines' block size (a store holds one key per block)",
+    )
+    add(
         "--engine-speed",
         type=float,
         default=2.0,
@@ -751,7 +760,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     print(
         f"{setup.trace}: {len(setup.requests)} requests over {described['trace_span_s']:.0f} "
         f"trace s at speedup {setup.speedup:g}, {setup.engines} engines × "
-        f"{setup.gpu_blocks} blocks of {ENGINE_BLOCK_SIZE}, offered load (uncached) "
+        f"{setup.gpu_blocks} blocks of {setup.block_size}, offered load (uncached) "
         f"{described['offered_load_uncached']:.2f}×",
         file=sys.stderr,
     )
