@@ -1,8 +1,8 @@
-"""Benchmark of the conductor service over its real interfaces (DESIGN §5).
+"""Benchmark of the conductor service over its real interfaces.
 
 The service runs as a subprocess (``python -m conductor``) and is driven exactly as in
-production: raw pyzmq PUB sockets publish vLLM 0.33 event batches (WIRE.md §a.1, §b.1) and
-a keep-alive HTTP client asks ``/query`` (WIRE.md §e.1). Measured:
+production: raw pyzmq PUB sockets publish vLLM 0.33 event batches and
+a keep-alive HTTP client asks ``/query``. Measured:
 
 1. ingest throughput: blocks/s and events/s from the first send until the last event's
    prompt is queryable;

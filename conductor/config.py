@@ -1,6 +1,6 @@
 """Validated external inputs: the config file, env vars and every HTTP request body.
 
-Field names and defaults follow the Go conductor (WIRE.md §e.1) so existing
+Field names and defaults follow the Go conductor so existing
 ``conductor_config.json`` files and clients keep working; where Go silently accepts
 nonsense (a zero block size, an unknown type, a random port) we reject or fix it.
 """

@@ -1,4 +1,4 @@
-"""The Go conductor's prefix hash (WIRE.md §c), so indexes and queries agree with it.
+"""The Go conductor's prefix hash, so indexes and queries agree with it.
 
 ``h_i = XXH64(u64le(h_{i-1}) || u32le(token)...)`` over complete blocks only, with the
 root ``h_{-1} = XXH64(utf8(salt))``. Tokens are hashed as their int32 bit pattern.

@@ -1,7 +1,7 @@
 """The global prefix index: which owner holds which prefix block, on which tier.
 
 Pure and synchronous: the subscriber applies a decoded batch in one call, queries walk it
-in one call, nothing awaits in between (DESIGN §2.1–2.4).
+in one call, nothing awaits in between.
 
 Layout, chosen for memory (one dict entry per block and tier in the common case) and for
 a fast /query walk:
@@ -306,7 +306,7 @@ class PrefixContext:
     def match(
         self, hashes: Sequence[int | None], instance_id: str | None = None
     ) -> dict[str, InstanceMatch]:
-        """Walk the query's prefix hashes once for every engine slot (DESIGN §2.3)."""
+        """Walk the query's prefix hashes once for every engine slot."""
         engine_slots = [
             s
             for s in self.slots.values()

@@ -1,4 +1,4 @@
-"""Byte-exact msgpack payloads of the producers the publisher imitates (WIRE.md §b.1–b.3).
+"""Byte-exact msgpack payloads of the producers the publisher imitates.
 
 The input is the conductor's typed vocabulary (``conductor.wire.events``), optionally wrapped
 in a ``WireEvent`` that carries the producer fields the conductor does not model, so the

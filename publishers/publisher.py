@@ -1,4 +1,4 @@
-"""The vLLM-wire KV-event publisher any engine, cache daemon or test embeds (WIRE.md §a).
+"""The vLLM-wire KV-event publisher any engine, cache daemon or test embeds.
 
 It behaves like vLLM 0.33's ``ZmqEventPublisher``, so whatever consumes a real engine's
 stream (this project's conductor, the Go conductor, Dynamo) consumes this one unchanged:

@@ -1,5 +1,5 @@
 """The router's configuration: the upstream Mooncake cache-aware proxy's JSON layout
-(WIRE.md §f) plus an optional ``routing`` section, or the equivalent CLI flags."""
+plus an optional ``routing`` section, or the equivalent CLI flags."""
 
 from __future__ import annotations
 

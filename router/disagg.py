@@ -1,5 +1,5 @@
 """Prefill → decode hand-off with the ``kv_transfer_params`` vLLM's disaggregated proxy
-uses (WIRE.md §f): the prefill runs one token and returns where its KV lives; the decode
+uses: the prefill runs one token and returns where its KV lives; the decode
 instance pulls that KV and generates the answer."""
 
 from __future__ import annotations

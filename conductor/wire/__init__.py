@@ -1,4 +1,4 @@
-"""Wire formats of KV-event producers, decoded into typed events (see WIRE.md)."""
+"""Wire formats of KV-event producers, decoded into typed events."""
 
 from .decode import decode_batch
 from .events import (

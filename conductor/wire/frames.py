@@ -1,4 +1,4 @@
-"""ZMQ framing of KV-event streams (WIRE.md §a): live messages, replay requests and replies."""
+"""ZMQ framing of KV-event streams: live messages, replay requests and replies."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Mooncake store events (WIRE.md §b.4, §b.5).
+"""Mooncake store events.
 
 RFC #1527 maps (master ``main`` and the ``dev/conductor`` variant) identify blocks by
 ``seq_hashes`` (u64) or ``block_hashes`` (int64-cast); they carry no tokens, so the index

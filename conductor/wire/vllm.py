@@ -1,4 +1,4 @@
-"""vLLM (and SGLang) event layouts (WIRE.md §b.1–b.3).
+"""vLLM (and SGLang) event layouts.
 
 vLLM >= 0.24 and SGLang 0.5.23 send tagged maps with the same field names; SGLang adds
 ``cache_salt`` and uses signed int64 hashes (normalized here). vLLM <= 0.23 sends every

@@ -1,4 +1,4 @@
-"""vLLM 0.33 prefix-caching block hashes (WIRE.md §d), bit for bit.
+"""vLLM 0.33 prefix-caching block hashes, bit for bit.
 
 The simulator must publish the hashes a real vLLM 0.33 engine would publish for the same
 request, so that an index fed by simulated engines behaves like one fed by real ones and the

@@ -9,7 +9,7 @@ vLLM), ``/v1/models``, ``/tokenize``, ``/detokenize``, ``/health``, ``/ping``, `
 unknown route or a wrong method gets FastAPI's ``{"detail": ...}`` 404 or 405. Every shape
 is pinned against a real vLLM 0.32's answer to the same request.
 
-Disaggregation follows vLLM's NIXL connector as the upstream proxy drives it (WIRE.md §f):
+Disaggregation follows vLLM's NIXL connector as the upstream proxy drives it:
 ``kv_transfer_params.do_remote_decode`` makes a request a prefill — one token, blocks kept,
 and the answer carries the ``kv_transfer_params`` the decode instance needs;
 ``do_remote_prefill`` makes it a decode that loads the prompt's KV instead of computing it.
@@ -106,7 +106,7 @@ class _Body(BaseModel):
 
 
 class KVTransferParams(_Body):
-    """vLLM NIXL connector's fields (WIRE.md §f); the simulator reads only a few of them."""
+    """vLLM NIXL connector's fields; the simulator reads only a few of them."""
 
     do_remote_decode: bool = False
     do_remote_prefill: bool = False

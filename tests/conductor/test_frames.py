@@ -1,4 +1,4 @@
-"""ZMQ framing (WIRE.md §a.1, §a.2): live messages, replay requests, replies and end markers."""
+"""ZMQ framing: live messages, replay requests, replies and end markers."""
 
 from __future__ import annotations
 

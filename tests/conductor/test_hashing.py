@@ -1,4 +1,4 @@
-"""The Go-compatible conductor prefix hash (DESIGN §2.2, WIRE.md §c).
+"""The Go-compatible conductor prefix hash.
 
 Every chain the index stores and every query it answers goes through these functions, so
 they must reproduce the Go service's XXH64 chains bit for bit.
@@ -44,7 +44,7 @@ def test_query_vectors_are_all_covered() -> None:
 
 
 def test_xxh64_empty_constant() -> None:
-    """The seed of every unsalted chain, as documented in WIRE.md §c and the fixture."""
+    """The seed of every unsalted chain, as the fixture records it."""
     assert salt_root("") == XXH64_EMPTY == 0xEF46DB3751D8E999
     assert VECTORS["algorithm"]["xxh64_empty_string"] == XXH64_EMPTY
 

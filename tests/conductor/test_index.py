@@ -1,4 +1,4 @@
-"""PrefixCacheTable: the global prefix index and its /query answer (DESIGN §2.1–2.4).
+"""PrefixCacheTable: the global prefix index and its /query answer.
 
 The table is pure and synchronous, so every test builds registrations (``StreamSource``),
 applies decoded batches and reads the answers directly. Besides the answers, most tests

@@ -1,4 +1,4 @@
-"""Decoding of every producer's KV-event payloads into typed events (WIRE.md §b).
+"""Decoding of every producer's KV-event payloads into typed events.
 
 The captured fixtures are checked against an expected view computed here, independently of
 the decoder, from the fixture's plain msgpack view; hand-built payloads cover the layouts
@@ -39,7 +39,7 @@ U64 = 2**64 - 1
 
 # --------------------------------------------------------------------------- expected view
 
-# DESIGN.md §2.3: media normalize case-insensitively to three tiers.
+# Media normalize case-insensitively to three tiers.
 EXPECTED_TIER: dict[str | None, Tier | None] = {
     None: None,
     "GPU": Tier.GPU,
@@ -52,7 +52,7 @@ EXPECTED_TIER: dict[str | None, Tier | None] = {
     "EXTERNAL": Tier.DISK,
 }
 
-# WIRE.md §b.2: positional fields after the tag, in declaration order (a release sends a
+# Positional fields after the tag, in declaration order (a release sends a
 # prefix of this list: 0.10.1 stops after lora_id, 0.22+ sends all of it).
 ARRAY_FIELDS: dict[str, tuple[str, ...]] = {
     "BlockStored": (
@@ -211,7 +211,7 @@ def test_fixture_set_is_complete() -> None:
     ],
 )
 def test_per_request_salt(name: str, salt: str | None, lora_name: str | None) -> None:
-    """The chain root comes from the request's salt (DESIGN §2.2), never from the LoRA name."""
+    """The chain root comes from the request's salt, never from the LoRA name."""
     (event,) = decode_case(name).events
     assert isinstance(event, BlockStored)
     assert (event.salt, event.lora_name) == (salt, lora_name)
@@ -333,7 +333,7 @@ def test_batch_dp_rank(name: str, rank: int | None) -> None:
     ids=str,
 )
 def test_medium_names(medium: str | None, tier: Tier | None) -> None:
-    """DESIGN §2.3: every producer's medium spelling lands in one of three tiers."""
+    """Every producer's medium spelling lands in one of three tiers."""
     event = {"type": "BlockRemoved", "block_hashes": [1], "medium": medium}
     assert decode_one(pack_batch([event], 0)) == BlockRemoved([1], tier)
 
@@ -354,7 +354,7 @@ BIG_AS_INT64 = BIG - 2**64
 
 
 def rfc_event(event_type: str = "stored", **overrides: Any) -> dict[str, Any]:
-    """An event as Mooncake master ``main`` writes it (WIRE.md §b.4), keys in wire order."""
+    """An event as Mooncake master ``main`` writes it, keys in wire order."""
     event: dict[str, Any] = {
         "event_id": 1,
         "timestamp": MS,
@@ -569,7 +569,7 @@ BAD_EVENTS: dict[str, Any] = {
 }
 
 
-# `true` is not a uint64 (WIRE.md §b.1): the all-int fast path must not take it as hash 1.
+# `true` is not a uint64: the all-int fast path must not take it as hash 1.
 BOOL_HASH = pytest.param(GOOD_STORED | {"block_hashes": [True]}, id="bool_hash")
 
 
@@ -577,7 +577,7 @@ BOOL_HASH = pytest.param(GOOD_STORED | {"block_hashes": [True]}, id="bool_hash")
     "bad", [*(pytest.param(v, id=k) for k, v in BAD_EVENTS.items()), BOOL_HASH]
 )
 def test_one_bad_event_rejects_only_itself(bad: Any) -> None:
-    """DESIGN §2.4: one bad event is counted and skipped; the rest of its batch is applied."""
+    """One bad event is counted and skipped; the rest of its batch is applied."""
     decoded = decode_batch(pack_batch([GOOD_STORED, bad, GOOD_REMOVED], 0))
     assert decoded.events == [
         BlockStored([11, 12], None, TOKENS, 4, Tier.GPU),

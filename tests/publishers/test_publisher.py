@@ -78,7 +78,7 @@ def evicted(block_hash: int) -> BlockRemoved:
 
 # ------------------------------------------------------------------- the captures' inputs
 
-# vLLM 0.33 event hashes (sha256, PYTHONHASHSEED=0, blocks of 4; WIRE.md §d).
+# vLLM 0.33 event hashes (sha256, PYTHONHASHSEED=0, blocks of 4).
 V1, V2, V3 = 10362225831949560093, 12472515041799373675, 8105927037106591648  # tokens 1..12
 L1, L2, L3 = 116433854667122578, 862671651757413008, 14288919932309277691  # LoRA + salt
 M1, M2 = 2677169762037534881, 14919215712471546652  # tokens 21..28

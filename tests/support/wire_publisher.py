@@ -1,6 +1,6 @@
 """A vLLM 0.33 KV-event publisher on real ZMQ sockets, for driving the conductor in tests.
 
-It speaks the exact wire of WIRE.md §a (3-frame PUB messages, ROUTER replay with 4-frame
+It speaks vLLM's exact wire (3-frame PUB messages, ROUTER replay with 4-frame
 replies and an end marker, or the 3-frame form of vLLM <= 0.25) and can withhold batches
 from the live stream to create gaps a replay must fill.
 """

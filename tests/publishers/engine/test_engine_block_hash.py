@@ -1,4 +1,4 @@
-"""vLLM 0.33 block hashing (WIRE.md §d) against the golden vectors vLLM's own code produced.
+"""vLLM 0.33 block hashing against the golden vectors vLLM's own code produced.
 
 A simulated engine is only a faithful stand-in if a consumer cannot tell its hashes from a
 real engine's, so every vector is checked: roots, digests, event hashes and extra keys.
@@ -75,7 +75,7 @@ def test_vector(profile: dict[str, Any], case: dict[str, Any]) -> None:
 
 
 def test_wire_example() -> None:
-    """The worked example of WIRE.md §d: sha256, PYTHONHASHSEED=0, bs 4, tokens 1..8."""
+    """A worked example: sha256, PYTHONHASHSEED=0, bs 4, tokens 1..8."""
     digests = BlockHasher("sha256", "0").block_digests(list(range(1, 9)), 4)
     assert [event_hash(d) for d in digests] == [10362225831949560093, 12472515041799373675]
 

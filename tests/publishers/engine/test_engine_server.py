@@ -439,7 +439,7 @@ async def test_prefill_then_decode_hand_over_through_kv_transfer_params(
     decode = engine_factory("sim-decode")
     prompt = PROMPT * 8
     prompt_tokens = len(await tokenize(http, prefill, prompt=prompt))
-    proxy_params = {  # what the upstream proxy sends a prefill (WIRE.md §f)
+    proxy_params = {  # what the upstream proxy sends a prefill
         "do_remote_decode": True,
         "do_remote_prefill": False,
         "remote_engine_id": None,

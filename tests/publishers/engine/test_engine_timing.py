@@ -1,4 +1,4 @@
-"""The engine simulator's timing model (DESIGN §4; Mooncake FAST'25 Table 1, Eq. 1–2)."""
+"""The engine simulator's timing model."""
 
 from __future__ import annotations
 
