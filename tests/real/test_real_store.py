@@ -139,10 +139,17 @@ async def test_the_router_prices_a_prefix_only_the_store_holds(store_fleet, http
     tokens = await _tokens(http, a, prompt)
     await _complete(http, a, prompt)
     await indexed(http, conductor, "store-a", tokens, BLOCK)
-    async with http.post(f"{a}/reset_prefix_cache") as response:
-        assert response.status == 200, await response.text()
-    await _complete(http, a, "Hello")  # vLLM announces the reset with its next step
     saved_tokens = len(tokens) // BLOCK * BLOCK
+
+    async def reset_a() -> dict:
+        """vLLM refuses a reset while blocks are in use (the connector may still be saving
+        them) and announces one only with its next step: ask until the conductor shows it."""
+        async with http.post(f"{a}/reset_prefix_cache") as response:
+            assert response.status == 200, await response.text()
+        await _complete(http, a, "Hello")
+        return await conductor_hit(http, conductor, "store-a", tokens, BLOCK)
+
+    await eventually(reset_a, lambda hit: hit["GPU"] == 0, timeout=30.0, interval=0.5)
     for instance in ("store-a", "store-b"):
         await eventually(
             lambda i=instance: conductor_hit(http, conductor, i, tokens, BLOCK),
