@@ -1,19 +1,69 @@
-"""What every command of the project starts the same way: logging and the event loop."""
+"""What every command of the project starts the same way: logging, flags, the event loop,
+and the two guards every long-running service needs (loop-lag measurement and supervised
+background tasks)."""
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import logging
-from collections.abc import Coroutine
+import os
+import time
+from collections.abc import Awaitable, Callable, Coroutine
+from importlib.metadata import PackageNotFoundError, version
 from typing import Any, TypeVar
+
+from prometheus_client import CollectorRegistry, Counter, Histogram
 
 T = TypeVar("T")
 LOG_FORMAT = "%(asctime)s level=%(levelname)s logger=%(name)s %(message)s"
+LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
+LAG_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
+
+
+def package_version() -> str:
+    try:
+        return version("mooncake-conductor-py")
+    except PackageNotFoundError:  # running from a source tree that was never installed
+        return "0+unknown"
+
+
+def log_level(value: str) -> str:
+    """An argparse type: a level name in any case; ``WARN`` (the Go env var's spelling)."""
+    level = value.upper()
+    level = "WARNING" if level == "WARN" else level
+    if level not in LOG_LEVELS:
+        raise argparse.ArgumentTypeError(
+            f"must be one of {', '.join(LOG_LEVELS)} (or WARN), got {value!r}"
+        )
+    return level
+
+
+def port_number(value: str) -> int:
+    """An argparse type: a TCP port 1..65535 (a wrapped port would listen somewhere else)."""
+    try:
+        port = int(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be an integer, got {value!r}") from None
+    if not 1 <= port <= 65535:
+        raise argparse.ArgumentTypeError(f"must be a port 1..65535, got {port}")
+    return port
+
+
+def add_common_flags(parser: argparse.ArgumentParser, log_level_env: str) -> None:
+    """``--log-level`` (default from ``log_level_env``, then INFO) and ``--version``."""
+    parser.add_argument(
+        "--log-level",
+        type=log_level,
+        default=os.environ.get(log_level_env, "INFO"),
+        help=f"DEBUG, INFO, WARNING or ERROR (env {log_level_env}; default INFO)",
+    )
+    parser.add_argument("--version", action="version", version=f"%(prog)s {package_version()}")
 
 
 def configure_logging(level: str) -> None:
     """Structured ``key=value`` lines on stderr."""
-    logging.basicConfig(level=level.upper(), format=LOG_FORMAT)
+    logging.basicConfig(level=log_level(level), format=LOG_FORMAT)
 
 
 def new_event_loop() -> asyncio.AbstractEventLoop:
@@ -28,3 +78,111 @@ def new_event_loop() -> asyncio.AbstractEventLoop:
 def run(main: Coroutine[Any, Any, T]) -> T:
     with asyncio.Runner(loop_factory=new_event_loop) as runner:
         return runner.run(main)
+
+
+class LoopLagMonitor:
+    """Measures how late the event loop wakes a sleeper: the time some callback held it.
+
+    Every ``interval`` it sleeps and records the overshoot in ``{prefix}_event_loop_lag_seconds``;
+    ``worst`` keeps the largest seen (reported by benchmarks and soak runs).
+    """
+
+    def __init__(self, registry: CollectorRegistry, prefix: str, interval: float = 0.02) -> None:
+        self.histogram = Histogram(
+            f"{prefix}_event_loop_lag_seconds",
+            "How much later than asked the event loop woke a periodic sleeper",
+            buckets=LAG_BUCKETS,
+            registry=registry,
+        )
+        self.interval = interval
+        self.worst = 0.0
+        self._task: asyncio.Task[None] | None = None
+
+    def start(self) -> None:
+        self._task = asyncio.create_task(self._measure(), name="loop-lag")
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            await asyncio.gather(self._task, return_exceptions=True)
+            self._task = None
+
+    async def _measure(self) -> None:
+        while True:
+            asked = time.perf_counter()
+            await asyncio.sleep(self.interval)
+            lag = max(0.0, time.perf_counter() - asked - self.interval)
+            self.worst = max(self.worst, lag)
+            self.histogram.observe(lag)
+
+
+class SupervisedTask:
+    """A background coroutine that never dies silently.
+
+    ``factory`` makes the coroutine; when it raises, the failure is logged with its
+    traceback, counted in ``failures`` (label ``task``) and kept in ``last_error``; the
+    task is restarted after a backoff that doubles from ``min_backoff`` to ``max_backoff``
+    and resets once a run lasted longer than ``max_backoff``. A coroutine that returns
+    normally is done (state ``stopped``).
+    """
+
+    def __init__(
+        self,
+        name: str,
+        factory: Callable[[], Awaitable[None]],
+        failures: Counter,
+        min_backoff: float = 0.1,
+        max_backoff: float = 5.0,
+        on_state: Callable[[str], None] | None = None,
+    ) -> None:
+        self.name = name
+        self._factory = factory
+        self._failures = failures
+        self._min_backoff = min_backoff
+        self._max_backoff = max_backoff
+        self._on_state = on_state
+        self.state = "stopped"
+        self.last_error = ""
+        self.restarts = 0
+        self._task: asyncio.Task[None] | None = None
+
+    def start(self) -> None:
+        self._task = asyncio.create_task(self._supervise(), name=self.name)
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            await asyncio.gather(self._task, return_exceptions=True)
+            self._task = None
+        self._set_state("stopped")
+
+    def _set_state(self, state: str) -> None:
+        if state != self.state:
+            self.state = state
+            if self._on_state is not None:
+                self._on_state(state)
+
+    async def _supervise(self) -> None:
+        backoff = self._min_backoff
+        while True:
+            self._set_state("running")
+            started = time.monotonic()
+            try:
+                await self._factory()
+            except asyncio.CancelledError:
+                raise
+            except Exception as error:  # noqa: BLE001 - the point: any failure is survived
+                self.last_error = f"{type(error).__name__}: {error}"[:500]
+                self._failures.labels(self.name).inc()
+                self.restarts += 1
+                if time.monotonic() - started > self._max_backoff:
+                    backoff = self._min_backoff
+                logging.getLogger(__name__).error(
+                    "task=%s failed, restarting in %.1fs", self.name, backoff, exc_info=True
+                )
+                self._set_state("failed")
+                await asyncio.sleep(backoff)
+                backoff = min(backoff * 2, self._max_backoff)
+            else:
+                self._set_state("stopped")
+                return

@@ -1,0 +1,61 @@
+"""The shared runtime guards: loop-lag measurement, supervised tasks, common flags."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import time
+
+import pytest
+from prometheus_client import CollectorRegistry, Counter
+
+from conductor.runtime import LoopLagMonitor, SupervisedTask, add_common_flags, log_level
+
+
+async def test_loop_lag_sees_a_blocking_callback() -> None:
+    registry = CollectorRegistry()
+    monitor = LoopLagMonitor(registry, "test", interval=0.01)
+    monitor.start()
+    await asyncio.sleep(0.05)
+    time.sleep(0.2)  # holds the loop
+    await asyncio.sleep(0.05)
+    await monitor.stop()
+    assert 0.15 < monitor.worst < 1.0
+    assert registry.get_sample_value("test_event_loop_lag_seconds_count") >= 3
+
+
+async def test_a_failing_task_is_logged_counted_and_restarted(caplog) -> None:
+    registry = CollectorRegistry()
+    failures = Counter("failures", "x", ["task"], registry=registry)
+    runs = []
+    states = []
+
+    async def flaky() -> None:
+        runs.append(1)
+        if len(runs) < 3:
+            raise RuntimeError(f"boom {len(runs)}")
+        await asyncio.sleep(3600)
+
+    task = SupervisedTask("flaky", flaky, failures, min_backoff=0.01, on_state=states.append)
+    task.start()
+    for _ in range(200):
+        if len(runs) == 3:
+            break
+        await asyncio.sleep(0.01)
+    assert len(runs) == 3 and task.state == "running"
+    assert registry.get_sample_value("failures_total", {"task": "flaky"}) == 2
+    assert task.last_error == "RuntimeError: boom 2"
+    assert "task=flaky failed" in caplog.text
+    await task.stop()
+    assert states == ["running", "failed", "running", "failed", "running", "stopped"]
+
+
+def test_log_levels_and_version() -> None:
+    assert log_level("warn") == "WARNING" and log_level("debug") == "DEBUG"
+    with pytest.raises(argparse.ArgumentTypeError, match="verbose"):
+        log_level("verbose")
+    parser = argparse.ArgumentParser(prog="x")
+    add_common_flags(parser, "NO_SUCH_ENV_VAR_FOR_TEST")
+    assert parser.parse_args([]).log_level == "INFO"
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--log-level", "verbose"])
