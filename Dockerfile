@@ -1,12 +1,26 @@
-# The conductor service. Mount a conductor_config.json at /etc/mooncake/ or register
-# streams at run time with POST /register.
+# One image with every command of the project: mooncake-conductor (the default),
+# mooncake-router, mooncake-engine-sim, mooncake-demo, mooncake-fleet, mooncake-tiny-model.
+#   docker build -t conductor .
+#   docker run -p 13333:13333 -v $PWD/config:/etc/mooncake conductor
+#   docker run -p 8000:8000 -e HEALTHCHECK_URL=http://127.0.0.1:8000/health \
+#       --entrypoint mooncake-router conductor --config /etc/mooncake/router.json
+# Dependencies are installed at the exact versions of constraints.txt.
 FROM python:3.11-slim
+RUN useradd --system --uid 10001 --home-dir /var/lib/conductor --create-home conductor
 WORKDIR /app
-COPY pyproject.toml README.md ./
+COPY pyproject.toml README.md constraints.txt ./
 COPY conductor ./conductor
-RUN pip install --no-cache-dir .
+COPY router ./router
+COPY publishers ./publishers
+COPY fleet ./fleet
+RUN pip install --no-cache-dir -c constraints.txt . && rm -rf /root/.cache
 ENV CONDUCTOR_CONFIG_PATH=/etc/mooncake/conductor_config.json \
-    CONDUCTOR_LOG_LEVEL=INFO
+    CONDUCTOR_STATE_FILE=/var/lib/conductor/state.json \
+    CONDUCTOR_LOG_LEVEL=INFO \
+    HEALTHCHECK_URL=http://127.0.0.1:13333/health
+VOLUME /var/lib/conductor
 EXPOSE 13333
-USER nobody
+USER conductor
+HEALTHCHECK --interval=10s --timeout=3s --start-period=10s --retries=3 \
+    CMD ["python", "-c", "import os, urllib.request; urllib.request.urlopen(os.environ['HEALTHCHECK_URL'], timeout=2)"]
 ENTRYPOINT ["mooncake-conductor", "--host", "0.0.0.0"]

@@ -1,0 +1,106 @@
+"""The Docker image, checked without a Docker engine (none runs on CI machines): its pins
+cover every dependency, it runs as a non-root user, it ships every command, and its
+HEALTHCHECK and entrypoint commands work when run as the image would run them."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+import tomllib
+from pathlib import Path
+
+from packaging.requirements import Requirement
+from packaging.utils import canonicalize_name
+
+from publishers.local import HOST, LocalService, free_port
+
+REPO = Path(__file__).resolve().parents[1]
+DOCKERFILE = (REPO / "Dockerfile").read_text()
+PYPROJECT = tomllib.loads((REPO / "pyproject.toml").read_text())
+
+
+def _instruction(name: str) -> str:
+    """The argument of the last ``name`` instruction, continuation lines joined."""
+    text = DOCKERFILE.replace("\\\n", " ")
+    found = re.findall(rf"^{name}\s+(.+)$", text, re.MULTILINE)
+    assert found, f"no {name} in the Dockerfile"
+    return found[-1].strip()
+
+
+def _pins() -> dict[str, str]:
+    lines = (REPO / "constraints.txt").read_text().splitlines()
+    pins = {}
+    for line in lines:
+        if line and not line.startswith("#"):
+            name, _, version = line.partition("==")
+            assert version, f"constraints.txt: {line!r} is not an exact pin"
+            pins[canonicalize_name(name)] = version
+    return pins
+
+
+def _env() -> dict[str, str]:
+    return dict(re.findall(r"(\w+)=(\S+)", _instruction("ENV")))
+
+
+def test_every_dependency_is_pinned_to_a_version_it_accepts() -> None:
+    pins = _pins()
+    for spec in PYPROJECT["project"]["dependencies"]:
+        requirement = Requirement(spec)
+        name = canonicalize_name(requirement.name)
+        assert name in pins, f"{name} is not pinned in constraints.txt"
+        assert requirement.specifier.contains(pins[name]), f"{name}=={pins[name]} vs {spec}"
+    assert "pip install --no-cache-dir -c constraints.txt ." in DOCKERFILE
+
+
+def test_the_image_runs_as_a_user_and_ships_every_command() -> None:
+    user = _instruction("USER")
+    assert user not in ("root", "0")
+    assert "--uid 10001" in DOCKERFILE and user in DOCKERFILE.split("useradd", 1)[1]
+    packages = {script.split(".")[0] for script in PYPROJECT["project"]["scripts"].values()}
+    for package in packages:
+        assert f"COPY {package} ./{package}" in DOCKERFILE, f"{package} is not in the image"
+    entrypoint = json.loads(_instruction("ENTRYPOINT"))
+    assert entrypoint[0] in PYPROJECT["project"]["scripts"]
+
+
+def _healthcheck(url: str) -> int:
+    command = json.loads(_instruction("HEALTHCHECK").split("CMD", 1)[1])
+    assert command[0] == "python"
+    return subprocess.run(
+        [sys.executable, *command[1:]], env={**os.environ, "HEALTHCHECK_URL": url}, timeout=10
+    ).returncode
+
+
+def test_the_entrypoint_serves_the_mounted_config_and_the_healthcheck_sees_it(tmp_path) -> None:
+    """``docker run -v $PWD/config:/etc/mooncake conductor``, with the image's environment
+    pointed at the repository's config directory and bound to loopback (tests never bind
+    elsewhere)."""
+    env = _env()
+    mounted = env["CONDUCTOR_CONFIG_PATH"].replace("/etc/mooncake", str(REPO / "config"))
+    entrypoint = json.loads(_instruction("ENTRYPOINT"))
+    assert entrypoint[1:] == ["--host", "0.0.0.0"]
+    port = free_port()
+    service = LocalService(
+        tmp_path,
+        "image",
+        PYPROJECT["project"]["scripts"][entrypoint[0]].split(":")[0].removesuffix(".__main__"),
+        port=port,
+        env={**env, "CONDUCTOR_CONFIG_PATH": mounted, "CONDUCTOR_STATE_FILE": str(tmp_path / "s")},
+    )
+    try:
+        service.wait_ready()
+        assert _healthcheck(f"http://{HOST}:{port}/health") == 0
+        services = json.loads(
+            subprocess.run(
+                [sys.executable, "-c", f"import urllib.request; print(urllib.request.urlopen("
+                 f"'http://{HOST}:{port}/services').read().decode())"],
+                capture_output=True, text=True, timeout=10, check=True,
+            ).stdout
+        )  # fmt: skip
+        assert {s["InstanceID"] for s in services["services"]} == {"engine-0", "engine-1"}
+    finally:
+        service.stop()
+    assert _healthcheck(f"http://{HOST}:{free_port()}/health") != 0
