@@ -199,7 +199,9 @@ def running_service(startup_timeout: float = 20.0) -> Iterator[tuple[subprocess.
     port = free_port()
     log = tempfile.NamedTemporaryFile(prefix="conductor-bench-", suffix=".log", delete=False)
     command = [sys.executable, "-m", "conductor", "--host", "127.0.0.1", "--port", str(port)]
-    command += ["--config", "/nonexistent"]
+    empty_config = Path(tempfile.mkdtemp(prefix="conductor-bench-")) / "conductor_config.json"
+    empty_config.write_text("{}")
+    command += ["--config", str(empty_config)]
     process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT)
     client = Http(port)
     try:

@@ -12,10 +12,12 @@ import argparse
 import asyncio
 import json
 import random
+import signal
 import sys
 import tempfile
 import time
 from collections import Counter
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -45,15 +47,16 @@ class Stack:
     log_dir: Path
     services: list[LocalService] = field(default_factory=list)
 
-    def serve(self, name: str, module: str, *args: str) -> str:
+    async def serve(self, name: str, module: str, *args: str) -> str:
         service = LocalService(self.log_dir, name, module, *args)
         self.services.append(service)
-        service.wait_ready()
+        await asyncio.to_thread(service.wait_ready)  # a signal meanwhile is not held up
         return service.url
 
     def stop(self) -> None:
-        for service in self.services:
-            service.stop()
+        """All at once: each may take up to its shutdown grace."""
+        with ThreadPoolExecutor(max(len(self.services), 1)) as pool:
+            list(pool.map(LocalService.stop, self.services))
 
 
 def workload(requests: int, documents: int, seed: int) -> list[str]:
@@ -166,9 +169,11 @@ class Demo:
 
 
 async def run(args: argparse.Namespace, stack: Stack) -> None:
-    conductor = stack.serve("conductor", "conductor", "--config", str(stack.log_dir / "none.json"))
+    empty_config = stack.log_dir / "conductor_config.json"
+    empty_config.write_text("{}")
+    conductor = await stack.serve("conductor", "conductor", "--config", str(empty_config))
     urls = {
-        name: stack.serve(
+        name: await stack.serve(
             name,
             "publishers.engine",
             "--served-model-name",
@@ -227,6 +232,22 @@ async def run(args: argparse.Namespace, stack: Stack) -> None:
         print(guided.line())
 
 
+async def run_until_signal(args: argparse.Namespace, stack: Stack) -> bool:
+    """Run the demo; SIGINT or SIGTERM stops it at once (even when started with SIGINT
+    ignored, as a shell's background job is). Returns False when interrupted."""
+    demo = asyncio.current_task()
+    assert demo is not None
+    loop = asyncio.get_running_loop()
+    for signum in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(signum, demo.cancel)
+    try:
+        await run(args, stack)
+    except asyncio.CancelledError:
+        print("mooncake-demo: interrupted", file=sys.stderr)
+        return False
+    return True
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="mooncake-demo", description=__doc__.splitlines()[0])
     parser.add_argument("--engines", type=int, default=3)
@@ -241,7 +262,7 @@ def main(argv: list[str] | None = None) -> None:
     with tempfile.TemporaryDirectory(prefix="mooncake-demo-") as log_dir:
         stack = Stack(Path(log_dir))
         try:
-            asyncio.run(run(args, stack))
+            completed = asyncio.run(run_until_signal(args, stack))
         except (TimeoutError, RuntimeError, aiohttp.ClientError) as error:
             print(f"mooncake-demo: {error}", file=sys.stderr)
             for log in sorted(Path(log_dir).glob("*.log")):
@@ -249,6 +270,8 @@ def main(argv: list[str] | None = None) -> None:
             sys.exit(1)
         finally:
             stack.stop()
+        if not completed:
+            sys.exit(130)
 
 
 if __name__ == "__main__":

@@ -24,8 +24,7 @@ class ConductorProcess(LocalService):
         port: int | None = None,
     ) -> None:
         config_path = tmp_path / "conductor_config.json"
-        if config is not None:
-            config_path.write_text(json.dumps(config))
+        config_path.write_text(json.dumps(config or {}))
         super().__init__(
             tmp_path,
             "conductor",
