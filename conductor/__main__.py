@@ -1,78 +1,188 @@
-"""``mooncake-conductor``: start the indexer service (Go conductor's flags and env vars)."""
+"""``mooncake-conductor``: start the indexer service (Go conductor's flags and env vars).
+
+Every setting is a config-file key, an env var ``CONDUCTOR_<KEY>`` and a flag; a flag wins
+over the env, the env over the file, the file over the default (docs/operations.md).
+"""
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import gc
 import logging
 import os
 import signal
 import sys
+from pathlib import Path
+from typing import Any
 
 from aiohttp import web
 from pydantic import ValidationError
 
-from .api import create_app
+from .api import ApiOptions, HttpLimits, create_app
 from .config import (
     DEFAULT_CONFIG_PATH,
     ConductorConfig,
     ConfigError,
+    Registration,
     Settings,
     load_config,
     one_line,
+    settings_model,
 )
+from .http_guard import ConnectionGuard, GuardedSite
 from .index import PrefixCacheTable
 from .kv_store_watch import StoreWatch
-from .manager import RegistrationConflict, RegistrationFailed, ServiceManager
+from .manager import RegistrationConflict, RegistrationFailed, ServiceManager, StreamLimits
 from .metrics import ConductorMetrics
-from .runtime import configure_logging, run
+from .persistence import StateFile
+from .runtime import LoopLagMonitor, add_common_flags, configure_logging, port_number, run
+from .security import BearerAuth, EndpointAllowlist, EndpointRefused
 
 log = logging.getLogger("conductor")
-SHUTDOWN_GRACE_SECONDS = 1.5
+SHUTDOWN_GRACE_SECONDS = 1.0
+LINGER_SECONDS = 1.0  # reading an unwanted body's rest before closing (aiohttp's default: 10)
+ENV_PREFIX = "CONDUCTOR_"
+# settings whose flag or env var is not derived from the key (Go's names)
+FLAGS = {
+    "http_server_port": ("--port",),
+    "replay_timeout_s": ("--replay-timeout-s", "--replay-timeout"),
+}
+ENVS = {"http_server_port": "CONDUCTOR_PORT"}
+LIMIT_KEYS = tuple(item.name for item in dataclasses.fields(StreamLimits))
 
 
-def parse_settings(argv: list[str] | None = None) -> tuple[Settings, ConductorConfig]:
+def setting_flags(key: str) -> tuple[str, ...]:
+    return FLAGS.get(key, ("--" + key.replace("_", "-"),))
+
+
+def setting_env(key: str) -> str:
+    return ENVS.get(key, ENV_PREFIX + key.upper())
+
+
+def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
-        prog="mooncake-conductor", description="Global KV-cache indexer service."
+        prog="mooncake-conductor",
+        description="Global KV-cache indexer service. Every option is also an env var and "
+        "a config-file key: flag > env > file > default.",
     )
-    parser.add_argument("--host", default="0.0.0.0", help="address to bind (default 0.0.0.0)")
-    parser.add_argument("--port", type=int, help="HTTP port (default: http_server_port or 13333)")
     parser.add_argument(
         "--config",
-        default=os.environ.get("CONDUCTOR_CONFIG_PATH", DEFAULT_CONFIG_PATH),
-        help="config file (env CONDUCTOR_CONFIG_PATH; a missing file means no services)",
+        help="config file (env CONDUCTOR_CONFIG_PATH; default "
+        f"{DEFAULT_CONFIG_PATH}, which may be missing; a path given must exist)",
     )
-    parser.add_argument(
-        "--log-level", default=os.environ.get("CONDUCTOR_LOG_LEVEL", "INFO"), help=argparse.SUPPRESS
-    )
-    parser.add_argument("--max-body-bytes", type=int, default=16 * 1024 * 1024)
-    parser.add_argument("--replay-timeout", type=float, default=2.0, help="seconds")
-    args = parser.parse_args(argv)
-    config = load_config(args.config)
-    settings = Settings(
-        host=args.host,
-        port=args.port if args.port is not None else config.http_server_port,
-        config_path=args.config,
-        log_level=args.log_level,
-        max_body_bytes=args.max_body_bytes,
-        replay_timeout_seconds=args.replay_timeout,
-    )
-    return settings, config
+    add_common_flags(parser, "CONDUCTOR_LOG_LEVEL")
+    parser.set_defaults(log_level=None)  # unset: the env, the file or the default says
+    for key, spec in settings_model().model_fields.items():
+        if key == "log_level":
+            continue
+        options: dict[str, Any] = {"dest": key, "default": None}
+        if spec.annotation is bool:
+            options["action"] = "store_true"
+        elif key == "register_allow":
+            options.update(action="append", metavar="ENTRY")
+        elif key == "http_server_port":
+            options.update(type=port_number, metavar="PORT")
+        help_text = (
+            f"{spec.description} (env {setting_env(key)}, key {key}; default {spec.default!r})"
+        )
+        parser.add_argument(*setting_flags(key), help=help_text, **options)
+    return parser
 
 
-async def serve(settings: Settings, config: ConductorConfig) -> None:
-    """Run until SIGINT/SIGTERM, then close every socket and task."""
+def _from_env(key: str, raw: str) -> Any:
+    """Env values are strings; a list is comma-separated."""
+    return [entry for entry in raw.split(",") if entry.strip()] if key == "register_allow" else raw
+
+
+def parse_settings(
+    argv: list[str] | None = None,
+) -> tuple[Settings, StreamLimits, ConductorConfig, str]:
+    """Flags, env and file merged by precedence, and the config file's path; raises
+    ``ConfigError`` naming the source of a bad value."""
+    given = vars(_parser().parse_args(argv))
+    args = {key: value for key, value in given.items() if value is not None}
+    config_path = args.pop("config", None) or os.environ.get("CONDUCTOR_CONFIG_PATH")
+    if config_path and not Path(os.path.expanduser(config_path)).exists():
+        raise ConfigError(f"config file {config_path} does not exist")
+    config_path = config_path or DEFAULT_CONFIG_PATH
+    config = load_config(config_path)
+    values: dict[str, Any] = dict(config.settings)
+    sources = {key: f"{key} in the config file" for key in values}
+    for key in settings_model().model_fields:
+        raw = os.environ.get(setting_env(key))
+        if raw is not None:
+            values[key], sources[key] = _from_env(key, raw), setting_env(key)
+        if key in args:
+            values[key], sources[key] = args[key], "/".join(setting_flags(key))
+    try:
+        settings = settings_model().model_validate(values)
+        limits = StreamLimits(**{key: getattr(settings, key) for key in LIMIT_KEYS})
+    except ValidationError as error:
+        key = str(error.errors()[0]["loc"][0])
+        raise ConfigError(f"{sources.get(key, key)}: {one_line(error)}") from None
+    except ValueError as error:  # StreamLimits' own checks name the field
+        raise ConfigError(str(error)) from None
+    return settings, limits, config, config_path
+
+
+def state_path(settings: Settings, config_path: str) -> Path | None:
+    """Persistence is on by default, beside the config file and per port (two conductors
+    started from one directory do not share a file); an empty ``state_file`` turns it off."""
+    if settings.state_file is not None:
+        return Path(os.path.expanduser(settings.state_file)) if settings.state_file else None
+    config_dir = Path(os.path.expanduser(config_path)).parent
+    return config_dir / f"conductor_state.{settings.http_server_port}.json"
+
+
+async def restore(manager: ServiceManager, state: StateFile, allowlist: EndpointAllowlist) -> None:
+    """Registrations persisted by an earlier run, after the config file's: a conflict or an
+    endpoint the allowlist no longer has is logged and skipped (and forgotten)."""
+    for registration in state.load():
+        try:
+            allowlist.check(registration)
+            await manager.register(registration)
+        except (RegistrationConflict, RegistrationFailed, EndpointRefused) as error:
+            log.warning("state file %s: skipped %s: %s", state.path, registration.key, error)
+            await state.remove(registration.key)
+
+
+async def serve(
+    settings: Settings, limits: StreamLimits, config: ConductorConfig, config_path: str
+) -> None:
+    """Run until SIGINT/SIGTERM, then close every connection, socket and task."""
     table = PrefixCacheTable()
     metrics = ConductorMetrics(table)
+    lag = LoopLagMonitor(metrics.registry, "conductor")
     stores = StoreWatch(table, metrics, config.store_admin_url, config.kv_store_check_interval_s)
-    manager = ServiceManager(table, metrics, stores, settings.replay_timeout_seconds)
+    manager = ServiceManager(table, metrics, stores, limits)
     for registration in config.registrations():
         await manager.register(registration)
+    allowlist = _allowlist(settings, config.registrations())
+    path = state_path(settings, config_path)
+    state = StateFile(path) if path is not None else None
+    if state is not None:
+        await restore(manager, state, allowlist)
+    guard = ConnectionGuard(settings.header_timeout_s, settings.max_connections, metrics.registry)
+    options = ApiOptions(
+        limits=HttpLimits(
+            settings.max_body_bytes,
+            settings.max_query_tokens,
+            settings.max_query_hashes,
+            settings.body_timeout_s,
+        ),
+        auth=BearerAuth(settings.auth_token, settings.auth_all),
+        allowlist=allowlist,
+        state=state,
+        guard=guard,
+    )
     runner = web.AppRunner(
-        create_app(manager, settings.max_body_bytes),
-        access_log=None,
+        create_app(manager, options),
+        access_log=logging.getLogger("conductor.access") if settings.access_log else None,
         shutdown_timeout=SHUTDOWN_GRACE_SECONDS,
+        keepalive_timeout=settings.keepalive_timeout_s,
+        lingering_time=LINGER_SECONDS,
     )
     await runner.setup()
     gc.freeze()  # start-up objects live forever: keep full collections off the query path
@@ -80,34 +190,45 @@ async def serve(settings: Settings, config: ConductorConfig) -> None:
     loop = asyncio.get_running_loop()
     for signum in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(signum, stop.set)
+    lag.start()
     try:
-        await web.TCPSite(runner, settings.host, settings.port).start()
+        site = GuardedSite(runner, guard, host=settings.host, port=settings.http_server_port)
+        await site.start()
         log.info(
-            "listening host=%s port=%d services=%d",
+            "listening host=%s port=%d services=%d state_file=%s",
             settings.host,
-            settings.port,
+            settings.http_server_port,
             len(manager.registrations),
+            path or "-",
         )
         await stop.wait()
         log.info("shutting down")
     finally:
+        guard.close_all()  # slow clients must not hold the shutdown
+        await lag.stop()
         await manager.close()
         await runner.cleanup()
 
 
+def _allowlist(settings: Settings, registrations: list[Registration]) -> EndpointAllowlist:
+    if settings.register_allow is None:
+        return EndpointAllowlist.default(registrations)
+    return EndpointAllowlist.parse(settings.register_allow)
+
+
 def main(argv: list[str] | None = None) -> None:
     try:
-        settings, config = parse_settings(argv)
-    except (ConfigError, ValidationError) as error:
-        message = one_line(error) if isinstance(error, ValidationError) else str(error)
-        sys.exit(f"mooncake-conductor: invalid configuration: {message}")
+        settings, limits, config, config_path = parse_settings(argv)
+    except ConfigError as error:
+        sys.exit(f"mooncake-conductor: invalid configuration: {error}")
     configure_logging(settings.log_level)
     try:
-        run(serve(settings, config))
-    except (RegistrationConflict, RegistrationFailed) as error:
+        run(serve(settings, limits, config, config_path))
+    except (RegistrationConflict, RegistrationFailed, ConfigError) as error:
         sys.exit(f"mooncake-conductor: invalid configuration: {error}")
     except OSError as error:
-        sys.exit(f"mooncake-conductor: cannot serve on {settings.host}:{settings.port}: {error}")
+        where = f"{settings.host}:{settings.http_server_port}"
+        sys.exit(f"mooncake-conductor: cannot serve on {where}: {error}")
 
 
 if __name__ == "__main__":

@@ -6,10 +6,12 @@ request body is validated by a pydantic model from ``config``.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 import time
 from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
 from typing import Any, TypeVar
 
 import msgpack
@@ -18,33 +20,89 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from pydantic import BaseModel, ValidationError
 
 from .config import (
+    InstanceDownRequest,
+    InstanceUpRequest,
     QueryByHashRequest,
     QueryRequest,
     Registration,
     UnregisterRequest,
 )
+from .http_guard import ConnectionGuard
 from .index import InstanceMatch
 from .manager import (
+    CapacityExceeded,
     RegistrationConflict,
     RegistrationFailed,
     ServiceManager,
     ServiceNotFound,
 )
+from .persistence import StateFile
+from .security import BearerAuth, EndpointAllowlist, EndpointRefused, Unauthorized
 
 log = logging.getLogger(__name__)
 
 MSGPACK = "application/msgpack"
 GLOBAL_VIEW_MAX_HASHES = 10_000
+SMALL_BODY_BYTES = 64 * 1024  # registrations and other small bodies
+JSON_BYTES_PER_TOKEN = 12  # "-2147483648,"
+JSON_BYTES_PER_HASH = 21  # "18446744073709551615,"
+CAPACITY_RETRY_AFTER_S = 5
+CONFLICT_LOG_INTERVAL_S = 60.0
 Body = TypeVar("Body", bound=BaseModel)
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
 
 class ApiError(Exception):
-    def __init__(self, status: int, message: str, field: str | None = None) -> None:
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        field: str | None = None,
+        headers: dict[str, str] | None = None,
+    ) -> None:
         super().__init__(message)
         self.status = status
         self.message = message
         self.field = field
+        self.headers = headers or {}
+
+
+@dataclass(frozen=True)
+class HttpLimits:
+    """What one request may cost: its body bytes and items are bounded so that parsing and
+    answering it holds the event loop well under 50 ms (see docs/operations.md)."""
+
+    max_body_bytes: int = 16 * 1024 * 1024
+    max_query_tokens: int = 131_072
+    max_query_hashes: int = 8_192
+    body_timeout_s: float = 30.0
+
+    def body_bytes(self, path: str) -> int:
+        """Per route: a maximum-size query in JSON, anything else small."""
+        items = {
+            "/query": self.max_query_tokens * JSON_BYTES_PER_TOKEN,
+            "/query_by_hash": self.max_query_hashes * JSON_BYTES_PER_HASH,
+        }.get(path, 0)
+        return min(self.max_body_bytes, items + SMALL_BODY_BYTES)
+
+
+class RateLimitedLog:
+    """One WARNING per key and interval: a client retrying a refused request every second
+    must not flood the log, and the first refusal must be visible."""
+
+    def __init__(self, interval: float = CONFLICT_LOG_INTERVAL_S, max_keys: int = 4096) -> None:
+        self.interval = interval
+        self.max_keys = max_keys
+        self._last: dict[str, float] = {}
+
+    def warning(self, key: str, message: str, *args: Any) -> None:
+        now = time.monotonic()
+        if now - self._last.get(key, -self.interval) < self.interval:
+            return
+        if len(self._last) >= self.max_keys:  # bounded: forget the expired ones
+            self._last = {k: t for k, t in self._last.items() if now - t < self.interval}
+        self._last[key] = now
+        log.warning(message, *args)
 
 
 def _wants_msgpack(request: web.Request) -> bool:
@@ -62,8 +120,24 @@ def reply(request: web.Request, payload: Any, status: int = 200) -> web.Response
     )
 
 
-async def parse_body(request: web.Request, model: type[Body]) -> Body:
-    body = await request.read()
+async def read_body(request: web.Request, limit: int, timeout: float) -> bytes:
+    """The body, at most ``limit`` bytes (413) and within ``timeout`` seconds (408)."""
+    if request.content_length is not None and request.content_length > limit:
+        raise ApiError(413, f"request body too large (limit {limit} bytes on {request.path})")
+    body = bytearray()
+    try:
+        async with asyncio.timeout(timeout):
+            async for chunk in request.content.iter_any():
+                body += chunk
+                if len(body) > limit:
+                    raise ApiError(413, f"request body too large (limit {limit} bytes)")
+    except TimeoutError:
+        raise ApiError(408, f"request body not received within {timeout:g} s") from None
+    return bytes(body)
+
+
+async def parse_body(request: web.Request, model: type[Body], limits: HttpLimits) -> Body:
+    body = await read_body(request, limits.body_bytes(request.path), limits.body_timeout_s)
     try:
         if request.content_type == MSGPACK:
             try:
@@ -83,6 +157,11 @@ async def parse_body(request: web.Request, model: type[Body]) -> Body:
         raise ApiError(400, f"{field}: {message}" if field else message, field) from None
 
 
+def _at_most(count: int, limit: int, field: str) -> None:
+    if count > limit:
+        raise ApiError(413, f"{field}: at most {limit} per request, got {count}", field)
+
+
 def _go_match(match: InstanceMatch) -> dict[str, Any]:
     return {
         "longest_matched": match.disk,
@@ -93,11 +172,24 @@ def _go_match(match: InstanceMatch) -> dict[str, Any]:
     }
 
 
+@dataclass
+class ApiOptions:
+    """Everything the HTTP layer enforces besides the routes' own validation."""
+
+    limits: HttpLimits
+    auth: BearerAuth
+    allowlist: EndpointAllowlist
+    state: StateFile | None = None  # None: registrations are not persisted
+    guard: ConnectionGuard | None = None
+
+
 class ConductorApi:
-    def __init__(self, manager: ServiceManager) -> None:
+    def __init__(self, manager: ServiceManager, options: ApiOptions) -> None:
         self.manager = manager
         self.table = manager.table
         self.metrics = manager.metrics
+        self.options = options
+        self.refusals = RateLimitedLog()
 
     def routes(self) -> list[web.RouteDef]:
         return [
@@ -105,6 +197,8 @@ class ConductorApi:
             web.post("/query_by_hash", self.query_by_hash),
             web.post("/register", self.register),
             web.post("/unregister", self.unregister),
+            web.post("/instance_down", self.instance_down),
+            web.post("/instance_up", self.instance_up),
             web.get("/global_view", self.global_view),
             web.get("/services", self.services),
             web.get("/health", self.health),
@@ -124,7 +218,8 @@ class ConductorApi:
 
     async def query(self, request: web.Request) -> web.Response:
         started = time.perf_counter()
-        body = await parse_body(request, QueryRequest)
+        body = await parse_body(request, QueryRequest, self.options.limits)
+        _at_most(len(body.token_ids) // 4, self.options.limits.max_query_tokens, "token_ids")
         matches = self.table.match_tokens(
             body.context_key(), body.token_ids, body.cache_salt or "", body.instance_id
         )
@@ -134,7 +229,8 @@ class ConductorApi:
 
     async def query_by_hash(self, request: web.Request) -> web.Response:
         started = time.perf_counter()
-        body = await parse_body(request, QueryByHashRequest)
+        body = await parse_body(request, QueryByHashRequest, self.options.limits)
+        _at_most(len(body.seq_hashes), self.options.limits.max_query_hashes, "seq_hashes")
         hashes = [h & 0xFFFFFFFFFFFFFFFF for h in body.seq_hashes]
         matches = self.table.match_engine_hashes(body.context_key(), hashes, body.instance_id)
         response = reply(request, self._answer(body.tenant_id, body.instance_id, matches))
@@ -143,25 +239,61 @@ class ConductorApi:
 
     # -- registrations -------------------------------------------------------------------
     async def register(self, request: web.Request) -> web.Response:
-        registration = await parse_body(request, Registration)
+        registration = await parse_body(request, Registration, self.options.limits)
         try:
-            await self.manager.register(registration)
+            self.options.allowlist.check(registration)
+        except EndpointRefused as error:
+            self.refusals.warning(error.field + str(error), "register refused: %s", error)
+            raise ApiError(403, str(error), error.field) from None
+        try:
+            added = await self.manager.register(registration)
         except RegistrationConflict as error:
+            self.refusals.warning(registration.key, "register conflict: %s", error)
             raise ApiError(409, str(error)) from None
         except RegistrationFailed as error:
             raise ApiError(400, str(error), "endpoint") from None
+        except CapacityExceeded as error:
+            retry = {"Retry-After": str(CAPACITY_RETRY_AFTER_S)}
+            raise ApiError(503, str(error), headers=retry) from None
+        if added and self.options.state is not None:
+            await self.options.state.add(registration)
         name = registration.instance_id or registration.endpoint
         return reply(request, {"instance_id": name, "status": "registered successfully"})
 
     async def unregister(self, request: web.Request) -> web.Response:
-        body = await parse_body(request, UnregisterRequest)
+        body = await parse_body(request, UnregisterRequest, self.options.limits)
         try:
             await self.manager.unregister(body.key)
         except ServiceNotFound:
             raise ApiError(404, f"service not found: {body.key}", "instance_id") from None
+        if self.options.state is not None:
+            await self.options.state.remove(body.key)
         return reply(
             request,
             {"removed_instances": [body.key], "status": "unregistered successfully"},
+        )
+
+    async def instance_down(self, request: web.Request) -> web.Response:
+        """The router saw an instance die: its streams stop counting until it is up again
+        or ``ttl_s`` passes without a repeat."""
+        body = await parse_body(request, InstanceDownRequest, self.options.limits)
+        try:
+            streams, dropped = await self.manager.instance_down(
+                body.instance_id, body.tenant_id, body.reason, body.ttl_s
+            )
+        except ServiceNotFound:
+            raise ApiError(404, f"instance not found: {body.instance_id}", "instance_id") from None
+        answer = {"instance_id": body.instance_id, "streams": streams, "blocks_dropped": dropped}
+        return reply(request, {**answer, "status": "marked down"})
+
+    async def instance_up(self, request: web.Request) -> web.Response:
+        body = await parse_body(request, InstanceUpRequest, self.options.limits)
+        try:
+            streams = await self.manager.instance_up(body.instance_id, body.tenant_id)
+        except ServiceNotFound:
+            raise ApiError(404, f"instance not found: {body.instance_id}", "instance_id") from None
+        return reply(
+            request, {"instance_id": body.instance_id, "streams": streams, "status": "marked up"}
         )
 
     # -- views ---------------------------------------------------------------------------
@@ -171,6 +303,7 @@ class ConductorApi:
                 **registration.go_view(),
                 "State": self.manager.state_of(key),
                 "KVStore": registration.kv_store,
+                "Stream": self.manager.stream_view(key),  # ours: failures, down marks
             }
             for key, registration in sorted(self.manager.registrations.items())
         ]
@@ -231,14 +364,18 @@ class ConductorApi:
 
     async def health(self, request: web.Request) -> web.Response:
         """Always 200 while serving; ``status`` is "degraded" when a stream's events cannot
-        be indexed as registered (``streams`` says which one and why) or a store is down
-        (``kv_stores``: each store's pool blocks, check state and age)."""
+        be indexed as registered or one of its tasks failed (``streams`` says which one and
+        why) or a store is down (``kv_stores``: each store's pool blocks, check state and
+        age)."""
         states: dict[str, int] = {}
         streams: dict[str, dict[str, str]] = {}
         for key in sorted(self.manager.registrations):
             state = self.manager.state_of(key)
             states[state] = states.get(state, 0) + 1
-            streams[key] = {"state": state}
+            view = self.manager.stream_view(key)
+            # only what is not the usual: failures, a down mark
+            streams[key] = {name: value for name, value in view.items() if value}
+            streams[key]["state"] = state
             if self.manager.registrations[key].kv_store:
                 streams[key]["kv_store"] = self.manager.registrations[key].kv_store
             if key in self.manager.degraded:
@@ -251,7 +388,9 @@ class ConductorApi:
         return reply(
             request,
             {
-                "status": "degraded" if self.manager.degraded or store_down else "ok",
+                "status": "degraded"
+                if self.manager.degraded or store_down or "failed" in states
+                else "ok",
                 "services": len(self.manager.registrations),
                 "subscribers": states,
                 "streams": streams,
@@ -273,9 +412,21 @@ def _error_middleware(api: ConductorApi) -> Callable[..., Awaitable[web.StreamRe
         route = request.match_info.route.resource
         name = route.canonical if route is not None else "unmatched"
         try:
+            api.options.auth.check(request)
             response = await handler(request)
+        except Unauthorized:
+            api.refusals.warning(
+                f"401 {request.remote}", "unauthorized %s from %s", request.path, request.remote
+            )
+            response = reply(
+                request, {"error": "missing or invalid bearer token", "field": None}, 401
+            )
+            response.headers["WWW-Authenticate"] = "Bearer"
         except ApiError as error:
             response = reply(request, {"error": error.message, "field": error.field}, error.status)
+            response.headers.update(error.headers)
+            if error.status in (408, 413):  # the rest of the body is not worth reading
+                response.force_close()
         except web.HTTPException as error:  # 404, 405, 413 from aiohttp itself
             if error.status < 400:
                 raise
@@ -285,13 +436,17 @@ def _error_middleware(api: ConductorApi) -> Callable[..., Awaitable[web.StreamRe
             log.exception("unhandled error on %s %s", request.method, request.path)
             response = reply(request, {"error": "internal error", "field": None}, 500)
         api.metrics.http_requests.labels(name, str(response.status)).inc()
+        if api.options.guard is not None:
+            api.options.guard.request_done(request.transport)
         return response
 
     return middleware
 
 
-def create_app(manager: ServiceManager, max_body_bytes: int = 16 * 1024 * 1024) -> web.Application:
-    api = ConductorApi(manager)
-    app = web.Application(client_max_size=max_body_bytes, middlewares=[_error_middleware(api)])
+def create_app(manager: ServiceManager, options: ApiOptions) -> web.Application:
+    api = ConductorApi(manager, options)
+    app = web.Application(
+        client_max_size=options.limits.max_body_bytes, middlewares=[_error_middleware(api)]
+    )
     app.add_routes(api.routes())
     return app

@@ -7,9 +7,12 @@ nonsense (a zero block size, an unknown type, a random port) we reject or fix it
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 import json
 import os
 import struct
+from argparse import ArgumentTypeError
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
@@ -22,6 +25,7 @@ from pydantic import (
     Field,
     ValidationError,
     ValidationInfo,
+    create_model,
     field_validator,
     model_validator,
 )
@@ -29,16 +33,20 @@ from yarl import URL
 
 from .hashing import pack_int32
 from .index import ContextKey, StreamSource
+from .runtime import log_level
 from .wire.events import MASK64
 
 DEFAULT_PORT = 13333
 DEFAULT_CONFIG_PATH = "~/.mooncake/conductor_config.json"
-LOG_LEVELS = ("DEBUG", "INFO", "WARN", "WARNING", "ERROR")
 DEFAULT_STORE_CHECK_INTERVAL_S = 2.0
 DEFAULT_STORE_ADMIN_PORT = 9003  # mooncake_master's -metrics_port default
 MIN_STORE_CHECK_INTERVAL_S = 0.05  # a check fetches every key of the store: not a busy loop
 
 EngineHash = Annotated[int, Field(ge=-(2**63), le=MASK64)]
+INT64_MAX = 2**63 - 1  # Go's ``int``: a bigger number breaks Go and msgpack clients later
+GoInt = Annotated[int, Field(ge=-(2**63), le=INT64_MAX)]
+PositiveGoInt = Annotated[int, Field(gt=0, le=INT64_MAX)]
+RankGoInt = Annotated[int, Field(ge=0, le=INT64_MAX)]
 ZMQ_SCHEMES = ("tcp://", "ipc://", "inproc://")
 
 
@@ -56,6 +64,13 @@ def admin_url(value: str) -> str:
     if url.scheme not in ("http", "https") or not url.host or url.query_string or url.fragment:
         raise ValueError("must be the http(s)://host:port URL of the master's admin server")
     return value.rstrip("/")
+
+
+def _log_level(value: str) -> str:
+    try:
+        return log_level(value)
+    except ArgumentTypeError as error:
+        raise ValueError(str(error)) from None
 
 
 class _Strict(BaseModel):
@@ -78,8 +93,8 @@ class Registration(_Strict):
     lora_name: str = ""
     tenant_id: str = "default"
     instance_id: str = ""
-    block_size: int = Field(gt=0)
-    dp_rank: int = Field(default=0, ge=0)
+    block_size: PositiveGoInt
+    dp_rank: RankGoInt = 0
     additionalsalt: str = ""
     kv_store: str = ""  # our extension: the Mooncake store master (host:port) it saves to
 
@@ -98,6 +113,10 @@ class Registration(_Strict):
             raise ValueError(f"must start with one of {', '.join(ZMQ_SCHEMES)}")
         if value.startswith("tcp://") and ("*" in value or value.rsplit(":", 1)[-1] == "0"):
             raise ValueError("must name a host and port to connect to, not a bind address")
+        if value.startswith("tcp://"):
+            host, _, port = value.rpartition(";")[2].removeprefix("tcp://").rpartition(":")
+            if not host or not (port.isascii() and port.isdigit()) or int(port) > 65535:
+                raise ValueError("must be tcp://host:port (port 1..65535)")
         return value
 
     @field_validator("kv_store")
@@ -154,7 +173,7 @@ class Registration(_Strict):
 class UnregisterRequest(_Strict):
     instance_id: str = Field(min_length=1)
     tenant_id: str = "default"
-    dp_rank: int = Field(default=0, ge=0)
+    dp_rank: RankGoInt = 0
 
     _normalize_tenant = field_validator("tenant_id")(_default_tenant)
 
@@ -163,13 +182,30 @@ class UnregisterRequest(_Strict):
         return f"{self.instance_id}|{self.tenant_id}|{self.dp_rank}"
 
 
+class InstanceUpRequest(_Strict):
+    """``POST /instance_up``: count every stream (DP rank) of the instance again."""
+
+    instance_id: str = Field(min_length=1)
+    tenant_id: str = "default"
+
+    _normalize_tenant = field_validator("tenant_id")(_default_tenant)
+
+
+class InstanceDownRequest(InstanceUpRequest):
+    """``POST /instance_down``: the router saw the instance die; stop counting it for
+    ``ttl_s`` (it re-sends while the instance stays dead)."""
+
+    reason: str = Field(default="", max_length=500)
+    ttl_s: float = Field(default=60.0, gt=0, le=3600)
+
+
 class _QueryBase(_Strict):
     model: str = Field(min_length=1)
-    block_size: int = Field(gt=0)
+    block_size: PositiveGoInt
     tenant_id: str = "default"
     instance_id: str | None = None
     lora_name: str = ""
-    lora_id: int | None = None  # accepted like Go, unused
+    lora_id: GoInt | None = None  # accepted like Go, unused
 
     _normalize_tenant = field_validator("tenant_id")(_default_tenant)
 
@@ -213,10 +249,17 @@ class QueryByHashRequest(_QueryBase):
 
 
 class ConductorConfig(_Strict):
-    """``conductor_config.json``; the map key is the instance id unless one is given."""
+    """``conductor_config.json``; the map key is the instance id unless one is given.
+
+    Unknown keys, top-level or per instance, are errors naming the key (a misspelt key
+    would silently be a default); the process settings found here are kept raw in
+    ``settings`` and validated by ``Settings``.
+    """
+
+    model_config = ConfigDict(strict=True, extra="forbid", frozen=True)
 
     kvevent_instance: dict[str, Registration] = Field(default_factory=dict)
-    http_server_port: int = Field(default=DEFAULT_PORT, ge=1, le=65535)
+    settings: dict[str, Any] = Field(default_factory=dict)
     # our extension: where each store master's admin server is (default: its host, 9003),
     # and how often every store a registration names is checked for evicted blocks
     kv_store_admin_urls: dict[
@@ -229,9 +272,21 @@ class ConductorConfig(_Strict):
     @model_validator(mode="before")
     @classmethod
     def _instance_ids_from_keys(cls, data: Any) -> Any:
-        instances = data.get("kvevent_instance") if isinstance(data, dict) else None
+        if not isinstance(data, dict):
+            return data
+        settings = {key: data[key] for key in settings_model().model_fields if key in data}
+        data = {key: value for key, value in data.items() if key not in settings}
+        if "settings" in data:  # the raw holder is no key of the file
+            raise ValueError("unknown key 'settings'")
+        data["settings"] = settings
+        instances = data.get("kvevent_instance")
         if isinstance(instances, dict):
-            data = dict(data)
+            for name, entry in instances.items():
+                unknown = (
+                    set(entry) - set(Registration.model_fields) if isinstance(entry, dict) else ()
+                )
+                if unknown:
+                    raise ValueError(f"kvevent_instance.{name}: unknown key {min(unknown)!r}")
             data["kvevent_instance"] = {
                 name: {"instance_id": name, **entry}
                 if isinstance(entry, dict) and not entry.get("instance_id")
@@ -261,7 +316,9 @@ def load_config(path: str | os.PathLike[str] | None) -> ConductorConfig:
         return ConductorConfig()
     try:
         data = json.loads(file.read_text(encoding="utf-8"))
-        return ConductorConfig.model_validate(data)
+        config = ConductorConfig.model_validate(data)
+        settings_model().model_validate(config.settings, strict=True)  # no "16" -> 16
+        return config
     except (OSError, ValueError) as error:
         raise ConfigError(f"{file}: {one_line(error)}") from None
 
@@ -270,26 +327,77 @@ def one_line(error: Exception) -> str:
     """A validation error as one readable line: ``field.path: message``."""
     if isinstance(error, ValidationError):
         first = error.errors()[0]
-        where = ".".join(str(p) for p in first["loc"]) or "body"
+        where = ".".join(str(p) for p in first["loc"])
+        message = first["msg"].removeprefix("Value error, ")
+        if first["type"] == "extra_forbidden":
+            message = "unknown key"
         more = f" (+{error.error_count() - 1} more)" if error.error_count() > 1 else ""
-        return f"{where}: {first['msg']}{more}"
+        return f"{where}: {message}{more}" if where else f"{message}{more}"
     return str(error).splitlines()[0] if str(error) else type(error).__name__
 
 
-class Settings(BaseModel):
-    """Process settings: CLI flags override env vars override the config file."""
+class Settings(_Strict):
+    """Process settings. Each is a config-file key (the field name), an env var and a flag
+    (``conductor.__main__.parse_settings``): flag > env > file > default."""
 
-    host: str = "0.0.0.0"
-    port: int = DEFAULT_PORT
-    config_path: str = DEFAULT_CONFIG_PATH
-    log_level: str = "INFO"
-    max_body_bytes: int = 16 * 1024 * 1024
-    replay_timeout_seconds: float = 2.0
+    model_config = ConfigDict(strict=False, extra="forbid", frozen=True)
 
-    @field_validator("log_level")
+    host: str = Field(default="0.0.0.0", min_length=1, description="address to bind")
+    http_server_port: int = Field(default=DEFAULT_PORT, ge=1, le=65535, description="HTTP port")
+    log_level: Annotated[str, AfterValidator(_log_level)] = "INFO"
+    access_log: bool = Field(default=False, description="log one line per HTTP request")
+    max_body_bytes: int = Field(
+        default=16 * 1024 * 1024, ge=1024, le=2**30, description="largest request body (413)"
+    )
+    max_query_tokens: int = Field(
+        default=131_072, ge=1, le=2**24, description="most token_ids in one /query (413)"
+    )
+    max_query_hashes: int = Field(
+        default=8_192, ge=1, le=2**22, description="most seq_hashes in one /query_by_hash"
+    )
+    header_timeout_s: float = Field(
+        default=10.0, gt=0, le=600, description="a request head must arrive within this"
+    )
+    body_timeout_s: float = Field(
+        default=30.0, gt=0, le=3600, description="a request body must arrive within this (408)"
+    )
+    keepalive_timeout_s: float = Field(
+        default=75.0, gt=0, le=3600, description="an idle keep-alive connection is closed"
+    )
+    max_connections: int = Field(
+        default=512, ge=1, le=1_000_000, description="open HTTP connections; more are closed"
+    )
+    auth_token: str = Field(
+        default="", description="bearer token for mutating routes (empty: no auth)"
+    )
+    auth_all: bool = Field(default=False, description="the token is needed on every route")
+    register_allow: list[str] | None = Field(
+        default=None,
+        description="endpoints /register may name: CIDRs, IPs, host names, ipc:// paths, "
+        '"*" (default: loopback and the config file\'s endpoints)',
+    )
+    state_file: str | None = Field(
+        default=None,
+        description="where /register's registrations persist (empty: nowhere; default: "
+        "conductor_state.<port>.json beside the config file)",
+    )
+
+    @field_validator("register_allow")
     @classmethod
-    def _known_level(cls, value: str) -> str:
-        level = value.upper()
-        if level not in LOG_LEVELS:
-            raise ValueError(f"must be one of DEBUG, INFO, WARN, ERROR, got {value!r}")
-        return "WARNING" if level == "WARN" else level
+    def _nonempty_entries(cls, value: list[str] | None) -> list[str] | None:
+        if value is not None and not all(entry.strip() for entry in value):
+            raise ValueError("entries must not be empty")
+        return value
+
+
+@functools.cache
+def settings_model() -> type[Settings]:
+    """``Settings`` plus every field of ``manager.StreamLimits`` (each a key, an env var and a
+    flag too; the dataclass checks them when built)."""
+    from .manager import StreamLimits  # the manager imports this module: resolved late
+
+    limits: dict[str, Any] = {
+        item.name: (type(item.default), Field(default=item.default, description="stream limit"))
+        for item in dataclasses.fields(StreamLimits)
+    }
+    return create_model("ConductorSettings", __base__=Settings, **limits)

@@ -11,6 +11,13 @@ a fast /query walk:
   recycled when the slot leaves.
 * Each slot keeps, per tier, its own ``engine hash -> prefix hash`` map. Removals, clears
   and unregisters therefore touch only what that owner stored, and leave nothing behind.
+* The context keeps one ``engine hash -> prefix hash`` map over all its owners, counted
+  (``/query_by_hash`` and parent lookups are one dict lookup per hash, whatever the number
+  of owners): one more entry per distinct engine hash, and one in ``_engine_refs`` for a
+  hash held more than once (another tier, another owner).
+* A stream's slots are indexed by DP rank: clearing a rank touches that rank's slots only,
+  so clearing N ranks is linear. ``max_dp_ranks`` and ``max_lora_contexts`` bound the
+  slots and contexts one registration's events may create (a publisher controls both).
 * Pools are slots whose CPU/DISK blocks count for their *member* slots too. A Mooncake
   store registration's pool serves every instance of the context. A ``kv_store`` pool holds
   the CPU blocks that engines registered with that store's master address saved to it; its
@@ -158,6 +165,10 @@ class PrefixContext:
         # pool bit -> bits of the engine slots its blocks count for (EVERY_SLOT: Mooncake)
         self.pool_members: dict[int, int] = {}
         self.pool_mask = 0  # every pool's bit: 0 keeps the walk free of pool lookups
+        # engine hash -> prefix hash over every owner and tier, and how many *more* holders
+        # than one it has (the first holder's mapping: engine hashes of one context agree)
+        self.engine_prefix: dict[int, int] = {}
+        self._engine_refs: dict[int, int] = {}
 
     # -- slots ---------------------------------------------------------------------------
     def slot(self, instance_id: str, dp_rank: int, shared_pool: bool, kv_store: str = "") -> _Slot:
@@ -214,6 +225,7 @@ class PrefixContext:
                 holdings.copies[engine_hash] = holdings.copies.get(engine_hash, 0) + 1
                 continue
             by_engine_hash[engine_hash] = prefix_hash
+            self._hold_engine_hash(engine_hash, prefix_hash)
             mask = blocks.get(prefix_hash)
             if mask is None:
                 blocks[prefix_hash] = bit
@@ -235,6 +247,7 @@ class PrefixContext:
         prefix_hash = holdings.by_engine_hash.pop(engine_hash, None)
         if prefix_hash is None:
             return False
+        self._release_engine_hash(engine_hash)
         extra = holdings.extra_refs.get(prefix_hash)
         if extra:
             if extra == 1:
@@ -250,6 +263,21 @@ class PrefixContext:
         slot.holdings[tier].copies.pop(engine_hash, None)
         self.release(slot, tier, engine_hash)
 
+    def _hold_engine_hash(self, engine_hash: int, prefix_hash: int) -> None:
+        if engine_hash in self.engine_prefix:
+            self._engine_refs[engine_hash] = self._engine_refs.get(engine_hash, 0) + 1
+        else:
+            self.engine_prefix[engine_hash] = prefix_hash
+
+    def _release_engine_hash(self, engine_hash: int) -> None:
+        extra = self._engine_refs.get(engine_hash)
+        if extra is None:
+            del self.engine_prefix[engine_hash]
+        elif extra == 1:
+            del self._engine_refs[engine_hash]
+        else:
+            self._engine_refs[engine_hash] = extra - 1
+
     def _unset(self, tier: Tier, prefix_hash: int, bit: int) -> None:
         blocks = self.blocks[tier]
         mask = blocks[prefix_hash] & ~bit
@@ -264,6 +292,8 @@ class PrefixContext:
         for tier in TIERS:
             holdings = slot.holdings[tier]
             held += holdings.count()
+            for engine_hash in holdings.by_engine_hash:
+                self._release_engine_hash(engine_hash)
             for prefix_hash in set(holdings.by_engine_hash.values()):
                 self._unset(tier, prefix_hash, slot.bit)
             holdings.by_engine_hash.clear()
@@ -274,17 +304,16 @@ class PrefixContext:
     def prefix_of(self, engine_hash: int, owner: tuple[str, int] | None = None) -> int | None:
         """The prefix hash an engine hash was indexed under, by any owner of the context.
 
-        ``owner`` (instance, DP rank) is asked first: an engine's parent block is almost
-        always its own, so with many instances this saves most lookups on ingestion.
+        ``owner`` (instance, DP rank) is asked first: its own chain wins where owners with
+        other salts map one engine hash differently.
         """
-        first = self.slots.get(owner) if owner is not None else None
-        slots = self.slots.values() if first is None else (first, *self.slots.values())
-        for slot in slots:
+        slot = self.slots.get(owner) if owner is not None else None
+        if slot is not None:
             for holdings in slot.holdings:
                 prefix_hash = holdings.by_engine_hash.get(engine_hash)
                 if prefix_hash is not None:
                     return prefix_hash
-        return None
+        return self.engine_prefix.get(engine_hash)
 
     def block_counts(self) -> tuple[int, int, int]:
         return len(self.blocks[0]), len(self.blocks[1]), len(self.blocks[2])
@@ -380,6 +409,13 @@ class PrefixContext:
         return members
 
 
+def _members(
+    by_rank: dict[int, set[tuple[ContextKey, tuple[str, int]]]],
+) -> list[tuple[ContextKey, tuple[str, int]]]:
+    """Every (context, slot key) of a stream, whatever its rank."""
+    return [member for members in by_rank.values() for member in members]
+
+
 def _record_stops(
     lengths: dict[int, list[int]], stopped: int, position: int, tiers: tuple[int, ...]
 ) -> None:
@@ -395,10 +431,14 @@ def _record_stops(
 class PrefixCacheTable:
     """Every context, every stream's membership, and the operations the service needs."""
 
-    def __init__(self) -> None:
+    def __init__(self, max_dp_ranks: int = 16, max_lora_contexts: int = 64) -> None:
         self.contexts: dict[ContextKey, PrefixContext] = {}
         self._sources: dict[str, StreamSource] = {}
-        self._stream_slots: dict[str, set[tuple[ContextKey, tuple[str, int]]]] = {}
+        # stream -> DP rank (STORE_POOL_RANK: its kv_store pools) -> (context, slot key)
+        self._stream_slots: dict[str, dict[int, set[tuple[ContextKey, tuple[str, int]]]]] = {}
+        self._stream_contexts: dict[str, set[ContextKey]] = {}
+        self.max_dp_ranks = max_dp_ranks  # the engine ranks one stream may own
+        self.max_lora_contexts = max_lora_contexts  # the contexts one stream may own blocks in
         # kv_store -> engine hashes its pools received since its running check began
         self._store_checks: dict[str, set[int]] = {}
         self.stores_down: set[str] = set()  # their CPU events are dropped, their pools empty
@@ -407,7 +447,8 @@ class PrefixCacheTable:
     def add_stream(self, source: StreamSource) -> None:
         """Make ``source``'s instance a member of its context (listed, zero hits)."""
         self._sources[source.key] = source
-        self._stream_slots.setdefault(source.key, set())
+        self._stream_slots.setdefault(source.key, {})
+        self._stream_contexts.setdefault(source.key, set())
         self._slot_for(source, source.context_key(), source.dp_rank)
 
     def remove_stream(self, key: str) -> int:
@@ -422,7 +463,8 @@ class PrefixCacheTable:
             self.stores_down.discard(kv_store)  # the last one naming it: nothing is kept
             self.end_store_check(kv_store)
         dropped = 0
-        for context_key, slot_key in self._stream_slots.pop(key, set()):
+        self._stream_contexts.pop(key, None)
+        for context_key, slot_key in _members(self._stream_slots.pop(key, {})):
             context = self.contexts[context_key]
             slot = context.slots[slot_key]
             slot.streams.discard(key)
@@ -440,10 +482,12 @@ class PrefixCacheTable:
     def clear_stream(self, key: str, dp_rank: int | None = None) -> int:
         """A publisher restart, lost connection or AllBlocksCleared: forget the owners'
         blocks, stay listed. kv_store pools keep theirs: the store still holds them."""
+        by_rank = self._stream_slots.get(key, {})
+        members = _members(by_rank) if dp_rank is None else by_rank.get(dp_rank, ())
         dropped = 0
-        for context_key, slot_key in self._stream_slots.get(key, ()):
+        for context_key, slot_key in members:
             slot = self.contexts[context_key].slots[slot_key]
-            if not slot.kv_store and (dp_rank is None or slot_key[1] == dp_rank):
+            if not slot.kv_store:
                 dropped += self.contexts[context_key].clear_slot(slot)
         return dropped
 
@@ -526,7 +570,20 @@ class PrefixCacheTable:
 
     def _link(self, key: str, context: PrefixContext, slot: _Slot) -> None:
         slot.streams.add(key)
-        self._stream_slots[key].add((context.key, (slot.instance_id, slot.dp_rank)))
+        rank = STORE_POOL_RANK if slot.kv_store else slot.dp_rank
+        slot_key = (slot.instance_id, slot.dp_rank)
+        self._stream_slots[key].setdefault(rank, set()).add((context.key, slot_key))
+        self._stream_contexts[key].add(context.key)
+
+    def _over_limit(self, source: StreamSource, context_key: ContextKey, dp_rank: int) -> str:
+        """Why a stored event would create one slot or context too many ("" = it may)."""
+        ranks = self._stream_slots[source.key]
+        if dp_rank not in ranks and len(ranks.keys() - {STORE_POOL_RANK}) >= self.max_dp_ranks:
+            return "dp_rank_limit"
+        contexts = self._stream_contexts[source.key]
+        if context_key not in contexts and len(contexts) >= self.max_lora_contexts:
+            return "lora_limit"
+        return ""
 
     def _kv_stores(self, slot: _Slot) -> set[str]:
         """The stores an engine slot's registrations save to: the pools it is a member of."""
@@ -566,6 +623,10 @@ class PrefixCacheTable:
             stats.drop("kv_store_down")
             return
         context_key = source.context_key(event.lora_name)
+        limit = self._over_limit(source, context_key, dp_rank)
+        if limit:
+            stats.drop(limit)
+            return
         owner = (source.instance_id, dp_rank)
         prefixes = self._prefixes(self.contexts.get(context_key), owner, source, event, stats)
         if not prefixes:
@@ -617,9 +678,11 @@ class PrefixCacheTable:
         if event.group_idx:
             stats.ignored += 1
             return
+        by_rank = self._stream_slots[source.key]
+        reached = [*by_rank.get(dp_rank, ()), *by_rank.get(STORE_POOL_RANK, ())]
         owned = [
             (self.contexts[ck], self.contexts[ck].slots[sk], tier)
-            for ck, sk in self._stream_slots[source.key]
+            for ck, sk in reached
             for tier in self._removal_tiers(self.contexts[ck].slots[sk], dp_rank, event.tier)
         ]
         for engine_hash in event.block_hashes:
@@ -658,7 +721,8 @@ class PrefixCacheTable:
         context = self.contexts.get(context_key)
         if context is None:
             return None
-        return context.match([context.prefix_of(h) for h in engine_hashes], instance_id)
+        prefix_of = context.engine_prefix.get
+        return context.match([prefix_of(h) for h in engine_hashes], instance_id)
 
     def tenants(self) -> set[str]:
         return {key.tenant_id for key in self.contexts}

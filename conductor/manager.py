@@ -4,7 +4,12 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import resource
+import time
+from dataclasses import dataclass, field
+from typing import Any
 
+import psutil
 import zmq
 import zmq.asyncio
 
@@ -17,6 +22,46 @@ from .wire import DecodeError, Message, decode_batch
 
 log = logging.getLogger(__name__)
 
+MIB = 1024 * 1024
+# a stream's ZMQ sockets: SUB, the monitor's PAIR pair (libzmq opens one of them), a DEALER
+SOCKETS_PER_STREAM = 3
+SOCKETS_PER_REPLAY = 1
+# and file descriptors: a mailbox per socket, a TCP connection per SUB and DEALER
+FDS_PER_STREAM = 4
+FDS_PER_REPLAY = 2
+
+
+@dataclass(frozen=True, slots=True)
+class StreamLimits:
+    """Every bound the event streams keep, whatever publishers and clients do."""
+
+    # ZMQ sockets of the context (its MAX_SOCKETS): 4 per registration with a replay endpoint
+    max_sockets: int = 4096
+    # file descriptors kept free for HTTP clients and store checks when registering
+    reserved_fds: int = 256
+    # a larger message drops the connection (ZMQ MAXMSGSIZE); vLLM batches are kilobytes
+    max_message_bytes: int = 4 * MIB
+    # live bytes one stream may queue (while a replay runs): RCVHWM = this // max_message_bytes
+    receive_buffer_bytes: int = 128 * MIB
+    replay_timeout_s: float = 2.0  # for each reply of a replay
+    replay_deadline_s: float = 30.0  # for the whole replay, however much its endpoint sends
+    max_dp_ranks: int = 16  # DP ranks one registration's batches may create; beyond: dropped
+    max_lora_contexts: int = 64  # LoRA contexts one registration may create; beyond: dropped
+    # a silent publisher is dropped after this (ZMQ heartbeats; plus one heartbeat interval)
+    publisher_timeout_s: float = 3.0
+
+    def __post_init__(self) -> None:
+        for name in self.__dataclass_fields__:
+            if not getattr(self, name) > 0:
+                raise ValueError(f"{name} must be positive, got {getattr(self, name)!r}")
+        if self.receive_buffer_bytes < self.max_message_bytes:
+            raise ValueError("receive_buffer_bytes must hold one message of max_message_bytes")
+
+    @property
+    def receive_hwm(self) -> int:
+        """Messages a stream's SUB (or DEALER) queues at most: under receive_buffer_bytes."""
+        return self.receive_buffer_bytes // self.max_message_bytes
+
 
 class RegistrationConflict(Exception):
     """The key or the endpoint is already registered with a different configuration."""
@@ -26,8 +71,33 @@ class RegistrationFailed(Exception):
     """ZMQ refused the endpoint (malformed address, unknown host)."""
 
 
+class CapacityExceeded(Exception):
+    """One more stream would pass a socket or file-descriptor limit (the API says 503)."""
+
+
 class ServiceNotFound(KeyError):
     pass
+
+
+@dataclass(slots=True)
+class DownMark:
+    """An instance the router reported dead: its streams drop events until ``until``."""
+
+    reason: str
+    until: float  # time.time()
+    timer: asyncio.TimerHandle | None = field(default=None, repr=False)
+
+
+def raise_fd_limit() -> int:
+    """Raise the soft RLIMIT_NOFILE to the hard one (each stream needs descriptors)."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if hard != resource.RLIM_INFINITY and soft < hard:
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+            soft = hard
+        except (ValueError, OSError) as error:
+            log.warning("cannot raise the open-file limit from %d to %d: %s", soft, hard, error)
+    return soft
 
 
 _EVENT_COUNTERS = {
@@ -38,6 +108,7 @@ _EVENT_COUNTERS = {
     "restart": "restarts",
     "lost": "publishers_lost",
 }
+CAPPED_REASONS = ("dp_rank_limit", "lora_limit")
 
 
 class ServiceManager:
@@ -46,22 +117,48 @@ class ServiceManager:
         table: PrefixCacheTable,
         metrics: ConductorMetrics,
         stores: StoreWatch,
-        replay_timeout: float = 2.0,
+        limits: StreamLimits | None = None,
     ) -> None:
         self.table = table
         self.metrics = metrics
         self.stores = stores  # checks each kv_store a registration names
+        self.limits = limits or StreamLimits()
+        table.max_dp_ranks = self.limits.max_dp_ranks
+        table.max_lora_contexts = self.limits.max_lora_contexts
         self.registrations: dict[str, Registration] = {}
         # service key -> why its stream is not indexed as registered (shown by /health)
         self.degraded: dict[str, str] = {}
         self._subscribers: dict[str, StreamSubscriber] = {}
-        self._context = zmq.asyncio.Context()
-        self._replay_timeout = replay_timeout
+        self._down: dict[tuple[str, str], DownMark] = {}  # (instance, tenant) -> mark
+        self._capped: set[tuple[str, str]] = set()  # (stream, reason) warned about once
+        self._expiring: set[asyncio.Task[None]] = set()  # marks ending (tasks kept alive)
+        self.fd_limit = raise_fd_limit()
+        self.context = zmq.asyncio.Context()
+        self.context.set(zmq.MAX_SOCKETS, self.limits.max_sockets)
         self._lock = asyncio.Lock()
 
     def state_of(self, key: str) -> str:
         subscriber = self._subscribers.get(key)
         return subscriber.state if subscriber else "stopped"
+
+    def stream_view(self, key: str) -> dict[str, Any]:
+        """What /services and /health show of a stream: its state, its task failures (the
+        last one's error) and, while its instance is marked down, until when and why."""
+        subscriber = self._subscribers.get(key)
+        if subscriber is None:
+            return {"state": "stopped", "failures": 0, "last_error": ""}
+        tasks = subscriber.supervised()
+        view: dict[str, Any] = {
+            "state": subscriber.state,
+            "failures": sum(task.restarts for task in tasks),
+            "last_error": next((t.last_error for t in tasks if t.state == "failed"), ""),
+        }
+        registration = self.registrations[key]
+        mark = self._down.get((registration.source().instance_id, registration.tenant_id))
+        if mark is not None:
+            view["down_until"] = mark.until
+            view["down_reason"] = mark.reason
+        return view
 
     async def register(self, registration: Registration) -> bool:
         """Start indexing a stream; False when the identical registration already exists."""
@@ -79,14 +176,16 @@ class ServiceManager:
                     raise RegistrationConflict(
                         f"endpoint {registration.endpoint} is already registered as {other.key}"
                     )
+            self._check_capacity(registration)
             subscriber = StreamSubscriber(
-                self._context,
+                self.context,
                 key,
                 registration.endpoint,
                 registration.replay_endpoint,
                 self._callbacks(registration),
+                self.limits,
+                self.metrics.stream_task_failures,
                 first_sequence=registration.first_sequence,
-                replay_timeout=self._replay_timeout,
             )
             self.table.add_stream(registration.source())
             try:
@@ -97,6 +196,8 @@ class ServiceManager:
                 raise RegistrationFailed(f"cannot subscribe to {key}: {error}") from None
             self.registrations[key] = registration
             self._subscribers[key] = subscriber
+            if (registration.source().instance_id, registration.tenant_id) in self._down:
+                await subscriber.mark_down()
             if registration.kv_store:
                 self.stores.watch(registration.kv_store)
             self.metrics.services.set(len(self.registrations))
@@ -109,6 +210,32 @@ class ServiceManager:
             )
             return True
 
+    def _check_capacity(self, registration: Registration) -> None:
+        """Refuse a stream that would pass the context's sockets or the process's file
+        descriptors: reaching either later would break streams that work now."""
+        replay = bool(registration.replay_endpoint)
+        sockets = SOCKETS_PER_STREAM + SOCKETS_PER_REPLAY * replay
+        used = sum(
+            SOCKETS_PER_STREAM + SOCKETS_PER_REPLAY * bool(r.replay_endpoint)
+            for r in self.registrations.values()
+        )
+        count = len(self.registrations)
+        if used + sockets > self.limits.max_sockets:
+            raise CapacityExceeded(
+                f"cannot register {registration.key}: {count} registrations use {used} of the "
+                f"{self.limits.max_sockets} ZMQ sockets (max_sockets) and it needs {sockets}; "
+                "raise max_sockets or unregister streams"
+            )
+        fds = FDS_PER_STREAM + FDS_PER_REPLAY * replay
+        open_fds = psutil.Process().num_fds()
+        if open_fds + fds + self.limits.reserved_fds > self.fd_limit:
+            raise CapacityExceeded(
+                f"cannot register {registration.key}: {count} registrations and the service "
+                f"hold {open_fds} of the {self.fd_limit} file descriptors (RLIMIT_NOFILE) and "
+                f"it needs {fds} while {self.limits.reserved_fds} stay free (reserved_fds); "
+                "raise the hard limit (ulimit -Hn, LimitNOFILE=) or unregister streams"
+            )
+
     async def unregister(self, key: str) -> int:
         """Stop the stream and drop its owners' blocks; returns how many were dropped."""
         async with self._lock:
@@ -117,6 +244,7 @@ class ServiceManager:
             subscriber = self._subscribers.pop(key)
             kv_store = self.registrations.pop(key).kv_store
             self.degraded.pop(key, None)
+            self._capped -= {(key, reason) for reason in CAPPED_REASONS}
             await subscriber.stop()
             dropped = self.table.remove_stream(key)
             if kv_store and all(r.kv_store != kv_store for r in self.registrations.values()):
@@ -126,11 +254,88 @@ class ServiceManager:
             log.info("unregistered stream=%s blocks_dropped=%d", key, dropped)
             return dropped
 
+    # -- dead instances ------------------------------------------------------------------
+    def _instance_streams(self, instance_id: str, tenant_id: str) -> list[str]:
+        streams = [
+            key
+            for key, registration in sorted(self.registrations.items())
+            if registration.source().instance_id == instance_id
+            and registration.tenant_id == tenant_id
+        ]
+        if not streams:
+            raise ServiceNotFound(instance_id)
+        return streams
+
+    async def instance_down(
+        self, instance_id: str, tenant_id: str = "default", reason: str = "", ttl_s: float = 60.0
+    ) -> tuple[list[str], int]:
+        """Stop counting every stream (DP rank) of an instance the router saw die, for
+        ``ttl_s`` (a repeat extends it). Returns the streams and the blocks dropped."""
+        async with self._lock:
+            streams = self._instance_streams(instance_id, tenant_id)
+            dropped = await self._mark_down((instance_id, tenant_id), reason, ttl_s, streams)
+        return streams, dropped
+
+    async def _mark_down(
+        self, instance: tuple[str, str], reason: str, ttl_s: float, streams: list[str]
+    ) -> int:
+        instance_id, tenant_id = instance
+        mark = self._down.get(instance)
+        if mark is not None and mark.timer is not None:
+            mark.timer.cancel()
+        else:
+            log.warning(
+                "instance_id=%s tenant_id=%s marked down for %.0fs: %s",
+                instance_id,
+                tenant_id,
+                ttl_s,
+                reason or "no reason given",
+            )
+        loop = asyncio.get_running_loop()
+        timer = loop.call_later(ttl_s, self._expire, instance)
+        self._down[instance] = DownMark(reason, time.time() + ttl_s, timer)
+        dropped = 0
+        for key in streams:
+            dropped += self.table.clear_stream(key)
+            await self._subscribers[key].mark_down()
+        return dropped
+
+    async def instance_up(self, instance_id: str, tenant_id: str = "default") -> list[str]:
+        """Count the instance again: its streams catch up from their replay buffers now."""
+        async with self._lock:
+            streams = self._instance_streams(instance_id, tenant_id)
+            mark = self._down.pop((instance_id, tenant_id), None)
+            if mark is not None:
+                if mark.timer is not None:
+                    mark.timer.cancel()
+                log.warning("instance_id=%s tenant_id=%s marked up", instance_id, tenant_id)
+            for key in streams:
+                await self._subscribers[key].mark_up()
+        return streams
+
+    def _expire(self, instance: tuple[str, str]) -> None:
+        """A mark the router stopped renewing ends like an instance_up."""
+        mark = self._down.get(instance)
+        if mark is not None:
+            mark.timer = None  # it fired
+        task = asyncio.create_task(self._expire_mark(*instance), name="instance-up")
+        self._expiring.add(task)
+        task.add_done_callback(self._expiring.discard)
+
+    async def _expire_mark(self, instance_id: str, tenant_id: str) -> None:
+        try:
+            await self.instance_up(instance_id, tenant_id)
+        except ServiceNotFound:  # every stream of it was unregistered meanwhile
+            self._down.pop((instance_id, tenant_id), None)
+
     async def close(self) -> None:
+        for mark in self._down.values():
+            if mark.timer is not None:
+                mark.timer.cancel()
         await self.stores.close()
         await asyncio.gather(*(s.stop() for s in self._subscribers.values()))
         self._subscribers.clear()
-        self._context.term()
+        self.context.destroy(linger=0)  # term() would wait forever for a socket left open
 
     # -- ingestion -----------------------------------------------------------------------
     def _callbacks(self, registration: Registration) -> StreamCallbacks:
@@ -156,7 +361,14 @@ class ServiceManager:
             else:
                 getattr(metrics, _EVENT_COUNTERS[name]).labels(key).inc()
 
-        return StreamCallbacks(on_message, on_restart, on_state, on_event, on_lost)
+        def on_dropped(message: Message) -> None:
+            try:
+                events = len(decode_batch(message.payload, message.topic).events)
+            except DecodeError:
+                events = 0
+            metrics.dropped.labels(key, "instance_down").inc(events)
+
+        return StreamCallbacks(on_message, on_restart, on_state, on_event, on_lost, on_dropped)
 
     def _ingest(self, registration: Registration, message: Message, replayed: bool) -> None:
         """Decode and apply one batch synchronously: no await between its events."""
@@ -179,6 +391,17 @@ class ServiceManager:
         self.metrics.record_apply(key, stats, replayed)
         if stats.foreign_block_size is not None:
             self._flag_block_size(registration, stats.foreign_block_size)
+        for reason in CAPPED_REASONS:
+            if reason in stats.dropped and (key, reason) not in self._capped:
+                self._capped.add((key, reason))
+                log.warning(
+                    "stream=%s drops events beyond its %s (max_dp_ranks=%d, "
+                    "max_lora_contexts=%d); counted in conductor_dropped_events_total",
+                    key,
+                    reason,
+                    self.limits.max_dp_ranks,
+                    self.limits.max_lora_contexts,
+                )
 
     def _flag_block_size(self, registration: Registration, carried: int) -> None:
         """Warn once per stream: every stored block of it is dropped, so queries never hit

@@ -11,7 +11,15 @@ from prometheus_client.registry import Collector
 from .index import ApplyStats, PrefixCacheTable
 from .wire.events import Tier
 
-SUBSCRIBER_STATES = ("connecting", "connected", "replaying", "disconnected", "stopped")
+SUBSCRIBER_STATES = (
+    "connecting",
+    "connected",
+    "replaying",
+    "disconnected",
+    "stopped",
+    "failed",  # one of its tasks failed; it is retried with backoff
+    "down",  # its instance was marked down (POST /instance_down)
+)
 STORE_STATES = ("unchecked", "up", "down")
 
 
@@ -85,6 +93,12 @@ class ConductorMetrics:
         self.publishers_lost = counter(
             "conductor_publisher_disconnects_total",
             "Connections to a publisher lost (its blocks were cleared)",
+        )
+        self.stream_task_failures = counter(
+            "conductor_stream_task_failures_total",
+            "Failures of a stream's tasks (live reader, connection monitor, catch-up), "
+            "each retried with backoff",
+            ("task",),
         )
         self.subscriber_state = Enum(
             "conductor_subscriber_state",

@@ -9,32 +9,50 @@ itself reconnects with capped exponential backoff.
 Liveness: the moment the connection to the publisher drops (its process died, or the
 network broke) the owner's blocks are cleared, because the conductor can no longer tell
 what the engine holds; on every (re)connection the stream is read from the start of the
-publisher's replay buffer, without waiting for its next batch. A dead engine thus stops
-being reported within milliseconds, and an idle engine (a conductor started after it, or a
-network blip) gets its blocks back from its buffer at once. ZMQ heartbeats bound the time to
-notice a peer that vanished without closing its connection.
+publisher's replay buffer, without waiting for its next batch. A publisher whose process
+dies is noticed at once (its kernel closes the connection); one that vanished without
+closing it (a partition, a frozen host) is dropped by ZMQ heartbeats: its blocks leave the
+index within ``publisher_timeout_s`` + one heartbeat interval (``HEARTBEAT_IVL_MS``).
+
+Bounds: a message larger than ``max_message_bytes`` drops the connection (ZMQ MAXMSGSIZE;
+it reconnects and catches up). Live batches wait in the SUB queue while a replay runs; its
+high-water mark is ``receive_buffer_bytes // max_message_bytes`` messages, so the bytes
+queued per stream stay under ``receive_buffer_bytes`` (plus the one message being decoded);
+beyond it TCP pushes back on the publisher. A replay answers within ``replay_timeout_s``
+per reply and ``replay_deadline_s`` overall, however much garbage the endpoint sends.
+
+Supervision: the live reader, the connection watcher and each catch-up run as
+``SupervisedTask``s: a failure is logged, counted, shown as state "failed" and retried
+with backoff. An instance marked down (``mark_down``) drops its events until ``mark_up``.
 """
 
 from __future__ import annotations
 
 import asyncio
+import itertools
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import zmq
 import zmq.asyncio
+from prometheus_client import Counter
 from zmq.utils.monitor import parse_monitor_message
 
+from .runtime import SupervisedTask
 from .wire.frames import FrameError, Message, parse_live, parse_replay, replay_request
+
+if TYPE_CHECKING:
+    from .manager import StreamLimits
 
 log = logging.getLogger(__name__)
 
 RECONNECT_MIN_MS = 100
 RECONNECT_MAX_MS = 5000
-RECEIVE_HWM = 100_000
 HEARTBEAT_IVL_MS = 1000
-HEARTBEAT_TIMEOUT_MS = 3000  # a silent peer is dropped after this (plus one interval)
+MONITOR_EVENTS = zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED | zmq.EVENT_CONNECT_RETRIED
+_monitor_ids = itertools.count()  # pyzmq names monitors by FD, which the kernel recycles
 
 
 @dataclass(slots=True)
@@ -46,6 +64,7 @@ class StreamCallbacks:
     on_state: Callable[[str], None]
     on_event: Callable[[str], None]  # gap, gap_unrepaired, replay_*, bad_frame, restart, lost
     on_lost: Callable[[], None]  # the publisher is gone: its blocks are unknown, clear them
+    on_dropped: Callable[[Message], None]  # a batch of an instance marked down
 
 
 class StreamSubscriber:
@@ -56,75 +75,78 @@ class StreamSubscriber:
         endpoint: str,
         replay_endpoint: str,
         callbacks: StreamCallbacks,
+        limits: StreamLimits,
+        failures: Counter,
         first_sequence: int = 0,
-        replay_timeout: float = 2.0,
     ) -> None:
         self._context = context
         self.name = name
         self.endpoint = endpoint
         self.replay_endpoint = replay_endpoint
         self._callbacks = callbacks
+        self._limits = limits
+        self._failures = failures
         self._first_sequence = first_sequence
-        self._replay_timeout = replay_timeout
         self.last_sequence: int | None = None
         self._last_replayed = False  # last_sequence came from a replay, not the live stream
         self.state = "connecting"
+        self._connection = "connecting"  # what ZMQ says, under "down" and "failed"
+        self.down = False
         self._order = asyncio.Lock()  # live batches, replays and clears, one at a time
         self._sub: zmq.asyncio.Socket | None = None
+        self._monitor: zmq.asyncio.Socket | None = None
         self._dealer: zmq.asyncio.Socket | None = None
-        self._tasks: list[asyncio.Task[None]] = []
-        self._catching_up: asyncio.Task[None] | None = None
+        self._tasks: list[SupervisedTask] = []
+        self._catching_up: SupervisedTask | None = None
 
     # -- lifecycle -----------------------------------------------------------------------
     def start(self) -> None:
-        """Connect (lazily, like ZMQ) and start reading; raises ZMQError on a bad endpoint."""
-        sub = self._context.socket(zmq.SUB)
-        sub.setsockopt(zmq.LINGER, 0)
-        sub.setsockopt(zmq.RCVHWM, RECEIVE_HWM)
-        sub.setsockopt(zmq.RECONNECT_IVL, RECONNECT_MIN_MS)
-        sub.setsockopt(zmq.RECONNECT_IVL_MAX, RECONNECT_MAX_MS)
-        sub.setsockopt(zmq.IPV6, 1)
-        sub.setsockopt(zmq.HEARTBEAT_IVL, HEARTBEAT_IVL_MS)
-        sub.setsockopt(zmq.HEARTBEAT_TIMEOUT, HEARTBEAT_TIMEOUT_MS)
-        sub.setsockopt(zmq.SUBSCRIBE, b"")
-        monitor = sub.get_monitor_socket(
-            zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED | zmq.EVENT_CONNECT_RETRIED
-        )
+        """Connect (lazily, like ZMQ) and start reading; raises ZMQError on a bad endpoint
+        or when the context has no socket left (nothing stays open then)."""
         try:
-            sub.connect(self.endpoint)
+            self._sub = self._socket(zmq.SUB)
+            self._sub.setsockopt(zmq.RECONNECT_IVL, RECONNECT_MIN_MS)
+            self._sub.setsockopt(zmq.RECONNECT_IVL_MAX, RECONNECT_MAX_MS)
+            self._sub.setsockopt(zmq.HEARTBEAT_IVL, HEARTBEAT_IVL_MS)
+            timeout_ms = int(self._limits.publisher_timeout_s * 1000)
+            self._sub.setsockopt(zmq.HEARTBEAT_TIMEOUT, timeout_ms)
+            self._sub.setsockopt(zmq.SUBSCRIBE, b"")
+            address = f"inproc://conductor-monitor-{next(_monitor_ids)}"
+            self._sub.monitor(address, MONITOR_EVENTS)
+            self._monitor = self._context.socket(zmq.PAIR)
+            self._monitor.setsockopt(zmq.LINGER, 0)
+            self._monitor.connect(address)
+            self._sub.connect(self.endpoint)
             if self.replay_endpoint:
                 self._dealer = self._new_dealer()
         except zmq.ZMQError:
-            sub.disable_monitor()
-            monitor.close(0)
-            sub.close(0)
+            self._close_sockets()
             raise
-        self._sub = sub
         self._tasks = [
-            asyncio.create_task(self._read_live(), name=f"sub:{self.name}"),
-            asyncio.create_task(self._watch(monitor), name=f"monitor:{self.name}"),
+            self._supervised("live", self._read_live),
+            self._supervised("monitor", self._watch),
         ]
 
     async def stop(self) -> None:
-        """Cancel reads (never waits on a blocked recv) and close every socket."""
+        """Stop every task, then close the sockets: the monitor is disabled while its PAIR
+        still listens (libzmq's I/O thread blocks forever sending an event to a monitor
+        PAIR nobody listens on, and would take ``disable_monitor`` down with it)."""
         tasks = [*self._tasks, *([self._catching_up] if self._catching_up else [])]
-        for task in tasks:
-            task.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
+        await asyncio.gather(*(task.stop() for task in tasks))
         self._tasks, self._catching_up = [], None
-        if self._sub is not None:
-            self._sub.disable_monitor()
-            self._sub.close(0)
-            self._sub = None
-        if self._dealer is not None:
-            self._dealer.close(0)
-            self._dealer = None
-        self._set_state("stopped")
+        self._close_sockets()
+        self._set_connection("stopped")
+
+    def _socket(self, kind: int) -> zmq.asyncio.Socket:
+        socket = self._context.socket(kind)
+        socket.setsockopt(zmq.LINGER, 0)
+        socket.setsockopt(zmq.IPV6, 1)
+        socket.setsockopt(zmq.MAXMSGSIZE, self._limits.max_message_bytes)
+        socket.setsockopt(zmq.RCVHWM, self._limits.receive_hwm)
+        return socket
 
     def _new_dealer(self) -> zmq.asyncio.Socket:
-        dealer = self._context.socket(zmq.DEALER)
-        dealer.setsockopt(zmq.LINGER, 0)
-        dealer.setsockopt(zmq.IPV6, 1)
+        dealer = self._socket(zmq.DEALER)
         try:
             dealer.connect(self.replay_endpoint)
         except zmq.ZMQError:
@@ -132,43 +154,89 @@ class StreamSubscriber:
             raise
         return dealer
 
-    def _set_state(self, state: str) -> None:
+    def _close_sockets(self) -> None:
+        if self._sub is not None:
+            self._sub.monitor(None, 0)
+        for socket in (self._monitor, self._sub, self._dealer):
+            if socket is not None:
+                socket.close(0)
+        self._sub = self._monitor = self._dealer = None
+
+    def _supervised(self, task: str, factory: Callable) -> SupervisedTask:
+        supervised = SupervisedTask(
+            task, factory, self._failures, on_state=lambda _: self._publish_state()
+        )
+        supervised.start()
+        return supervised
+
+    # -- state ---------------------------------------------------------------------------
+    def supervised(self) -> list[SupervisedTask]:
+        return [*self._tasks, *([self._catching_up] if self._catching_up else [])]
+
+    def _set_connection(self, state: str) -> None:
+        self._connection = state
+        self._publish_state()
+
+    def _publish_state(self) -> None:
+        """down > failed > the connection's state: the most urgent news wins."""
+        failed = any(task.state == "failed" for task in self.supervised())
+        state = "down" if self.down else "failed" if failed else self._connection
         if state != self.state:
             self.state = state
             self._callbacks.on_state(state)
 
-    async def _watch(self, monitor: zmq.asyncio.Socket) -> None:
-        try:
-            while True:
-                event = parse_monitor_message(await monitor.recv_multipart())["event"]
-                if event == zmq.EVENT_CONNECTED:
-                    self._set_state("connected")
-                    self._catching_up = asyncio.create_task(
-                        self._catch_up(), name=f"catch-up:{self.name}"
-                    )
-                elif event == zmq.EVENT_DISCONNECTED:
-                    if self._catching_up is not None:  # its replies will never come
-                        self._catching_up.cancel()
-                        await asyncio.gather(self._catching_up, return_exceptions=True)
-                    await self._lose_publisher()
-                elif event == zmq.EVENT_CONNECT_RETRIED and self.state != "replaying":
-                    self._set_state("disconnected")
-        finally:
-            monitor.close(0)
+    # -- connection ----------------------------------------------------------------------
+    async def _watch(self) -> None:
+        assert self._monitor is not None
+        while True:
+            event = parse_monitor_message(await self._monitor.recv_multipart())["event"]
+            if event == zmq.EVENT_CONNECTED:
+                self._set_connection("connected")
+                await self._start_catch_up()
+            elif event == zmq.EVENT_DISCONNECTED:
+                if self._catching_up is not None:  # its replies will never come
+                    await self._catching_up.stop()
+                    self._catching_up = None
+                await self._lose_publisher()
+            elif event == zmq.EVENT_CONNECT_RETRIED and self._connection != "replaying":
+                self._set_connection("disconnected")
+
+    async def _start_catch_up(self) -> None:
+        if self._catching_up is not None:
+            await self._catching_up.stop()
+        self._catching_up = self._supervised("catch-up", self._catch_up)
 
     async def _catch_up(self) -> None:
         """A (re)connected stream reads the publisher's buffer now, not at its next batch."""
         async with self._order:
-            if self.last_sequence is None:
-                await self._replay(self._first_sequence, None)
+            if self.last_sequence is None and not self.down:
+                await self._replay(self._first_sequence, None, fail_loudly=True)
 
     async def _lose_publisher(self) -> None:
         async with self._order:
-            self._set_state("disconnected")
+            self._set_connection("disconnected")
             self._callbacks.on_event("lost")
             log.warning("stream=%s lost its publisher: clearing its blocks", self.name)
             self._callbacks.on_lost()
             self.last_sequence = None
+
+    async def mark_down(self) -> None:
+        """The instance is dead (the router says so): forget its blocks, drop its events."""
+        if self._catching_up is not None:
+            await self._catching_up.stop()
+            self._catching_up = None
+        async with self._order:
+            self.down = True
+            self._callbacks.on_lost()
+            self.last_sequence = None
+            self._publish_state()
+
+    async def mark_up(self) -> None:
+        """Index the instance again, starting with its publisher's whole replay buffer."""
+        self.down = False
+        self._publish_state()
+        if self._connection in ("connected", "replaying"):
+            await self._start_catch_up()
 
     # -- live stream ---------------------------------------------------------------------
     async def _read_live(self) -> None:
@@ -182,7 +250,10 @@ class StreamSubscriber:
                 log.warning("stream=%s dropped malformed message: %s", self.name, error)
                 continue
             async with self._order:
-                await self._handle_live(message)
+                if self.down:
+                    self._callbacks.on_dropped(message)
+                else:
+                    await self._handle_live(message)
             # pyzmq completes a recv at once while messages are queued: yield so a burst of
             # batches cannot hold /query and the other streams back.
             await asyncio.sleep(0)
@@ -223,35 +294,52 @@ class StreamSubscriber:
         self._callbacks.on_message(message, replayed)
 
     # -- replay --------------------------------------------------------------------------
-    async def _replay(self, start: int, stop: int | None) -> None:
-        """Apply the publisher's buffered batches ``start <= seq < stop``, in order."""
-        if self._dealer is None:
+    async def _replay(self, start: int, stop: int | None, fail_loudly: bool = False) -> None:
+        """Apply the publisher's buffered batches ``start <= seq < stop``, in order.
+
+        A replay that fails is counted and logged; the live stream goes on. With
+        ``fail_loudly`` (a catch-up, which nothing else would retry) a DEALER that cannot be
+        opened (no socket or file descriptor left) is raised to the supervisor, which
+        shows the stream "failed" and retries with backoff.
+        """
+        if not self.replay_endpoint:
             return
-        previous_state = self.state
-        self._set_state("replaying")
+        previous = self._connection
+        self._set_connection("replaying")
         self._callbacks.on_event("replay_requested")
         try:
-            await self._dealer.send_multipart(replay_request(start))
-            while True:
-                frames = await asyncio.wait_for(self._dealer.recv_multipart(), self._replay_timeout)
-                try:
-                    message = parse_replay(frames)
-                except FrameError as error:
-                    self._callbacks.on_event("bad_frame")
-                    log.warning("stream=%s bad replay reply: %s", self.name, error)
-                    continue
-                if message is None:
-                    break
-                last = self.last_sequence
-                wanted = start <= message.seq and (stop is None or message.seq < stop)
-                if wanted and (last is None or message.seq > last):
-                    self._apply(message, replayed=True)
+            if self._dealer is None:
+                self._dealer = self._new_dealer()
+            async with asyncio.timeout(self._limits.replay_deadline_s):
+                await self._receive_replay(self._dealer, start, stop)
         except (TimeoutError, zmq.ZMQError, asyncio.CancelledError) as error:
             self._callbacks.on_event("replay_failed")
             log.warning("stream=%s replay from %d failed: %r", self.name, start, error)
-            self._dealer.close(0)  # late replies must not leak into the next replay
-            self._dealer = self._new_dealer()
-            if isinstance(error, asyncio.CancelledError):
+            if self._dealer is not None:  # late replies must not leak into the next replay
+                self._dealer.close(0)
+                self._dealer = None  # opened again by the next replay
+            if isinstance(error, asyncio.CancelledError) or (
+                fail_loudly and isinstance(error, zmq.ZMQError)
+            ):
                 raise
         finally:
-            self._set_state(previous_state if previous_state != "replaying" else "connected")
+            self._set_connection(previous if previous != "replaying" else "connected")
+
+    async def _receive_replay(self, dealer: zmq.asyncio.Socket, start: int, stop: int | None):
+        await dealer.send_multipart(replay_request(start))
+        while True:
+            async with asyncio.timeout(self._limits.replay_timeout_s):
+                frames = await dealer.recv_multipart()
+            await asyncio.sleep(0)  # a queued reply completes at once: let the deadline fire
+            try:
+                message = parse_replay(frames)
+            except FrameError as error:
+                self._callbacks.on_event("bad_frame")
+                log.warning("stream=%s bad replay reply: %s", self.name, error)
+                continue
+            if message is None:
+                return
+            last = self.last_sequence
+            wanted = start <= message.seq and (stop is None or message.seq < stop)
+            if wanted and (last is None or message.seq > last):
+                self._apply(message, replayed=True)

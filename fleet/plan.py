@@ -188,9 +188,11 @@ def make_plan(spec: FleetSpec, run_dir: Path, model_dir: Path | None) -> FleetPl
     # restart): one registration path, so the conductor starts with no instances
     # where the conductor checks that the store still holds the blocks it indexed
     admin = {"kv_store_admin_urls": {store.address.master: store.admin_url}} if store else {}
+    # the engines' event sockets live in the run directory, their replay ports on the host
+    allow = {"register_allow": [f"ipc://{run_dir}/", "127.0.0.0/8", "::1/128", spec.host]}
     conductor_config = write_json(
         run_dir / "conductor_config.json",
-        {"kvevent_instance": {}, "http_server_port": conductor_port, **admin},
+        {"kvevent_instance": {}, "http_server_port": conductor_port, **admin, **allow},
     )
     conductor = ServicePlan(
         name="conductor",

@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from tests.support.api import get, post, register_and_connect
+from tests.support.api import get, post, register_and_connect, registration
 
 VALID_QUERY = {"model": "m", "block_size": 4, "token_ids": [1, 2, 3, 4]}
 VALID_REGISTRATION = {
@@ -136,3 +136,18 @@ async def test_service_survives_garbage(shared_conductor, http):
             assert response.status == 400
     status, health = await get(http, f"{shared_conductor.url}/health")
     assert status == 200 and health["status"] == "ok"
+
+
+async def test_the_socket_limit_is_503_with_retry_after(conductor_factory, http, publisher_factory):
+    conductor = conductor_factory("--max-sockets", "10")
+    answers = []
+    for number in range(4):
+        body = registration(publisher_factory(), f"engine-{number}")
+        async with http.post(f"{conductor.url}/register", json=body) as response:
+            answers.append((response.status, response.headers.get("Retry-After")))
+            if response.status == 503:
+                answer = await response.json()
+    assert answers[0] == (200, None) and (503, "5") in answers, answers
+    assert answer["field"] is None and answer["error"]
+    _, services = await get(http, f"{conductor.url}/services")
+    assert all(service["Stream"]["state"] != "failed" for service in services["services"])

@@ -157,12 +157,24 @@ def check_invariants(table: PrefixCacheTable) -> None:
         assert context._by_index == {slot.index: slot for slot in context.slots.values()}
         assert set(context._free).isdisjoint(context._by_index)  # recycled bits are unused
         assert context.blocks == expected
+        holders: dict[int, int] = {}
+        for slot in context.slots.values():
+            for holdings in slot.holdings:
+                for engine_hash in holdings.by_engine_hash:
+                    holders[engine_hash] = holders.get(engine_hash, 0) + 1
+        assert context.engine_prefix.keys() == holders.keys()  # the O(1) lookup is exact
+        assert context._engine_refs == {h: n - 1 for h, n in holders.items() if n > 1}
         for stream_key in {s for slot in context.slots.values() for s in slot.streams}:
             assert stream_key in table._stream_slots
-    for stream_key, members in table._stream_slots.items():
+    for stream_key, by_rank in table._stream_slots.items():
         assert stream_key in table._sources
-        for context_key, slot_key in members:
-            assert stream_key in table.contexts[context_key].slots[slot_key].streams
+        contexts = set()
+        for rank, members in by_rank.items():
+            for context_key, slot_key in members:
+                slot = table.contexts[context_key].slots[slot_key]
+                assert stream_key in slot.streams and slot.dp_rank == rank
+                contexts.add(context_key)
+        assert table._stream_contexts[stream_key] == contexts
 
 
 def assert_empty(table: PrefixCacheTable) -> None:
@@ -170,6 +182,7 @@ def assert_empty(table: PrefixCacheTable) -> None:
     assert table.contexts == {}
     assert table._sources == {}
     assert table._stream_slots == {}
+    assert table._stream_contexts == {}
     assert table.block_count() == 0
     assert table.tenants() == set()
 

@@ -77,14 +77,16 @@ def test_invalid_config_exits_with_one_line_reason(tmp_path, content, reason):
     assert len(lines) == 1 and reason in lines[0], result.stderr
 
 
-async def test_missing_config_starts_empty(conductor, http):
+async def test_an_empty_config_starts_an_empty_service(conductor, http):
     status, health = await get(http, f"{conductor.url}/health")
     assert status == 200 and health["services"] == 0
 
 
 def test_invalid_log_level_is_rejected(tmp_path):
-    result = run_conductor("--config", str(tmp_path / "none.json"), "--log-level", "LOUD")
-    assert result.returncode != 0 and "log_level" in result.stderr
+    config = tmp_path / "conductor_config.json"
+    config.write_text("{}")
+    result = run_conductor("--config", str(config), "--log-level", "LOUD")
+    assert result.returncode != 0 and "--log-level" in result.stderr and "LOUD" in result.stderr
 
 
 async def test_sigterm_shuts_down_within_two_seconds(conductor, http, publisher_factory):

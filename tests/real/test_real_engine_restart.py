@@ -37,7 +37,9 @@ def stack(tmp_path_factory: pytest.TempPathFactory, model_dir: Path):
     run_dir = tmp_path_factory.mktemp("solo")
     engine = RealEngine(run_dir, model_dir, BLOCK)
     engine.start()
-    conductor = ConductorProcess(run_dir)
+    # the engine publishes on a unix socket in run_dir: allowed next to loopback
+    allow = [f"ipc://{run_dir}/", "127.0.0.1"]
+    conductor = ConductorProcess(run_dir, config={"register_allow": allow})
     conductor.wait_ready()
     router_config = {
         "conductor": {"address": conductor.url},

@@ -1,0 +1,141 @@
+"""Connection-level limits aiohttp does not have: a request-head timeout and a connection cap.
+
+Every connection's protocol (aiohttp's ``RequestHandler``) is wrapped: a connection over
+``max_connections`` is aborted as it arrives (the others are untouched), and a request head
+(everything up to the blank line) that has not fully arrived ``header_timeout`` seconds
+after its first byte (or after the connection opened) closes the connection, so a client
+sending a head byte by byte cannot hold a socket. The body has its own timeout, around the
+read in the handlers.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Callable
+from typing import Any, cast
+
+from aiohttp import web
+from prometheus_client import CollectorRegistry, Counter
+
+log = logging.getLogger(__name__)
+HEAD_END = b"\r\n\r\n"
+
+
+class ConnectionGuard:
+    """The open connections and the limits they are held to."""
+
+    def __init__(
+        self, header_timeout: float, max_connections: int, registry: CollectorRegistry
+    ) -> None:
+        self.header_timeout = header_timeout
+        self.max_connections = max_connections
+        self.refused = Counter(
+            "conductor_http_connections_closed_total",
+            "Connections closed by the server: over the limit or a head too slow",
+            ["reason"],
+            registry=registry,
+        )
+        self.open: dict[asyncio.BaseTransport, GuardedProtocol] = {}
+
+    def wrap(self, factory: Callable[[], asyncio.Protocol]) -> Callable[[], asyncio.Protocol]:
+        return lambda: GuardedProtocol(factory(), self)
+
+    def request_done(self, transport: asyncio.BaseTransport | None) -> None:
+        """A response was handled: the next bytes on the connection start a new head."""
+        connection = self.open.get(transport) if transport is not None else None
+        if connection is not None:
+            connection.awaiting_head = True
+            connection.tail = b""
+
+    def close_all(self) -> None:
+        """Shutdown: close every connection now, slow clients included."""
+        for transport in list(self.open):
+            transport.abort()
+
+
+class GuardedProtocol(asyncio.Protocol):
+    """Forwards every event to aiohttp's protocol, timing the request heads."""
+
+    def __init__(self, inner: Any, guard: ConnectionGuard) -> None:
+        self.inner = inner
+        self.guard = guard
+        self.transport: asyncio.Transport | None = None
+        self.awaiting_head = True
+        self.tail = b""  # the last bytes seen, to find a head end split across reads
+        self._timer: asyncio.TimerHandle | None = None
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport = cast(asyncio.Transport, transport)  # uvloop's is no subclass
+        if len(self.guard.open) >= self.guard.max_connections:
+            self.guard.refused.labels("limit").inc()
+            self.transport.abort()
+            return
+        self.guard.open[transport] = self
+        self._arm()
+        self.inner.connection_made(transport)
+
+    def data_received(self, data: bytes) -> None:
+        if self.awaiting_head:
+            if self._timer is None:
+                self._arm()
+            seen = self.tail + data
+            if HEAD_END in seen:
+                self.awaiting_head = False
+                self._disarm()
+            self.tail = seen[-3:]
+        self.inner.data_received(data)
+
+    def eof_received(self) -> bool | None:
+        return self.inner.eof_received()
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._disarm()
+        if self.transport is not None and self.guard.open.pop(self.transport, None):
+            self.inner.connection_lost(exc)
+
+    def pause_writing(self) -> None:
+        self.inner.pause_writing()
+
+    def resume_writing(self) -> None:
+        self.inner.resume_writing()
+
+    def _arm(self) -> None:
+        loop = asyncio.get_running_loop()
+        self._timer = loop.call_later(self.guard.header_timeout, self._head_timed_out)
+
+    def _disarm(self) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+
+    def _head_timed_out(self) -> None:
+        """Armed at connect and at a head's first byte (an idle keep-alive connection
+        between requests is aiohttp's ``keepalive_timeout``)."""
+        self._timer = None
+        if self.awaiting_head and self.transport is not None:
+            self.guard.refused.labels("header_timeout").inc()
+            log.debug("closing a connection whose request head did not arrive in time")
+            self.transport.abort()
+
+
+class GuardedSite(web.TCPSite):
+    """``TCPSite`` whose connections go through a ``ConnectionGuard``."""
+
+    def __init__(self, runner: web.AppRunner, guard: ConnectionGuard, **options: Any) -> None:
+        super().__init__(runner, **options)
+        self._guard = guard
+
+    async def start(self) -> None:
+        await web.BaseSite.start(self)
+        loop = asyncio.get_running_loop()
+        server = self._runner.server
+        assert server is not None
+        self._server = await loop.create_server(
+            self._guard.wrap(server),
+            self._host,
+            self._port,
+            backlog=self._backlog,
+            reuse_address=self._reuse_address,
+            reuse_port=self._reuse_port,
+        )
