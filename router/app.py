@@ -14,6 +14,14 @@ start and again whenever an upstream's list is unknown), warns when one does not
 configured ``modelname``, and answers vLLM's 404 itself for a model no upstream serves. Index
 drift is visible: each answer's engine-reported cached tokens are compared with the
 conductor's prediction for the prefill instance (``router_cache_*`` metrics, ``usage``).
+
+Faults stay contained: every upstream call has a timeout (connect, first byte, then idle
+between chunks; ``upstream`` section), numbers the engines report are checked before they
+count (``engine_metrics``), a request body is bounded in bytes, JSON values and depth
+(``limits``), background tasks are supervised (restarted, counted, shown on ``/health``),
+and the event loop's lag is measured (``router_event_loop_lag_seconds``). Engines out of
+rotation are reported to the conductors (``/instance_down``, re-sent while they stay out,
+then ``/instance_up``) so that their blocks stop counting. Every error is OpenAI-shaped.
 """
 
 from __future__ import annotations
@@ -25,7 +33,7 @@ import json
 import logging
 import random
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -33,31 +41,50 @@ import aiohttp
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
+from conductor.runtime import LoopLagMonitor, SupervisedTask
+
 from . import disagg
-from .conductor_client import ConductorClient, ConductorUnavailable, Hits
-from .config import RouterConfig
+from .conductor_client import MAX_TOKENS, ConductorClient, ConductorUnavailable, Hits
+from .config import LimitsSection, RouterConfig
+from .engine_metrics import engine_in_flight, in_range, parse_metrics
 from .metrics import RouterMetrics
+from .notices import Notices
 from .policy import Decision, RoutingParams, SloViolation, choose, reusable_hits
 from .pool import CostLearner, InstancePool, Ticket, Upstream
-from .store import store_loads
+from .store import loads_in
 from .usage import UsageTap, cached_tokens
 
 log = logging.getLogger(__name__)
 
 FORWARDED_HEADERS = ("Authorization", "X-Request-Id")
 HOP_BY_HOP = {"content-length", "transfer-encoding", "connection", "keep-alive", "content-encoding"}
-PROBE_INTERVAL_S = 0.5
-METRICS_REFRESH_S = 2.0
-CONTROL_TIMEOUT = aiohttp.ClientTimeout(total=1.0)
-UPSTREAM_TIMEOUT = aiohttp.ClientTimeout(total=None, sock_connect=2.0)
+MODELS_RETRY_S = 2.0  # how soon an upstream whose model list is unknown is asked again
+MAX_TTFT_MS = 3_600_000.0  # an engine-reported TTFT past an hour is no measurement
+TOKENIZE_ATTEMPTS = 3  # engines asked for a prompt's tokens before routing without them
+DOWN_TTL_PROBES = 3  # an /instance_down mark lasts this many probe intervals (re-sent)
+ERROR_TYPES = {
+    400: "BadRequestError",
+    401: "AuthenticationError",
+    404: "NotFoundError",
+    405: "MethodNotAllowedError",
+    408: "RequestTimeoutError",
+    413: "RequestTooLargeError",
+    429: "RateLimitError",
+    502: "BadGatewayError",
+    503: "ServiceUnavailableError",
+    504: "GatewayTimeoutError",
+}
 
 
 class ApiError(Exception):
-    """An OpenAI-style error answer."""
+    """An OpenAI-style error answer: ``{"error": {"message", "type", "param", "code"}}``."""
 
-    def __init__(self, status: int, message: str, kind: str, param: str | None = None):
+    def __init__(
+        self, status: int, message: str, kind: str | None = None, param: str | None = None
+    ):
         super().__init__(message)
-        self.status, self.message, self.kind, self.param = status, message, kind, param
+        self.status, self.message, self.param = status, message, param
+        self.kind = kind or ERROR_TYPES.get(status, "InternalServerError")
 
     def response(self) -> web.Response:
         body = {"message": self.message, "type": self.kind, "param": self.param}
@@ -66,6 +93,10 @@ class ApiError(Exception):
 
 class UpstreamFailed(Exception):
     """Connection refused/reset or a 5xx before anything reached the client: retry."""
+
+
+class UpstreamTimeout(UpstreamFailed):
+    """No first byte within the timeout: retried elsewhere; a 504 when nowhere is left."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -80,9 +111,10 @@ class Routed:
 
 
 class Router:
-    def __init__(self, config: RouterConfig, max_body_bytes: int) -> None:
+    def __init__(self, config: RouterConfig) -> None:
         self.config = config
-        self.max_body_bytes = max_body_bytes
+        self.limits = config.limits
+        self.timeouts = config.upstream
         self.params: RoutingParams = config.routing_params()
         self.learner = CostLearner(self.params.cost) if config.routing.learn_cost_model else None
         self.pool = InstancePool.build(
@@ -92,6 +124,7 @@ class Router:
                 for n, i in enumerate(config.decode.instances)
             ),
             config.kv_stores(),
+            retry_after_s=config.upstream.probe_interval_seconds,
         )
         # each configured store's state as the conductor last reported it
         self.store_states = dict.fromkeys(sorted(set(config.kv_stores().values())), "unchecked")
@@ -102,15 +135,22 @@ class Router:
         self._sessions: dict[str, aiohttp.ClientSession] = {}
         self._control: aiohttp.ClientSession | None = None
         self.conductor: ConductorClient | None = None
-        self._tasks: list[asyncio.Task[None]] = []
+        self.notices = Notices(log)
+        self.lag = LoopLagMonitor(self.metrics.registry, "router")
+        self.tasks: dict[str, SupervisedTask] = {}
+        self._health_changed = asyncio.Event()  # wakes the dead-upstream reporter
 
     # -- lifecycle -----------------------------------------------------------------------
     async def start(self) -> None:
+        self.lag.start()
         self._control = aiohttp.ClientSession()
+        upstream_timeout = aiohttp.ClientTimeout(
+            total=None, sock_connect=self.timeouts.connect_timeout_seconds
+        )
         for upstream in self.pool.all():  # one pooled session (connection pool) per upstream
             self._sessions[upstream.instance_id] = aiohttp.ClientSession(
                 upstream.url,
-                timeout=UPSTREAM_TIMEOUT,
+                timeout=upstream_timeout,
                 # no cap: a capped pool queues requests (and /tokenize) inside the router,
                 # where neither the engine's load nor the TTFT estimate can see them
                 connector=aiohttp.TCPConnector(limit=0),
@@ -120,25 +160,25 @@ class Router:
             self.metrics.store_up.labels(store).set(1)
         self._publish_cost_model()
         self.conductor = ConductorClient(
-            self._control, self.config.conductor, self.config.prefill.config
+            self._control, self.config.conductor, self.config.prefill.config, self.notices
         )
-        self._tasks = [
-            asyncio.create_task(self._learn_models()),  # meanwhile, not after registering
-            asyncio.create_task(self._probe_unhealthy()),
-            asyncio.create_task(self._refresh_engine_load()),
-            asyncio.create_task(self._keep_registered()),
-        ]
+        background: dict[str, Callable[[], Awaitable[None]]] = {
+            "learn_models": self._learn_models,  # meanwhile, not after registering
+            "probe_unhealthy": self._probe_unhealthy,
+            "refresh_engine_load": self._refresh_engine_load,
+            "keep_registered": self._keep_registered,
+            "report_dead_upstreams": self._report_dead_upstreams,
+        }
         if self.store_states:  # no store, nothing to watch
-            self._tasks.append(asyncio.create_task(self._watch_stores()))
-        try:
-            await self.conductor.register(self.config.prefill.instances)
-        except RuntimeError as error:  # keep serving (fallback) and keep trying
-            log.error("registration with the conductor failed: %s", error)
+            background["watch_stores"] = self._watch_stores
+        for name, factory in background.items():
+            self.tasks[name] = SupervisedTask(name, factory, self.metrics.task_failures)
+            self.tasks[name].start()
+        # keep serving (fallback) and keep trying, whatever the conductors answer
+        await self.conductor.register(self.config.prefill.instances)
 
     async def stop(self) -> None:
-        for task in self._tasks:
-            task.cancel()
-        await asyncio.gather(*self._tasks, return_exceptions=True)
+        await asyncio.gather(*(task.stop() for task in self.tasks.values()), self.lag.stop())
         for session in [*self._sessions.values(), self._control]:
             if session is not None:
                 await session.close()
@@ -147,41 +187,63 @@ class Router:
         return self._sessions[upstream.instance_id]
 
     # -- background ----------------------------------------------------------------------
+    def _control_timeout(self) -> aiohttp.ClientTimeout:
+        return aiohttp.ClientTimeout(total=self.timeouts.control_timeout_seconds)
+
     async def _probe_unhealthy(self) -> None:
+        """Probe each upstream out of rotation (every ``probe_interval_seconds``); a 200 on
+        ``/health`` brings it back."""
         while True:
-            await asyncio.sleep(PROBE_INTERVAL_S)
+            await asyncio.sleep(self.timeouts.probe_interval_seconds / 2)
             for upstream in self.pool.due_for_probe():
                 with contextlib.suppress(aiohttp.ClientError, TimeoutError):
                     async with self.session(upstream).get(
-                        "/health", timeout=CONTROL_TIMEOUT
+                        "/health", timeout=self._control_timeout()
                     ) as response:
                         if response.status == 200:
-                            self.pool.mark_healthy(upstream)
-                            self.metrics.healthy.labels(upstream.instance_id).set(1)
-                            log.info("upstream back instance=%s", upstream.instance_id)
+                            self._healthy(upstream)
                             continue
-                self.pool.mark_failed(upstream)
+                self._failed(upstream, "its /health does not answer 200")
 
     async def _refresh_engine_load(self) -> None:
         """Engines' own running+waiting counts, for load that other clients put on them,
         and their store loads, for the store's cost."""
         while True:
-            await asyncio.sleep(METRICS_REFRESH_S)
+            await asyncio.sleep(self.timeouts.metrics_interval_seconds)
             for upstream in self.pool.all():
-                if not upstream.healthy:
-                    continue
-                with contextlib.suppress(aiohttp.ClientError, TimeoutError, ValueError):
-                    async with self.session(upstream).get(
-                        "/metrics", timeout=CONTROL_TIMEOUT
-                    ) as response:
-                        text = await response.text()
-                    upstream.engine_in_flight = engine_in_flight(text)
-                    if upstream.kv_store and self.learner is not None:
-                        self._learn_store_loads(upstream, text)
+                if upstream.healthy:
+                    await self._scrape(upstream)
 
-    def _learn_store_loads(self, upstream: Upstream, metrics_text: str) -> None:
+    async def _scrape(self, upstream: Upstream) -> None:
+        """One engine's ``/metrics``: lines that do not parse and values out of range are
+        skipped and counted, the rest still count. An engine that refuses the connection is
+        out of rotation (found even while no request goes there)."""
+        try:
+            async with self.session(upstream).get(
+                "/metrics", timeout=self._control_timeout()
+            ) as response:
+                text = await response.text()
+        except TimeoutError:  # slow is not dead
+            return
+        except aiohttp.ClientConnectionError as error:  # refused or reset: gone
+            self._failed(upstream, f"/metrics: {error!r}")
+            return
+        except (aiohttp.ClientError, ValueError):
+            return
+        samples, skipped = parse_metrics(text)
+        upstream.engine_in_flight, rejected = engine_in_flight(samples)
+        self._rejected("metrics_line", skipped)
+        self._rejected("metrics_value", rejected)
+        if upstream.kv_store and self.learner is not None:
+            self._learn_store_loads(upstream, samples)
+
+    def _rejected(self, value: str, count: int = 1) -> None:
+        if count:
+            self.metrics.rejected_values.labels(value).inc(count)
+
+    def _learn_store_loads(self, upstream: Upstream, samples) -> None:
         assert self.learner is not None
-        loads = store_loads(metrics_text)
+        loads = loads_in(samples)
         if loads is None:
             return
         delta = loads.since(upstream.store_loads)
@@ -225,12 +287,12 @@ class Router:
         while True:
             unknown = [u for u in self.pool.all() if u.healthy and u.models is None]
             await asyncio.gather(*(self._learn(upstream) for upstream in unknown))
-            await asyncio.sleep(METRICS_REFRESH_S)
+            await asyncio.sleep(MODELS_RETRY_S)
 
     async def _learn(self, upstream: Upstream) -> None:
         try:
             async with self.session(upstream).get(
-                "/v1/models", timeout=CONTROL_TIMEOUT
+                "/v1/models", timeout=self._control_timeout()
             ) as response:
                 if response.status != 200:
                     return
@@ -254,15 +316,38 @@ class Router:
         assert self.conductor is not None
         while True:
             await asyncio.sleep(self.config.conductor.reregister_interval_seconds)
-            try:
-                await self.conductor.register(self.config.prefill.instances)
-            except RuntimeError as error:
-                log.warning("re-registration failed: %s", error)
+            await self.conductor.register(self.config.prefill.instances)
+
+    async def _report_dead_upstreams(self) -> None:
+        """Tell the conductors which prefill instances are out of rotation, so their blocks
+        stop counting in ``/query``: ``/instance_down`` with a TTL of a few probe
+        intervals, re-sent every interval while it stays out, and ``/instance_up`` once it
+        is back (were that lost, the mark expires)."""
+        assert self.conductor is not None
+        interval = self.timeouts.probe_interval_seconds
+        registered = [i.instance_id for i in self.config.prefill.instances if i.registrations]
+        sent: dict[str, float] = {}  # instance → when its down mark was last sent
+        while True:
+            self._health_changed.clear()
+            for instance_id in registered:
+                upstream = self.pool.prefill[instance_id]
+                now = time.monotonic()
+                if not upstream.healthy and now - sent.get(instance_id, -interval) >= interval:
+                    sent[instance_id] = now
+                    await self.conductor.report_instance(
+                        instance_id, True, DOWN_TTL_PROBES * interval, "router: out of rotation"
+                    )
+                elif upstream.healthy and sent.pop(instance_id, None) is not None:
+                    await self.conductor.report_instance(instance_id, False, 0.0, "")
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(interval):
+                    await self._health_changed.wait()
 
     # -- deciding ------------------------------------------------------------------------
     async def tokenize(self, path: str, body: dict[str, Any]) -> list[int] | None:
         """The prompt's token ids: given in the request, or from a prefill instance's
-        ``/tokenize`` (the engine's own tokenizer); None when no instance could say."""
+        ``/tokenize`` (the engine's own tokenizer); None when no instance could say. A slow
+        or odd tokenizer is skipped for the next one, never taken for a dead engine."""
         prompt = body.get("prompt")
         if isinstance(prompt, list) and prompt and all(type(t) is int for t in prompt):
             return prompt
@@ -271,24 +356,45 @@ class Router:
             request["messages"] = body.get("messages")
         else:
             request["prompt"] = prompt
-        for upstream in self._rotation(self.pool.prefill.values()):
+        for upstream in self._rotation(self.pool.prefill.values())[:TOKENIZE_ATTEMPTS]:
             try:
-                async with self.session(upstream).post(
-                    "/tokenize", json=request, timeout=aiohttp.ClientTimeout(total=2.0)
-                ) as response:
-                    if response.status == 200:
-                        tokens = (await response.json()).get("tokens")
-                        if isinstance(tokens, list):
-                            return tokens
-                    if 400 <= response.status < 500:
-                        detail = await response.text()
-                        raise ApiError(
-                            response.status, _upstream_message(detail), "BadRequestError"
-                        )
-            except (aiohttp.ClientConnectionError, TimeoutError):
-                self._failed(upstream)  # refused or hung: out until a probe sees it again
+                tokens = await self._tokenize_on(upstream, request)
+            except TimeoutError:
+                self.metrics.timeouts.labels(upstream.instance_id, "tokenize").inc()
+                continue
+            except aiohttp.ClientConnectionError as error:  # refused: out until probed
+                self._failed(upstream, f"/tokenize: {error!r}")
+                continue
             except (aiohttp.ClientError, ValueError):
                 continue
+            if tokens is not None:
+                return tokens
+        return None
+
+    async def _tokenize_on(self, upstream: Upstream, request: dict[str, Any]) -> list[int] | None:
+        """One engine's ``/tokenize``: its token ids; None for an answer of another shape
+        (counted); its 4xx is the client's error."""
+        timeout = self.timeouts.tokenize_timeout_seconds
+        async with asyncio.timeout(timeout):  # the whole call, however the engine trickles
+            async with self.session(upstream).post("/tokenize", json=request) as response:
+                raw = await response.read()
+        if 400 <= response.status < 500:
+            raise ApiError(response.status, _upstream_message(raw.decode(errors="replace")))
+        if response.status != 200:
+            return None
+        limit = self.limits.max_json_items
+        if raw.count(b",") >= limit:
+            raise ApiError(400, f"the prompt is over the router's limit of {limit} tokens")
+        try:
+            answer = json.loads(raw)
+        except (ValueError, RecursionError):
+            answer = None
+        tokens = answer.get("tokens") if isinstance(answer, dict) else None
+        if isinstance(tokens, list) and all(
+            type(t) is int and 0 <= t <= MAX_TOKENS for t in tokens
+        ):
+            return tokens
+        self._rejected("tokenize_answer")
         return None
 
     def _rotation(self, upstreams) -> list[Upstream]:
@@ -305,8 +411,7 @@ class Router:
         assert self.conductor is not None
         try:
             hits = await self.conductor.query(tokens, body.get("cache_salt"))
-        except ConductorUnavailable as error:
-            log.warning("conductor unavailable, routing by load: %s", error)
+        except ConductorUnavailable:  # logged once by the client, not per request
             return {}, "conductor_unavailable"
         return reusable_hits(hits, len(tokens), self.params.block_size), None
 
@@ -319,9 +424,17 @@ class Router:
         model: Any = None,
     ) -> Decision:
         """Run the policy over the healthy instances not yet tried that may serve
-        ``model``; least_loaded without the conductor's answer."""
-        candidates = [c for c in self.pool.candidates(hits, model) if c.instance_id not in exclude]
-        if not candidates:
+        ``model``; least_loaded without the conductor's answer. When every one is out of
+        rotation they are tried anyway: one may be back before its next probe says so."""
+        for out_of_rotation in (False, True):
+            candidates = [
+                c
+                for c in self.pool.candidates(hits, model, out_of_rotation)
+                if c.instance_id not in exclude
+            ]
+            if candidates:
+                break
+        else:
             raise ApiError(503, "no healthy prefill instance", "ServiceUnavailableError")
         params = self.params
         if self.learner is not None:
@@ -332,15 +445,31 @@ class Router:
         self.metrics.decisions.labels(decision.policy, decision.instance_id).inc()
         return decision
 
-    def _failed(self, upstream: Upstream) -> None:
-        """Out of rotation until the prober sees it healthy again."""
+    def _failed(self, upstream: Upstream, reason: str) -> None:
+        """Out of rotation until the prober sees it healthy again (logged once, then as a
+        reminder while it stays out)."""
+        self.notices.fault(
+            f"upstream {upstream.instance_id}",
+            "upstream instance=%s out of rotation: %s",
+            upstream.instance_id,
+            reason,
+        )
         self.pool.mark_failed(upstream)
         self.metrics.healthy.labels(upstream.instance_id).set(0)
+        self._health_changed.set()
+
+    def _healthy(self, upstream: Upstream) -> None:
+        self.pool.mark_healthy(upstream)
+        self.metrics.healthy.labels(upstream.instance_id).set(1)
+        self.notices.recovered(
+            f"upstream {upstream.instance_id}", "upstream instance=%s back", upstream.instance_id
+        )
+        self._health_changed.set()
 
     # -- handlers ------------------------------------------------------------------------
     async def completions(self, request: web.Request) -> web.StreamResponse:
         started = time.perf_counter()
-        body, raw = await read_json_body(request, self.max_body_bytes)
+        body, raw = await read_json_body(request, self.limits)
         model = body.get("model")
         if self.pool.serves_nowhere(model):  # vLLM's own answer, without a round trip
             raise ApiError(404, f"The model `{model}` does not exist.", "NotFoundError", "model")
@@ -351,17 +480,23 @@ class Router:
         routed = Routed(body, raw, len(tokens or ()), fallback, started)
         self.metrics.prompt_tokens.inc(routed.prompt_tokens)
         failed: set[str] = set()
+        last: UpstreamFailed | None = None
         while True:  # each failed instance is excluded, so this ends
-            decision = self.decide(routed.prompt_tokens, hits, fallback, failed, model)
+            try:
+                decision = self.decide(routed.prompt_tokens, hits, fallback, failed, model)
+            except ApiError as error:
+                if isinstance(last, UpstreamTimeout) and error.status == 503:
+                    raise ApiError(504, f"no upstream answered in time: {last}") from None
+                raise
             if not failed:
                 self.metrics.proxy_seconds.observe(time.perf_counter() - started)
             upstream = self.pool.prefill[decision.instance_id]
             try:
                 return await self._serve(request, routed, decision, upstream)
             except UpstreamFailed as error:
-                log.warning("upstream failed instance=%s: %s", upstream.instance_id, error)
+                last = error
                 failed.add(upstream.instance_id)
-                self._failed(upstream)
+                self._failed(upstream, str(error))
                 self.metrics.retries.labels(upstream.instance_id).inc()
 
     async def _serve(
@@ -397,7 +532,8 @@ class Router:
             headers["x-conductor-decode-instance"] = decode.instance_id
             answer = await self._prefill_only(request.path, routed.body, prefill, forwarded)
             if predicted is not None:
-                self.metrics.record_cache_use(prefill.instance_id, predicted, cached_tokens(answer))
+                realized = self._cached_tokens(cached_tokens(answer), routed)
+                self.metrics.record_cache_use(prefill.instance_id, predicted, realized)
             params = disagg.transfer_params(answer)
             ticket.first_token()
             self._observe(new_tokens, queued_before, time.perf_counter() - routed.started)
@@ -408,9 +544,11 @@ class Router:
                     request, decode, routed, payload, forwarded, headers, decode_ticket
                 )
             except UpstreamFailed as error:  # the prefill is fine: do not retry it
-                self._failed(decode)
+                self._failed(decode, str(error))
                 message = f"decode instance {decode.instance_id} failed: {error}"
-                raise ApiError(502, message, "BadGatewayError") from None
+                raise ApiError(
+                    504 if isinstance(error, UpstreamTimeout) else 502, message
+                ) from None
             finally:
                 decode_ticket.release()
         finally:
@@ -428,17 +566,23 @@ class Router:
     async def _prefill_only(
         self, path: str, body: dict[str, Any], prefill: Upstream, headers: dict[str, str]
     ) -> dict[str, Any]:
-        """The prefill leg of disaggregation: its answer (kv_transfer_params and usage)."""
+        """The prefill leg of disaggregation: its answer (kv_transfer_params and usage),
+        within the first-byte timeout (one token is all it computes)."""
+        timeout = self.timeouts.first_byte_timeout_seconds
         try:
-            async with self.session(prefill).post(
-                path, json=disagg.prefill_request(body), headers=headers
-            ) as response:
-                if response.status >= 500:
-                    raise UpstreamFailed(f"prefill answered {response.status}")
-                answer = await response.json(content_type=None)
-                if response.status != 200:
-                    raise ApiError(response.status, _upstream_message(answer), "UpstreamError")
-        except (aiohttp.ClientError, TimeoutError, ValueError) as error:
+            async with asyncio.timeout(timeout):
+                async with self.session(prefill).post(
+                    path, json=disagg.prefill_request(body), headers=headers
+                ) as response:
+                    if response.status >= 500:
+                        raise UpstreamFailed(f"prefill answered {response.status}")
+                    answer = await response.json(content_type=None)
+                    if response.status != 200:
+                        raise ApiError(response.status, _upstream_message(answer), "UpstreamError")
+        except TimeoutError:
+            self.metrics.timeouts.labels(prefill.instance_id, "first_byte").inc()
+            raise UpstreamTimeout(f"prefill answered nothing within {timeout}s") from None
+        except (aiohttp.ClientError, ValueError, RecursionError) as error:
             raise UpstreamFailed(repr(error)) from None
         return answer if isinstance(answer, dict) else {}
 
@@ -458,11 +602,16 @@ class Router:
         before the first byte is retryable; after it, the client sees the transfer cut.
         With ``predicted`` (the conductor's hit on the prefill instance), a complete 200
         answer's cached tokens are compared with it."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self.timeouts.first_byte_timeout_seconds
         try:
-            upstream_response = await self.session(upstream).post(
-                request.path, data=payload, headers=forwarded
-            )
-        except (aiohttp.ClientConnectionError, TimeoutError) as error:
+            async with asyncio.timeout_at(deadline):
+                upstream_response = await self.session(upstream).post(
+                    request.path, data=payload, headers=forwarded
+                )
+        except TimeoutError:
+            raise self._timed_out(upstream, "first_byte") from None
+        except aiohttp.ClientConnectionError as error:
             raise UpstreamFailed(repr(error)) from None
         async with upstream_response:
             if upstream_response.status >= 500:
@@ -476,22 +625,25 @@ class Router:
             tap = UsageTap(streaming) if predicted is not None else None
             first = True
             try:
-                async for chunk in upstream_response.content.iter_any():
+                async for chunk in self._chunks(upstream_response.content, deadline):
                     if first:
                         first = False
                         ticket.first_token()
                         if learn is not None:
-                            ttft = _ttft(upstream_response, routed, time.perf_counter())
+                            ttft = self._ttft(upstream_response, routed, time.perf_counter())
                             self._observe(*learn, ttft)
                         await response.prepare(request)
                     await response.write(chunk)
                     if tap is not None:
                         tap.feed(chunk)
-            except aiohttp.ClientPayloadError as error:
+            except (aiohttp.ClientPayloadError, TimeoutError) as error:
                 if first:
+                    if isinstance(error, TimeoutError):
+                        raise self._timed_out(upstream, "first_byte") from None
                     raise UpstreamFailed(f"answer cut before any byte: {error!r}") from None
-                log.warning("upstream answer cut short instance=%s", upstream.instance_id)
-                self._failed(upstream)
+                if isinstance(error, TimeoutError):
+                    self.metrics.timeouts.labels(upstream.instance_id, "idle").inc()
+                self._failed(upstream, f"answer cut short: {error!r}")
                 assert request.transport is not None
                 request.transport.close()  # the client must see a truncated answer, not EOF
                 return response
@@ -499,8 +651,52 @@ class Router:
                 await response.prepare(request)
             await response.write_eof()
             if tap is not None and upstream_response.status == 200:
-                self.metrics.record_cache_use(upstream.instance_id, predicted, tap.cached_tokens())
+                realized = self._cached_tokens(tap.cached_tokens(), routed)
+                self.metrics.record_cache_use(upstream.instance_id, predicted, realized)
             return response
+
+    async def _chunks(self, content: aiohttp.StreamReader, deadline: float) -> AsyncIterator[bytes]:
+        """The answer's chunks as they come: the first by ``deadline`` (the first-byte
+        timeout), each next one within the idle timeout; raises TimeoutError past either."""
+        idle = self.timeouts.idle_timeout_seconds
+        loop = asyncio.get_running_loop()
+        while True:
+            async with asyncio.timeout_at(deadline):
+                chunk = await content.readany()
+            if not chunk:
+                return
+            yield chunk
+            deadline = loop.time() + idle
+
+    def _timed_out(self, upstream: Upstream, stage: str) -> UpstreamTimeout:
+        self.metrics.timeouts.labels(upstream.instance_id, stage).inc()
+        timeout = self.timeouts.first_byte_timeout_seconds
+        return UpstreamTimeout(f"instance {upstream.instance_id} sent nothing within {timeout}s")
+
+    def _ttft(self, response: aiohttp.ClientResponse, routed: Routed, now: float) -> float | None:
+        """The engine's own TTFT when it reports a sane one (a finite number of ms within an
+        hour; else it is ignored and counted); else, for a stream, the first byte's time
+        (a whole non-streamed answer says nothing about its first token)."""
+        reported = response.headers.get("x-engine-ttft-ms")
+        if reported is not None:
+            try:
+                ttft_ms = float(reported)
+            except ValueError:
+                ttft_ms = float("nan")
+            if in_range(ttft_ms, MAX_TTFT_MS):
+                return ttft_ms / 1000
+            self._rejected("ttft_header")
+        return now - routed.started if routed.body.get("stream") else None
+
+    def _cached_tokens(self, reported: int | None, routed: Routed) -> int | None:
+        """An engine's cached-token count when it is one (0..the prompt's tokens); else
+        None (counted): the answer counts as unverified."""
+        if reported is None:
+            return None
+        if in_range(reported, routed.prompt_tokens or MAX_TOKENS):
+            return reported
+        self._rejected("cached_tokens")
+        return None
 
     async def models(self, request: web.Request) -> web.Response:
         """What the upstreams serve; the configured model until any list is known."""
@@ -520,6 +716,16 @@ class Router:
             "prefill_instances": healthy,
             "decode_instances": [u.instance_id for u in self.pool.healthy_decode()],
             "policy": self.params.policy,
+            "event_loop_lag_worst_seconds": round(self.lag.worst, 4),
+            "conductors": self.conductor.states() if self.conductor is not None else {},
+            "tasks": {
+                name: {
+                    "state": task.state,
+                    "restarts": task.restarts,
+                    "last_error": task.last_error,
+                }
+                for name, task in self.tasks.items()
+            },
         }
         if self.store_states:
             body["kv_stores"] = self.store_states
@@ -529,16 +735,6 @@ class Router:
         response = web.Response(body=generate_latest(self.metrics.registry))
         response.content_type = CONTENT_TYPE_LATEST.split(";")[0]
         return response
-
-
-def _ttft(response: aiohttp.ClientResponse, routed: Routed, now: float) -> float | None:
-    """The engine's own TTFT when it reports one; else, for a stream, the first byte's time
-    (a whole non-streamed answer says nothing about its first token)."""
-    reported = response.headers.get("x-engine-ttft-ms")
-    if reported is not None:
-        with contextlib.suppress(ValueError):
-            return float(reported) / 1000
-    return now - routed.started if routed.body.get("stream") else None
 
 
 def _upstream_message(answer: Any) -> str:
@@ -557,36 +753,57 @@ def served_models(answer: Any) -> tuple[dict[str, Any], ...]:
     return tuple(c for c in cards if isinstance(c, dict) and isinstance(c.get("id"), str))
 
 
-def engine_in_flight(metrics_text: str) -> int:
-    """``vllm:num_requests_running`` + ``vllm:num_requests_waiting`` from /metrics text."""
-    total = 0.0
-    for line in metrics_text.splitlines():
-        if line.startswith(("vllm:num_requests_running", "vllm:num_requests_waiting")):
-            total += float(line.rsplit(" ", 1)[1])
-    return int(total)
-
-
-async def read_json_body(request: web.Request, max_bytes: int) -> tuple[dict[str, Any], bytes]:
+async def read_json_body(
+    request: web.Request, limits: LimitsSection
+) -> tuple[dict[str, Any], bytes]:
+    """The request's JSON object, within the limits: bytes (413), values and depth (400),
+    read time (408). Values are counted before parsing, so no body holds the event loop
+    longer than parsing ``max_json_items`` values takes."""
+    max_bytes = limits.max_body_bytes
     if request.content_length is not None and request.content_length > max_bytes:
-        raise ApiError(413, f"request body over {max_bytes} bytes", "RequestTooLargeError")
+        raise ApiError(413, f"request body over {max_bytes} bytes")
     try:
-        raw = await request.read()
+        async with asyncio.timeout(limits.body_read_timeout_seconds):
+            raw = await request.read()
     except web.HTTPRequestEntityTooLarge:
-        raise ApiError(
-            413, f"request body over {max_bytes} bytes", "RequestTooLargeError"
-        ) from None
+        raise ApiError(413, f"request body over {max_bytes} bytes") from None
+    except TimeoutError:
+        message = f"request body not received within {limits.body_read_timeout_seconds}s"
+        raise ApiError(408, message) from None
+    if raw.count(b",") >= limits.max_json_items:
+        raise ApiError(400, f"request body has over {limits.max_json_items} JSON values")
     try:
         body = json.loads(raw)
+    except RecursionError:
+        body = None  # nested past the interpreter's limit: over ours too
     except ValueError:
-        raise ApiError(400, "request body is not valid JSON", "BadRequestError") from None
+        raise ApiError(400, "request body is not valid JSON") from None
+    brackets = raw.count(b"[") + raw.count(b"{")  # a body with few cannot nest deeply
+    if body is None or (
+        brackets > limits.max_json_depth and _deeper_than(body, limits.max_json_depth)
+    ):
+        raise ApiError(400, f"request body is nested deeper than {limits.max_json_depth} levels")
     if not isinstance(body, dict):
-        raise ApiError(400, "request body must be a JSON object", "BadRequestError")
+        raise ApiError(400, "request body must be a JSON object")
     for key, kind in (("model", str), ("stream", bool), ("max_tokens", int), ("cache_salt", str)):
         if key in body and body[key] is not None and not isinstance(body[key], kind):
-            raise ApiError(400, f"`{key}` must be a {kind.__name__}", "BadRequestError", key)
+            raise ApiError(400, f"`{key}` must be a {kind.__name__}", param=key)
     if "model" not in body:
-        raise ApiError(400, "`model` is required", "BadRequestError", "model")
+        raise ApiError(400, "`model` is required", param="model")
     return body, raw
+
+
+def _deeper_than(value: Any, limit: int) -> bool:
+    """Whether JSON ``value`` nests more than ``limit`` levels (iteratively: no recursion)."""
+    stack: list[tuple[Iterable[Any], int]] = [([value], 0)]
+    while stack:
+        children, depth = stack.pop()
+        for child in children:
+            if isinstance(child, dict | list):
+                if depth + 1 > limit:
+                    return True
+                stack.append((child.values() if isinstance(child, dict) else child, depth + 1))
+    return False
 
 
 def create_app(router: Router) -> web.Application:
@@ -598,24 +815,24 @@ def create_app(router: Router) -> web.Application:
             response = error.response()
         except SloViolation as violation:
             router.metrics.rejections.labels("ttft_slo").inc()
-            response = ApiError(429, str(violation), "RateLimitError").response()
+            response = ApiError(429, str(violation)).response()
         except web.HTTPException as error:
             if error.status < 400:
                 raise
-            response = ApiError(error.status, error.reason, "BadRequestError").response()
+            response = ApiError(error.status, error.reason).response()
         except (asyncio.CancelledError, ConnectionError):
             raise  # the client went away: nothing to answer
         except Exception:
             log.exception("unhandled error on %s %s", request.method, request.path)
-            response = ApiError(500, "internal error", "InternalServerError").response()
+            response = ApiError(500, "internal error").response()
         resource = request.match_info.route.resource
         route = resource.canonical if resource is not None else "unmatched"
         router.metrics.requests.labels(route, str(response.status)).inc()
-        if response.status in (502, 503):
+        if response.status in (502, 503, 504):
             router.metrics.rejections.labels(f"http_{response.status}").inc()
         return response
 
-    app = web.Application(client_max_size=router.max_body_bytes + 1, middlewares=[errors])
+    app = web.Application(client_max_size=router.limits.max_body_bytes + 1, middlewares=[errors])
     app.add_routes(
         [
             web.post("/v1/completions", router.completions),

@@ -1,8 +1,15 @@
-"""Talks to the conductor: registers the prefill instances' event streams, asks for hits.
+"""Talks to the conductors: registers the prefill instances' event streams, asks for hits,
+reports engines the router sees dead.
 
 Requests are msgpack with int32-packed tokens (the cheapest form for the conductor to
 parse); answers in the Go shape ``{tenant: {instance: {GPU, CPU, DISK, ...}}}`` and in the
 C++ rewrite's ``{"instances": {id: {gpu, cpu, disk}}}`` are both understood.
+
+With several conductors the router registers with every one and asks one at a time: the
+one that answered last, else the next in order (each within the query timeout). A
+conductor's token (``auth_token``) goes as ``Authorization: Bearer`` on every call. A
+conductor that stops answering is logged once, then as a periodic reminder, and its return
+once.
 """
 
 from __future__ import annotations
@@ -10,8 +17,8 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Sequence
-from typing import Any
+from collections.abc import Awaitable, Callable, Sequence
+from typing import Any, TypeVar
 
 import aiohttp
 import msgpack
@@ -19,16 +26,23 @@ import msgpack
 from conductor.hashing import token_bytes
 
 from .config import ConductorSection, PrefillInstance, PrefillModelConfig
+from .notices import Notices
 
 log = logging.getLogger(__name__)
 
 MSGPACK = "application/msgpack"
 Hits = dict[str, tuple[int, int, int]]
 STORE_STATES = ("up", "down", "unchecked")
+MAX_TOKENS = 2**31 - 1  # the Go API's int32: a larger hit is no hit this router believes
+T = TypeVar("T")
 
 
 class ConductorUnavailable(Exception):
     """No usable answer in time: the caller falls back to a load-only policy."""
+
+
+class RegistrationRefused(Exception):
+    """The conductor answered, and said no (409: the stream is registered differently)."""
 
 
 class ConductorClient:
@@ -37,16 +51,30 @@ class ConductorClient:
         session: aiohttp.ClientSession,
         section: ConductorSection,
         model: PrefillModelConfig,
+        notices: Notices,
     ) -> None:
         self._session = session
         self._section = section
         self._model = model
+        self._notices = notices
+        self.urls = section.urls()
+        self._current = 0  # the conductor asked first: the one that answered last
+        token = section.auth_token
+        self._auth = {"Authorization": f"Bearer {token}"} if token else {}
+        self._headers = {"Content-Type": MSGPACK, "Accept": MSGPACK, **self._auth}
+        self._registered: set[str] = set()  # conductors whose last registration round worked
 
-    async def _post(self, path: str, body: dict[str, Any], timeout: float) -> tuple[int, Any]:
+    def states(self) -> dict[str, str]:
+        """Each conductor: ``down`` while its calls fail, else ``up``."""
+        return {url: "down" if self._notices.failing(url) else "up" for url in self.urls}
+
+    async def _post(
+        self, url: str, path: str, body: dict[str, Any], timeout: float
+    ) -> tuple[int, Any]:
         async with self._session.post(
-            self._section.address + path,
+            url + path,
             data=msgpack.packb(body),
-            headers={"Content-Type": MSGPACK, "Accept": MSGPACK},
+            headers=self._headers,
             timeout=aiohttp.ClientTimeout(total=timeout),
         ) as response:
             raw = await response.read()
@@ -55,10 +83,35 @@ class ConductorClient:
             except Exception:
                 return response.status, raw[:200]
 
-    async def register(self, instances: Sequence[PrefillInstance]) -> None:
-        """Register every stream (idempotent: the conductor answers 200 to a repeat),
-        retrying until the conductor is up or the registration timeout ends."""
-        deadline = time.monotonic() + self._section.registration_timeout_seconds
+    async def _ask(self, what: str, call: Callable[[str], Awaitable[T]]) -> T:
+        """``call`` on the current conductor, failing over to the next; raises
+        ConductorUnavailable when none answered."""
+        reasons = []
+        for step in range(len(self.urls)):
+            index = (self._current + step) % len(self.urls)
+            url = self.urls[index]
+            try:
+                answer = await call(url)
+            except ConductorUnavailable as error:
+                self._down(url, f"{what}: {error}")
+                reasons.append(f"{url}: {error}")
+                continue
+            self._up(url)
+            self._current = index
+            return answer
+        raise ConductorUnavailable("; ".join(reasons))
+
+    def _down(self, url: str, reason: str) -> None:
+        self._notices.fault(
+            url, "conductor %s unavailable (%s): routing by load until it answers", url, reason
+        )
+
+    def _up(self, url: str) -> None:
+        self._notices.recovered(url, "conductor %s answers again", url)
+
+    # -- registrations -------------------------------------------------------------------
+    def _registrations(self, instances: Sequence[PrefillInstance]) -> list[dict[str, Any]]:
+        bodies = []
         for instance in instances:
             for stream in instance.registrations:
                 body = {
@@ -74,34 +127,102 @@ class ConductorClient:
                 }
                 if instance.kv_store:  # our extension: absent for the Go conductor's sake
                     body["kv_store"] = instance.kv_store
-                await self._register_one(body, deadline)
+                bodies.append(body)
+        return bodies
 
-    async def _register_one(self, body: dict[str, Any], deadline: float) -> None:
+    async def register(self, instances: Sequence[PrefillInstance]) -> bool:
+        """Register every stream with every conductor (idempotent: a repeat answers 200),
+        each retrying until it is up or the registration timeout ends. Logged at INFO when
+        it changed something (a conductor registered anew), else at DEBUG; a failure once.
+        True when every conductor has every stream."""
+        bodies = self._registrations(instances)
+        results = await asyncio.gather(*(self._register_all(url, bodies) for url in self.urls))
+        return all(results)
+
+    async def _register_all(self, url: str, bodies: list[dict[str, Any]]) -> bool:
+        deadline = time.monotonic() + self._section.registration_timeout_seconds
+        try:
+            for body in bodies:
+                await self._register_one(url, body, deadline)
+        except RegistrationRefused as error:
+            self._registered.discard(url)
+            self._notices.fault(f"register {url}", "%s", error, level=logging.ERROR)
+            return False
+        except ConductorUnavailable as error:
+            self._registered.discard(url)
+            self._down(url, f"registration: {error}")
+            return False
+        self._notices.recovered(f"register {url}", "conductor %s accepts the registrations", url)
+        self._up(url)
+        level = logging.DEBUG if url in self._registered else logging.INFO
+        log.log(level, "registered %d streams with conductor %s", len(bodies), url)
+        self._registered.add(url)
+        return True
+
+    async def _register_one(self, url: str, body: dict[str, Any], deadline: float) -> None:
         delay = 0.1
         while True:
             try:
-                status, answer = await self._post("/register", body, timeout=2.0)
-                if status == 200:
-                    log.info("registered instance=%s rank=%s", body["instance_id"], body["dp_rank"])
-                    return
-                raise RuntimeError(f"conductor refused registration {body}: {status} {answer}")
+                status, answer = await self._post(url, "/register", body, timeout=2.0)
             except (aiohttp.ClientError, TimeoutError) as error:
                 if time.monotonic() + delay > deadline:
-                    raise RuntimeError(f"conductor unreachable for registration: {error}") from None
+                    raise ConductorUnavailable(repr(error)) from None
                 await asyncio.sleep(delay)
                 delay = min(delay * 2, 1.0)
+                continue
+            if status == 200:
+                return
+            raise RegistrationRefused(
+                f"conductor {url} refused the registration of instance={body['instance_id']} "
+                f"rank={body['dp_rank']} endpoint={body['endpoint']}: {status} {answer!r:.300}"
+            )
 
+    # -- dead engines ----------------------------------------------------------------------
+    async def report_instance(
+        self, instance_id: str, down: bool, ttl_s: float, reason: str
+    ) -> None:
+        """``/instance_down`` (for ``ttl_s``) or ``/instance_up`` to every conductor. Never
+        raises: a failure is logged once per conductor and state, and the caller re-sends."""
+        path = "/instance_down" if down else "/instance_up"
+        body: dict[str, Any] = {"instance_id": instance_id, "tenant_id": self._model.tenant_id}
+        if down:
+            body.update(reason=reason, ttl_s=ttl_s)
+        await asyncio.gather(*(self._report(url, path, body) for url in self.urls))
+
+    async def _report(self, url: str, path: str, body: dict[str, Any]) -> None:
+        key = f"{path} {url}"
+        try:
+            status, answer = await self._post(url, path, body, timeout=self._control_timeout())
+        except (aiohttp.ClientError, TimeoutError) as error:
+            status, answer = 0, repr(error)
+        if status == 200 or status == 404:  # 404: not registered there, nothing to mark
+            self._notices.recovered(key, "conductor %s takes %s again", url, path)
+            return
+        self._notices.fault(
+            key, "conductor %s %s instance=%s failed: %s %r", url, path, body["instance_id"],
+            status or "unreachable", answer,
+        )  # fmt: skip
+
+    def _control_timeout(self) -> float:
+        return max(self._section.query_timeout_seconds, 1.0)
+
+    # -- questions -------------------------------------------------------------------------
     async def store_states(self, timeout: float) -> dict[str, str]:
         """Each Mooncake store's state as the conductor's ``/health`` reports it (``up``,
         ``down`` or ``unchecked``); raises ConductorUnavailable without an answer."""
-        try:
-            async with self._session.get(
-                self._section.address + "/health", timeout=aiohttp.ClientTimeout(total=timeout)
-            ) as response:
-                health = await response.json(content_type=None)
-        except (aiohttp.ClientError, TimeoutError, ValueError) as error:
-            raise ConductorUnavailable(f"health failed: {error!r}") from None
-        return parse_store_states(health)
+
+        async def health(url: str) -> Any:
+            try:
+                async with self._session.get(
+                    url + "/health",
+                    headers=self._auth,  # answered in JSON
+                    timeout=aiohttp.ClientTimeout(total=timeout),
+                ) as response:
+                    return await response.json(content_type=None)
+            except (aiohttp.ClientError, TimeoutError, ValueError) as error:
+                raise ConductorUnavailable(f"health failed: {error!r}") from None
+
+        return parse_store_states(await self._ask("health", health))
 
     async def query(self, token_ids: Sequence[int], cache_salt: str | None = None) -> Hits:
         """Cumulative (GPU, CPU, DISK) hit in tokens per instance of the model's context."""
@@ -118,21 +239,26 @@ class ConductorClient:
         }
         if cache_salt:
             body["cache_salt"] = cache_salt
-        try:
-            status, answer = await self._post(
-                "/query", body, timeout=self._section.query_timeout_seconds
-            )
-        except (aiohttp.ClientError, TimeoutError) as error:
-            raise ConductorUnavailable(f"query failed: {error!r}") from None
-        if status != 200 or not isinstance(answer, dict):
-            raise ConductorUnavailable(f"query answered {status}: {answer!r:.200}")
-        return parse_hits(answer, self._model.tenant_id)
+
+        async def ask(url: str) -> Hits:
+            try:
+                status, answer = await self._post(
+                    url, "/query", body, timeout=self._section.query_timeout_seconds
+                )
+            except (aiohttp.ClientError, TimeoutError) as error:
+                raise ConductorUnavailable(f"query failed: {error!r}") from None
+            if status != 200 or not isinstance(answer, dict):
+                raise ConductorUnavailable(f"query answered {status}: {answer!r:.200}")
+            return parse_hits(answer, self._model.tenant_id)
+
+        return await self._ask("query", ask)
 
 
 def _tokens(entry: dict[str, Any], *keys: str) -> int:
+    """The first of ``keys`` that holds a token count in range (0..int32 max)."""
     for key in keys:
         value = entry.get(key)
-        if isinstance(value, int):
+        if type(value) is int and 0 <= value <= MAX_TOKENS:
             return value
     return 0
 

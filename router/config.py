@@ -1,13 +1,21 @@
 """The router's configuration: the upstream Mooncake cache-aware proxy's JSON layout
-plus an optional ``routing`` section, or the equivalent CLI flags."""
+plus our optional sections, or the equivalent CLI flags.
+
+Where a setting comes from: a flag given on the command line, else its environment variable,
+else the config file, else the default (docs/router.md has the table). Unknown keys are
+errors naming the key and its section; the few keys of the upstream proxy's layout that
+this router has no use for are listed in ``UPSTREAM_ONLY_KEYS`` and ignored.
+"""
 
 from __future__ import annotations
 
 import argparse
 import json
 import math
+import os
+from collections.abc import Mapping
 from pathlib import Path
-from typing import Annotated, Any
+from typing import Annotated, Any, ClassVar
 
 from pydantic import (
     AfterValidator,
@@ -19,16 +27,43 @@ from pydantic import (
 )
 
 from conductor.config import master_address
+from conductor.runtime import port_number
 
 from .policy import POLICIES, PrefillCostModel, RoutingParams
 
 
 class _Section(BaseModel):
-    model_config = ConfigDict(extra="ignore", frozen=True)  # upstream keys like hash_profile
+    """A section: unknown keys are rejected by name, but for ``upstream_only`` (keys of the
+    upstream proxy's layout that mean nothing here)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+    upstream_only: ClassVar[frozenset[str]] = frozenset()
+
+    @model_validator(mode="before")
+    @classmethod
+    def _drop_upstream_only(cls, data: Any) -> Any:
+        if isinstance(data, dict) and cls.upstream_only:
+            return {k: v for k, v in data.items() if k not in cls.upstream_only}
+        return data
+
+
+def _with_scheme(value: str) -> str:
+    value = value.strip().rstrip("/")
+    if not value:
+        raise ValueError("a conductor address cannot be empty")
+    return value if "://" in value else f"http://{value}"
+
+
+ConductorAddress = Annotated[str, AfterValidator(_with_scheme)]
 
 
 class ConductorSection(_Section):
-    address: str = "http://127.0.0.1:13333"
+    # one address or several (also ``addresses``): registered with all, queried one at a
+    # time, failing over to the next on an error or a timeout
+    address: ConductorAddress | list[ConductorAddress] = "http://127.0.0.1:13333"
+    addresses: list[ConductorAddress] = Field(default_factory=list)
+    # sent as ``Authorization: Bearer`` on every conductor call ("": none)
+    auth_token: str = ""
     query_timeout_seconds: float = Field(default=0.2, gt=0)
     registration_timeout_seconds: float = Field(default=10.0, gt=0)
     # ours: re-register (idempotent) this often, so a restarted conductor relearns the fleet
@@ -37,11 +72,44 @@ class ConductorSection(_Section):
     # store is up (a load from a store that is down is a recomputation)
     store_check_interval_seconds: float = Field(default=1.0, gt=0)
 
-    @field_validator("address")
-    @classmethod
-    def _with_scheme(cls, value: str) -> str:
-        value = value.rstrip("/")
-        return value if "://" in value else f"http://{value}"
+    def urls(self) -> list[str]:
+        """Every conductor, in failover order, each once."""
+        first = [self.address] if isinstance(self.address, str) else self.address
+        return list(dict.fromkeys([*first, *self.addresses]))
+
+    @model_validator(mode="after")
+    def _some_address(self) -> ConductorSection:
+        if not self.urls():
+            raise ValueError("conductor.address: give at least one conductor address")
+        return self
+
+
+class UpstreamSection(_Section):
+    """Ours: how long the router waits on an engine (every call has a timeout)."""
+
+    connect_timeout_seconds: float = Field(default=2.0, gt=0)
+    # until the answer's first byte (a non-streamed answer's first byte is its end)
+    first_byte_timeout_seconds: float = Field(default=300.0, gt=0)
+    # between two chunks of an answer once it started
+    idle_timeout_seconds: float = Field(default=120.0, gt=0)
+    # one /tokenize call; past it the next engine's tokenizer is asked
+    tokenize_timeout_seconds: float = Field(default=2.0, gt=0)
+    # /health probes, /metrics scrapes, /v1/models
+    control_timeout_seconds: float = Field(default=1.0, gt=0)
+    # how often an upstream out of rotation is probed (and reported down to the conductor)
+    probe_interval_seconds: float = Field(default=1.0, gt=0)
+    # how often each engine's /metrics is read (its own load, its store loads)
+    metrics_interval_seconds: float = Field(default=2.0, gt=0)
+
+
+class LimitsSection(_Section):
+    """Ours: what one request may hold, so that none holds the event loop for long."""
+
+    max_body_bytes: int = Field(default=8 * 1024 * 1024, gt=0)
+    # JSON values in a request body (commas, counted before parsing) and tokens in a prompt
+    max_json_items: int = Field(default=150_000, gt=0)
+    max_json_depth: int = Field(default=32, gt=0)
+    body_read_timeout_seconds: float = Field(default=30.0, gt=0)
 
 
 class StreamRegistration(_Section):
@@ -53,6 +121,8 @@ class StreamRegistration(_Section):
 
 
 class PrefillModelConfig(_Section):
+    upstream_only = frozenset({"hash_profile"})  # the conductor hashes as the engines do
+
     modelname: str = Field(min_length=1)
     block_size: int = Field(gt=0)
     tenant_id: str = "default"
@@ -123,6 +193,8 @@ class RouterConfig(_Section):
     prefill: PrefillSection
     decode: DecodeSection = DecodeSection()
     routing: RoutingSection = RoutingSection()
+    upstream: UpstreamSection = UpstreamSection()
+    limits: LimitsSection = LimitsSection()
 
     @model_validator(mode="after")
     def _balancing_needs_a_store(self) -> RouterConfig:
@@ -155,6 +227,27 @@ class RouterConfig(_Section):
         )
 
 
+# flag (argparse dest) → where its value goes in the layout
+FLAG_KEYS: dict[str, tuple[str, ...]] = {
+    "conductor_address": ("conductor", "address"),
+    "query_timeout_seconds": ("conductor", "query_timeout_seconds"),
+    "registration_timeout_seconds": ("conductor", "registration_timeout_seconds"),
+    "modelname": ("prefill", "config", "modelname"),
+    "block_size": ("prefill", "config", "block_size"),
+    "tenant_id": ("prefill", "config", "tenant_id"),
+    "lora_name": ("prefill", "config", "lora_name"),
+    "policy": ("routing", "policy"),
+    "ttft_slo_ms": ("routing", "ttft_slo_ms"),
+    "max_body_bytes": ("limits", "max_body_bytes"),
+}
+# environment variable → where its value goes (below flags, above the file)
+ENV_KEYS: dict[str, tuple[str, ...]] = {
+    "ROUTER_CONDUCTOR_ADDRESS": ("conductor", "address"),  # comma-separated for several
+    "ROUTER_CONDUCTOR_TOKEN": ("conductor", "auth_token"),
+}
+CLI_ONLY_DEFAULTS = {"prefill": {"config": {"block_size": 16}}}  # without a config file
+
+
 def _hosts_ports(hosts: list[str], ports: list[int], what: str) -> list[str]:
     if len(ports) == 1 and len(hosts) > 1:
         ports = ports * len(hosts)
@@ -163,8 +256,8 @@ def _hosts_ports(hosts: list[str], ports: list[int], what: str) -> list[str]:
     return [f"http://{host}:{port}" for host, port in zip(hosts, ports, strict=True)]
 
 
-def from_cli(args: argparse.Namespace) -> dict[str, Any]:
-    """The same layout built from the upstream proxy's flags."""
+def _prefill_instances(args: argparse.Namespace) -> list[dict[str, Any]]:
+    """The prefill instances the upstream proxy's flags describe."""
     prefill_urls = _hosts_ports(args.prefiller_hosts, args.prefiller_ports, "prefiller")
     ids = args.prefiller_instance_ids or [f"prefill-{i}" for i in range(len(prefill_urls))]
     if len(ids) != len(prefill_urls):
@@ -174,43 +267,55 @@ def from_cli(args: argparse.Namespace) -> dict[str, Any]:
         if name not in registrations:
             raise ValueError(f"--prefiller-registration names unknown instance {name!r}")
         registrations[name].append({"endpoint": endpoint, "dp_rank": int(rank)})
-    decode_urls = (
-        _hosts_ports(args.decoder_hosts, args.decoder_ports, "decoder")
-        if args.decoder_hosts
-        else []
-    )
-    routing: dict[str, Any] = {"policy": args.policy}
-    if args.ttft_slo_ms is not None:
-        routing["ttft_slo_ms"] = args.ttft_slo_ms
-    return {
-        "conductor": {
-            "address": args.conductor_address,
-            "query_timeout_seconds": args.query_timeout_seconds,
-            "registration_timeout_seconds": args.registration_timeout_seconds,
-        },
-        "prefill": {
-            "config": {
-                "modelname": args.modelname,
-                "block_size": args.block_size,
-                "tenant_id": args.tenant_id,
-                "lora_name": args.lora_name,
-            },
-            "instances": [
-                {"instance_id": name, "http_endpoint": url, "registrations": registrations[name]}
-                for name, url in zip(ids, prefill_urls, strict=True)
-            ],
-        },
-        "decode": {"instances": [{"http_endpoint": url} for url in decode_urls]},
-        "routing": routing,
-    }
+    return [
+        {"instance_id": name, "http_endpoint": url, "registrations": registrations[name]}
+        for name, url in zip(ids, prefill_urls, strict=True)
+    ]
+
+
+def _put(layout: dict[str, Any], path: tuple[str, ...], value: Any) -> None:
+    """Set ``layout[a][b]... = value``, making (or replacing non-object) sections."""
+    for key in path[:-1]:
+        section = layout.get(key)
+        layout[key] = section = section if isinstance(section, dict) else {}
+        layout = section
+    layout[path[-1]] = value
+
+
+def layout(args: argparse.Namespace, environ: Mapping[str, str]) -> dict[str, Any]:
+    """The config file (or the flags' defaults), then the environment, then the flags."""
+    if args.config is not None:
+        data = json.loads(args.config.read_text(encoding="utf-8"))
+        if not isinstance(data, dict):
+            raise ValueError(f"{args.config}: the config must be a JSON object")
+    elif not args.prefiller_hosts or args.modelname is None:
+        raise ValueError("give --config FILE, or --prefiller-hosts/--ports and --modelname")
+    else:
+        data = json.loads(json.dumps(CLI_ONLY_DEFAULTS))
+    for name, path in ENV_KEYS.items():
+        if environ.get(name):
+            value = [a for a in environ[name].split(",") if a.strip()]
+            _put(data, path, value if path[-1] == "address" else environ[name])
+    for dest, path in FLAG_KEYS.items():
+        if (value := getattr(args, dest)) is not None:
+            _put(data, path, value)
+    if args.prefiller_hosts:
+        _put(data, ("prefill", "instances"), _prefill_instances(args))
+    elif args.prefiller_registration:
+        raise ValueError("--prefiller-registration needs --prefiller-hosts")
+    if args.decoder_hosts:
+        urls = _hosts_ports(args.decoder_hosts, args.decoder_ports, "decoder")
+        _put(data, ("decode", "instances"), [{"http_endpoint": url} for url in urls])
+    return data
 
 
 def add_cli_flags(parser: argparse.ArgumentParser) -> None:
+    """The upstream proxy's flags and ours; each overrides the config file's value."""
     parser.add_argument("--config", type=Path, help="JSON config (upstream proxy layout)")
     parser.add_argument("--host", default="0.0.0.0")
-    parser.add_argument("--port", type=int, default=8000)
+    parser.add_argument("--port", type=port_number, default=8000)
     parser.add_argument("--prefiller-hosts", nargs="+", default=[])
-    parser.add_argument("--prefiller-ports", nargs="+", type=int, default=[])
+    parser.add_argument("--prefiller-ports", nargs="+", type=port_number, default=[])
     parser.add_argument("--prefiller-instance-ids", nargs="+")
     parser.add_argument(
         "--prefiller-registration",
@@ -220,24 +325,23 @@ def add_cli_flags(parser: argparse.ArgumentParser) -> None:
         help="a KV-event stream to register with the conductor (repeatable)",
     )
     parser.add_argument("--decoder-hosts", nargs="+", default=[])
-    parser.add_argument("--decoder-ports", nargs="+", type=int, default=[])
-    parser.add_argument("--conductor-address", default="http://127.0.0.1:13333")
+    parser.add_argument("--decoder-ports", nargs="+", type=port_number, default=[])
+    parser.add_argument(
+        "--conductor-address",
+        nargs="+",
+        help="one conductor or several, in failover order (env ROUTER_CONDUCTOR_ADDRESS)",
+    )
     parser.add_argument("--modelname")
-    parser.add_argument("--block-size", type=int, default=16)
-    parser.add_argument("--tenant-id", default="default")
-    parser.add_argument("--lora-name", default="")
-    parser.add_argument("--query-timeout-seconds", type=float, default=0.2)
-    parser.add_argument("--registration-timeout-seconds", type=float, default=10.0)
-    parser.add_argument("--policy", default="ttft", choices=POLICIES)
+    parser.add_argument("--block-size", type=int, help="default 16 without --config")
+    parser.add_argument("--tenant-id")
+    parser.add_argument("--lora-name")
+    parser.add_argument("--query-timeout-seconds", type=float)
+    parser.add_argument("--registration-timeout-seconds", type=float)
+    parser.add_argument("--policy", choices=POLICIES)
     parser.add_argument("--ttft-slo-ms", type=float)
+    parser.add_argument("--max-body-bytes", type=int, help="default 8 MiB")
 
 
-def load(args: argparse.Namespace) -> RouterConfig:
-    """``--config FILE`` or the CLI flags; raises ValueError (pydantic's) with the reason."""
-    if args.config is not None:
-        data = json.loads(args.config.read_text(encoding="utf-8"))
-    else:
-        if not args.prefiller_hosts or not args.modelname:
-            raise ValueError("give --config FILE, or --prefiller-hosts/--ports and --modelname")
-        data = from_cli(args)
-    return RouterConfig.model_validate(data)
+def load(args: argparse.Namespace, environ: Mapping[str, str] = os.environ) -> RouterConfig:
+    """The settings from every source; raises ValueError (pydantic's) with the reason."""
+    return RouterConfig.model_validate(layout(args, environ))

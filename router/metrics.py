@@ -114,6 +114,27 @@ class RouterMetrics:
             registry=registry,
         )
 
+        self.task_failures = Counter(
+            "router_task_failures_total",
+            "Background task failures (each logged, then the task restarted with backoff)",
+            ["task"],
+            registry=registry,
+        )
+        self.rejected_values = Counter(
+            "router_engine_values_rejected_total",
+            "Numbers and answers from engines that were ignored: not finite, out of range or "
+            "not of the expected shape (ttft_header, metrics_line, metrics_value, "
+            "cached_tokens, tokenize_answer)",
+            ["value"],
+            registry=registry,
+        )
+        self.timeouts = Counter(
+            "router_upstream_timeouts_total",
+            "Upstream calls that timed out, by stage (tokenize, first_byte, idle)",
+            ["instance", "stage"],
+            registry=registry,
+        )
+
     def record_cache_use(self, instance: str, predicted: int, realized: int | None) -> None:
         """One answered request: the conductor's prediction against the engine's report."""
         if realized is None:

@@ -14,6 +14,10 @@ from .policy import Candidate, PrefillCostModel
 from .store import StoreLoads
 
 RETRY_AFTER_FAILURE_S = 1.0
+# one observation moves the learned per-token cost by at most this factor of itself: a
+# single absurd TTFT (a stalled engine, a bad clock) cannot price every instance out of
+# the SLO (every later request a 429, so nothing is learned that would undo it)
+MAX_SAMPLE_RATIO = 4.0
 
 
 @dataclass(slots=True)
@@ -90,7 +94,10 @@ class CostLearner:
         work = new_tokens + queued_tokens
         if work <= 0 or ttft_s <= self.model.overhead_s:
             return
+        current = self.model.per_token_s
         per_token = (ttft_s - self.model.overhead_s) / work
+        if current > 0:
+            per_token = min(max(per_token, current / MAX_SAMPLE_RATIO), current * MAX_SAMPLE_RATIO)
         learned = (1 - self.weight) * self.model.per_token_s + self.weight * per_token
         self.model = dataclasses.replace(self.model, per_token_s=learned)
         self.samples += 1
@@ -120,6 +127,7 @@ class InstancePool:
     prefill: dict[str, Upstream]
     decode: dict[str, Upstream] = field(default_factory=dict)
     stores_down: set[str] = field(default_factory=set)  # stores the conductor reports down
+    retry_after_s: float = RETRY_AFTER_FAILURE_S  # how soon a failed upstream is probed
     _retry_at: dict[str, float] = field(default_factory=dict)
 
     @classmethod
@@ -128,6 +136,7 @@ class InstancePool:
         prefill: Iterable[tuple[str, str]],
         decode: Iterable[tuple[str, str]] = (),
         kv_stores: Mapping[str, str] | None = None,
+        retry_after_s: float = RETRY_AFTER_FAILURE_S,
     ) -> InstancePool:
         """``kv_stores``: instance_id → the store master it shares (prefill instances)."""
         stores = kv_stores or {}
@@ -137,20 +146,25 @@ class InstancePool:
                 for name, url in prefill
             },
             {name: Upstream(name, url.rstrip("/")) for name, url in decode},
+            retry_after_s=retry_after_s,
         )
 
     def all(self) -> list[Upstream]:
         return [*self.prefill.values(), *self.decode.values()]
 
     def candidates(
-        self, hits: Mapping[str, tuple[int, int, int]], model: Any = None
+        self,
+        hits: Mapping[str, tuple[int, int, int]],
+        model: Any = None,
+        out_of_rotation: bool = False,
     ) -> list[Candidate]:
-        """Healthy prefill instances with their (GPU, CPU, DISK) hit and load; with a
-        ``model``, only those that may serve it (an unknown list may). While an instance's
-        store is down its hit is its GPU hit alone: the engine recomputes the rest."""
+        """Healthy prefill instances (``out_of_rotation``: the others) with their (GPU, CPU,
+        DISK) hit and load; with a ``model``, only those that may serve it (an unknown list
+        may). While an instance's store is down its hit is its GPU hit alone: the engine
+        recomputes the rest."""
         candidates = []
         for up in self.prefill.values():
-            if not up.healthy or (model is not None and not up.may_serve(model)):
+            if up.healthy == out_of_rotation or (model is not None and not up.may_serve(model)):
                 continue
             gpu, cpu, disk = hits.get(up.instance_id, (0, 0, 0))
             store = bool(up.kv_store)
@@ -202,7 +216,7 @@ class InstancePool:
         upstream.models = None
         self._retry_at[upstream.instance_id] = (
             time.monotonic() if now is None else now
-        ) + RETRY_AFTER_FAILURE_S
+        ) + self.retry_after_s
 
     def due_for_probe(self, now: float | None = None) -> list[Upstream]:
         now = time.monotonic() if now is None else now

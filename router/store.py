@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from prometheus_client.parser import text_string_to_metric_families
+from .engine_metrics import Sample, parse_metrics
 
 HIT_TOKENS = "vllm:external_prefix_cache_hits_total"
 LOAD_BYTES = "vllm:mooncake_store_operation_bytes_total"
@@ -43,25 +43,26 @@ class StoreLoads:
 
 
 def store_loads(metrics_text: str) -> StoreLoads | None:
-    """The store-load counters of a ``/metrics`` text; None when it is no vLLM engine's (no
-    external prefix-cache counter) or does not parse. Reads not reported yet count as 0:
-    labelled counters appear at their first increment."""
+    """The store-load counters of a ``/metrics`` text (see ``loads_in``)."""
+    return loads_in(parse_metrics(metrics_text)[0])
+
+
+def loads_in(samples: list[Sample]) -> StoreLoads | None:
+    """The store-load counters of a ``/metrics`` scrape's samples; None when it is no vLLM
+    engine's (no external prefix-cache counter). Reads not reported yet count as 0:
+    labelled counters appear at their first increment. Lines that do not parse are
+    skipped (``engine_metrics``)."""
     totals = {HIT_TOKENS: 0.0, LOAD_BYTES: 0.0, LOAD_SECONDS: 0.0}
     seen = set()
-    try:
-        for family in text_string_to_metric_families(metrics_text):
-            for sample in family.samples:
-                if sample.name not in totals:
-                    continue
-                if sample.name != HIT_TOKENS and (
-                    sample.labels.get("operation") != "load_get"
-                    or sample.labels.get("status") != "ok"
-                ):
-                    continue
-                totals[sample.name] += sample.value
-                seen.add(sample.name)
-    except ValueError:
-        return None
+    for sample in samples:
+        if sample.name not in totals:
+            continue
+        if sample.name != HIT_TOKENS and (
+            sample.labels.get("operation") != "load_get" or sample.labels.get("status") != "ok"
+        ):
+            continue
+        totals[sample.name] += sample.value
+        seen.add(sample.name)
     if HIT_TOKENS not in seen:
         return None
     return StoreLoads(totals[HIT_TOKENS], totals[LOAD_BYTES], totals[LOAD_SECONDS])

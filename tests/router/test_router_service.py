@@ -523,12 +523,16 @@ async def test_models_health_and_metrics(fleet, http):
         assert [m["id"] for m in (await response.json())["data"]] == [MODEL]
     async with http.get(f"{router.url}/health") as response:
         health = await response.json()
+    tasks, conductors = health.pop("tasks"), health.pop("conductors")
+    assert health.pop("event_loop_lag_worst_seconds") >= 0
     assert health == {
         "status": "ok",
         "prefill_instances": ["a"],
         "decode_instances": [],
         "policy": "ttft",
     }
+    assert conductors == {fleet.conductor.url: "up"}
+    assert {task["state"] for task in tasks.values()} == {"running"}
     await complete(http, router, "count me")
     assert await metric(http, router, "router_decisions_total") == 1
     assert await metric(http, router, "router_overhead_seconds_count") == 1

@@ -12,8 +12,9 @@ from pydantic import ValidationError
 from conductor.config import load_config
 from router import config as router_config
 from router import disagg
-from router.app import engine_in_flight, served_models
+from router.app import served_models
 from router.conductor_client import parse_hits, parse_store_states
+from router.engine_metrics import engine_in_flight, parse_metrics
 from router.policy import PrefillCostModel
 from router.pool import CostLearner, InstancePool
 from router.store import StoreLoads, store_loads
@@ -168,6 +169,7 @@ def test_failed_upstreams_leave_rotation_until_probed():
     assert [c.instance_id for c in pool.candidates({})] == ["b"]
     assert pool.due_for_probe(now=100.5) == []
     assert [u.instance_id for u in pool.due_for_probe(now=101.5)] == ["a"]
+    assert [c.instance_id for c in pool.candidates({}, out_of_rotation=True)] == ["a"]
     pool.mark_healthy(pool.prefill["a"])
     assert len(pool.candidates({"a": (16, 32, 48)})) == 2
     assert pool.candidates({"a": (16, 32, 48)})[0].disk_tokens == 48
@@ -233,7 +235,7 @@ def test_engine_in_flight_from_vllm_metrics():
         'vllm:num_requests_waiting{model_name="m"} 2.0\n'
         "vllm:gpu_cache_usage_perc 0.5\n"
     )
-    assert engine_in_flight(text) == 5
+    assert engine_in_flight(parse_metrics(text)[0]) == (5, 0)
 
 
 def test_disaggregation_requests():
