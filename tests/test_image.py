@@ -104,3 +104,14 @@ def test_the_entrypoint_serves_the_mounted_config_and_the_healthcheck_sees_it(tm
     finally:
         service.stop()
     assert _healthcheck(f"http://{HOST}:{free_port()}/health") != 0
+
+
+def test_the_readme_docker_commands_name_what_the_image_and_config_hold() -> None:
+    readme = (REPO / "README.md").read_text()
+    commands = readme.split("## Docker", 1)[1].split("```bash", 1)[1].split("```", 1)[0]
+    assert "docker build -t conductor ." in commands
+    for script in re.findall(r"--entrypoint (\S+)", commands):
+        assert script in PYPROJECT["project"]["scripts"]
+    for mounted in re.findall(r"/etc/mooncake/(\S+)", commands):
+        assert (REPO / "config" / mounted).is_file(), f"config/{mounted} is not in the repo"
+    assert "HEALTHCHECK_URL" in commands and "HEALTHCHECK_URL" in _env()
