@@ -20,25 +20,19 @@ from typing import Any
 from aiohttp import web
 from pydantic import ValidationError
 
-from .api import ApiOptions, HttpLimits, create_app
 from .config import (
     DEFAULT_CONFIG_PATH,
     ConductorConfig,
     ConfigError,
-    Registration,
     Settings,
     load_config,
     one_line,
     settings_model,
 )
-from .http_guard import ConnectionGuard, GuardedSite
-from .index import PrefixCacheTable
-from .kv_store_watch import StoreWatch
-from .manager import RegistrationConflict, RegistrationFailed, ServiceManager, StreamLimits
-from .metrics import ConductorMetrics
-from .persistence import StateFile
-from .runtime import LoopLagMonitor, add_common_flags, configure_logging, port_number, run
-from .security import BearerAuth, EndpointAllowlist, EndpointRefused
+from .http_guard import GuardedSite
+from .manager import RegistrationConflict, RegistrationFailed, StreamLimits
+from .runtime import add_common_flags, configure_logging, port_number, run
+from .service import GUARD, MANAGER, create_app, state_path
 
 log = logging.getLogger("conductor")
 SHUTDOWN_GRACE_SECONDS = 1.0
@@ -127,70 +121,26 @@ def parse_settings(
     return settings, limits, config, config_path
 
 
-def state_path(settings: Settings, config_path: str) -> Path | None:
-    """Persistence is on by default, beside the config file and per port (two conductors
-    started from one directory do not share a file); an empty ``state_file`` turns it off."""
-    if settings.state_file is not None:
-        return Path(os.path.expanduser(settings.state_file)) if settings.state_file else None
-    config_dir = Path(os.path.expanduser(config_path)).parent
-    return config_dir / f"conductor_state.{settings.http_server_port}.json"
-
-
-async def restore(manager: ServiceManager, state: StateFile, allowlist: EndpointAllowlist) -> None:
-    """Registrations persisted by an earlier run, after the config file's: a conflict or an
-    endpoint the allowlist no longer has is logged and skipped (and forgotten)."""
-    for registration in state.load():
-        try:
-            allowlist.check(registration)
-            await manager.register(registration)
-        except (RegistrationConflict, RegistrationFailed, EndpointRefused) as error:
-            log.warning("state file %s: skipped %s: %s", state.path, registration.key, error)
-            await state.remove(registration.key)
-
-
 async def serve(
     settings: Settings, limits: StreamLimits, config: ConductorConfig, config_path: str
 ) -> None:
     """Run until SIGINT/SIGTERM, then close every connection, socket and task."""
-    table = PrefixCacheTable()
-    metrics = ConductorMetrics(table)
-    lag = LoopLagMonitor(metrics.registry, "conductor")
-    stores = StoreWatch(table, metrics, config.store_admin_url, config.kv_store_check_interval_s)
-    manager = ServiceManager(table, metrics, stores, limits)
-    for registration in config.registrations():
-        await manager.register(registration)
-    allowlist = _allowlist(settings, config.registrations())
     path = state_path(settings, config_path)
-    state = StateFile(path) if path is not None else None
-    if state is not None:
-        await restore(manager, state, allowlist)
-    guard = ConnectionGuard(settings.header_timeout_s, settings.max_connections, metrics.registry)
-    options = ApiOptions(
-        limits=HttpLimits(
-            settings.max_body_bytes,
-            settings.max_query_tokens,
-            settings.max_query_hashes,
-            settings.body_timeout_s,
-        ),
-        auth=BearerAuth(settings.auth_token, settings.auth_all),
-        allowlist=allowlist,
-        state=state,
-        guard=guard,
-    )
+    app = create_app(settings, limits, config, path)
+    guard = app[GUARD]
     runner = web.AppRunner(
-        create_app(manager, options),
+        app,
         access_log=logging.getLogger("conductor.access") if settings.access_log else None,
         shutdown_timeout=SHUTDOWN_GRACE_SECONDS,
         keepalive_timeout=settings.keepalive_timeout_s,
         lingering_time=LINGER_SECONDS,
     )
-    await runner.setup()
+    await runner.setup()  # runs the app's cleanup_ctx: registrations, store checks, loop lag
     gc.freeze()  # start-up objects live forever: keep full collections off the query path
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for signum in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(signum, stop.set)
-    lag.start()
     try:
         site = GuardedSite(runner, guard, host=settings.host, port=settings.http_server_port)
         await site.start()
@@ -198,22 +148,14 @@ async def serve(
             "listening host=%s port=%d services=%d state_file=%s",
             settings.host,
             settings.http_server_port,
-            len(manager.registrations),
+            len(app[MANAGER].registrations),
             path or "-",
         )
         await stop.wait()
         log.info("shutting down")
     finally:
         guard.close_all()  # slow clients must not hold the shutdown
-        await lag.stop()
-        await manager.close()
         await runner.cleanup()
-
-
-def _allowlist(settings: Settings, registrations: list[Registration]) -> EndpointAllowlist:
-    if settings.register_allow is None:
-        return EndpointAllowlist.default(registrations)
-    return EndpointAllowlist.parse(settings.register_allow)
 
 
 def main(argv: list[str] | None = None) -> None:

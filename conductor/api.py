@@ -12,7 +12,8 @@ import logging
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
-from typing import Any, TypeVar
+from itertools import chain, islice
+from typing import Any, TypeVar, cast
 
 import msgpack
 from aiohttp import web
@@ -38,6 +39,8 @@ from .manager import (
 )
 from .persistence import StateFile
 from .security import BearerAuth, EndpointAllowlist, EndpointRefused, Unauthorized
+from .states import StoreState, SubscriberState
+from .wire.events import MASK64, EngineHash
 
 log = logging.getLogger(__name__)
 
@@ -231,7 +234,7 @@ class ConductorApi:
         started = time.perf_counter()
         body = await parse_body(request, QueryByHashRequest, self.options.limits)
         _at_most(len(body.seq_hashes), self.options.limits.max_query_hashes, "seq_hashes")
-        hashes = [h & 0xFFFFFFFFFFFFFFFF for h in body.seq_hashes]
+        hashes = cast(list[EngineHash], [h & MASK64 for h in body.seq_hashes])
         matches = self.table.match_engine_hashes(body.context_key(), hashes, body.instance_id)
         response = reply(request, self._answer(body.tenant_id, body.instance_id, matches))
         self.metrics.query_seconds.labels("/query_by_hash").observe(time.perf_counter() - started)
@@ -315,18 +318,16 @@ class ConductorApi:
             wanted = min(int(request.query.get("hashes", "0")), GLOBAL_VIEW_MAX_HASHES)
         except ValueError:
             raise ApiError(400, "hashes must be an integer", "hashes") from None
-        model_contexts, contexts, hashmap = [], [], []
-        for key, context in sorted(self.table.contexts.items(), key=lambda kv: repr(kv[0])):
-            instances: dict[str, list[int]] = {}
-            for slot in context.slots.values():
-                if not slot.kv_store:  # a store's pool is shown under kv_stores
-                    instances.setdefault(slot.instance_id, []).append(slot.dp_rank)
-                for holdings in slot.holdings:
-                    for engine_hash, prefix_hash in holdings.by_engine_hash.items():
-                        if len(hashmap) >= wanted:
-                            break
-                        hashmap.append({str(engine_hash): prefix_hash})
-            gpu, cpu, disk = context.block_counts()
+        views = sorted(self.table.context_views(), key=lambda view: repr(view.key))
+        held = chain.from_iterable(self.table.held_hashes(view.key) for view in views)
+        hashmap = [
+            {str(engine_hash): prefix_hash} for engine_hash, prefix_hash in islice(held, wanted)
+        ]
+        contexts: list[dict[str, Any]] = []
+        model_contexts: list[dict[str, Any]] = []
+        for view in views:
+            key = view.key
+            gpu, cpu, disk = view.blocks
             contexts.append(
                 {
                     "tenant_id": key.tenant_id,
@@ -334,10 +335,10 @@ class ConductorApi:
                     "lora_name": key.lora_name,
                     "block_size": key.block_size,
                     "blocks": {"GPU": gpu, "CPU": cpu, "DISK": disk},
-                    "instances": {name: sorted(ranks) for name, ranks in instances.items()},
+                    "instances": {name: list(ranks) for name, ranks in view.instances.items()},
                     "kv_stores": {
-                        kv_store: {"blocks": blocks, "instances": served}
-                        for kv_store, (blocks, served) in sorted(context.store_pools().items())
+                        pool.kv_store: {"blocks": pool.blocks, "instances": list(pool.instances)}
+                        for pool in view.store_pools
                     },
                 }
             )
@@ -350,7 +351,7 @@ class ConductorApi:
                     "tenant_id": key.tenant_id,
                     "instance_id": name,
                 }
-                for name in sorted(instances)
+                for name in sorted(view.instances)
             )
         return reply(
             request,
@@ -367,7 +368,7 @@ class ConductorApi:
         be indexed as registered or one of its tasks failed (``streams`` says which one and
         why) or a store is down (``kv_stores``: each store's pool blocks, check state and
         age)."""
-        states: dict[str, int] = {}
+        states: dict[SubscriberState, int] = {}
         streams: dict[str, dict[str, str]] = {}
         for key in sorted(self.manager.registrations):
             state = self.manager.state_of(key)
@@ -384,17 +385,17 @@ class ConductorApi:
         blocks = self.table.store_blocks()
         for kv_store, store in stores.items():
             store["blocks"] = blocks.get(kv_store, 0)
-        store_down = any(store["state"] == "down" for store in stores.values())
+        store_down = any(store["state"] is StoreState.DOWN for store in stores.values())
         return reply(
             request,
             {
                 "status": "degraded"
-                if self.manager.degraded or store_down or "failed" in states
+                if self.manager.degraded or store_down or SubscriberState.FAILED in states
                 else "ok",
                 "services": len(self.manager.registrations),
                 "subscribers": states,
                 "streams": streams,
-                "contexts": len(self.table.contexts),
+                "contexts": self.table.context_count(),
                 "blocks": self.table.block_count(),
                 "kv_stores": dict(sorted(stores.items())),
             },
@@ -443,7 +444,8 @@ def _error_middleware(api: ConductorApi) -> Callable[..., Awaitable[web.StreamRe
     return middleware
 
 
-def create_app(manager: ServiceManager, options: ApiOptions) -> web.Application:
+def api_app(manager: ServiceManager, options: ApiOptions) -> web.Application:
+    """The routes and their error handling; ``conductor.service`` adds what runs behind."""
     api = ConductorApi(manager, options)
     app = web.Application(
         client_max_size=options.limits.max_body_bytes, middlewares=[_error_middleware(api)]

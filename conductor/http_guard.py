@@ -36,12 +36,12 @@ class ConnectionGuard:
             ["reason"],
             registry=registry,
         )
-        self.open: dict[asyncio.BaseTransport, GuardedProtocol] = {}
+        self.open: dict[asyncio.Transport, GuardedProtocol] = {}
 
     def wrap(self, factory: Callable[[], asyncio.Protocol]) -> Callable[[], asyncio.Protocol]:
         return lambda: GuardedProtocol(factory(), self)
 
-    def request_done(self, transport: asyncio.BaseTransport | None) -> None:
+    def request_done(self, transport: asyncio.Transport | None) -> None:
         """A response was handled: the next bytes on the connection start a new head."""
         connection = self.open.get(transport) if transport is not None else None
         if connection is not None:
@@ -57,7 +57,7 @@ class ConnectionGuard:
 class GuardedProtocol(asyncio.Protocol):
     """Forwards every event to aiohttp's protocol, timing the request heads."""
 
-    def __init__(self, inner: Any, guard: ConnectionGuard) -> None:
+    def __init__(self, inner: asyncio.Protocol, guard: ConnectionGuard) -> None:
         self.inner = inner
         self.guard = guard
         self.transport: asyncio.Transport | None = None
@@ -71,7 +71,7 @@ class GuardedProtocol(asyncio.Protocol):
             self.guard.refused.labels("limit").inc()
             self.transport.abort()
             return
-        self.guard.open[transport] = self
+        self.guard.open[self.transport] = self
         self._arm()
         self.inner.connection_made(transport)
 
@@ -91,7 +91,7 @@ class GuardedProtocol(asyncio.Protocol):
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._disarm()
-        if self.transport is not None and self.guard.open.pop(self.transport, None):
+        if self.transport is not None and self.guard.open.pop(self.transport, None) is not None:
             self.inner.connection_lost(exc)
 
     def pause_writing(self) -> None:

@@ -1,7 +1,8 @@
 """The global prefix index: which owner holds which prefix block, on which tier.
 
 Pure and synchronous: the subscriber applies a decoded batch in one call, queries walk it
-in one call, nothing awaits in between.
+in one call, nothing awaits in between. Its invariants and its place in the data flow:
+docs/architecture.md.
 
 Layout, chosen for memory (one dict entry per block and tier in the common case) and for
 a fast /query walk:
@@ -25,21 +26,33 @@ a fast /query walk:
   is registered (an engine's clear, restart or unregister leaves the store's blocks alone).
   The store evicts without an event: ``kv_store_watch`` checks its key list and calls
   ``reconcile_store`` (blocks announced since the check began are kept) or ``store_down``.
+
+Readers outside this module (``/global_view``, ``/health``, the metrics) see the index
+through frozen views (``ContextView``, ``StorePoolView``) and counts, never its slots.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from collections.abc import Set as AbstractSet
 from dataclasses import dataclass, field
 
-from .hashing import chain_hashes, prefix_hashes, salt_root
-from .wire.events import AllBlocksCleared, BlockRemoved, BlockStored, EventBatch, Tier
+from .hashing import PrefixHash, chain_hashes, prefix_hashes, salt_root
+from .wire.events import (
+    AllBlocksCleared,
+    BlockRemoved,
+    BlockStored,
+    EngineHash,
+    EventBatch,
+    Tier,
+)
 
 TIERS = (Tier.GPU, Tier.CPU, Tier.DISK)
 STORE_POOL_RANK = -1  # a kv_store pool's slot key is (address, -1): DP ranks are never < 0
 EVERY_SLOT = -1  # the member mask of a Mooncake pool: all bits set
 RECONCILE_STEP = 5_000  # pool blocks a store check looks at between two yields: <20 ms
+UNKNOWN_PREFIX = PrefixHash(-1)  # an engine hash nobody published: no block has it
+SlotKey = tuple[str, int]  # (instance id, DP rank); a kv_store pool: (address, -1)
 
 
 @dataclass(frozen=True, slots=True)
@@ -92,6 +105,27 @@ class ApplyStats:
         self.dropped[reason] = self.dropped.get(reason, 0) + 1
 
 
+@dataclass(frozen=True, slots=True)
+class StorePoolView:
+    """A kv_store pool of one context: its CPU blocks and the instances it serves."""
+
+    kv_store: str
+    blocks: int
+    instances: tuple[str, ...]  # sorted
+
+
+@dataclass(frozen=True, slots=True)
+class ContextView:
+    """What one context holds, as ``/global_view`` and the metrics show it."""
+
+    key: ContextKey
+    blocks: tuple[int, int, int]  # distinct prefix blocks on GPU, CPU, DISK
+    # each instance's DP ranks (sorted), instances in the order they joined; a Mooncake
+    # store's pool is listed as an instance, a kv_store pool is not (see ``store_pools``)
+    instances: Mapping[str, tuple[int, ...]]
+    store_pools: tuple[StorePoolView, ...]  # sorted by kv_store
+
+
 @dataclass(slots=True)
 class InstanceMatch:
     """Cumulative matched tokens of one instance: GPU <= CPU <= DISK, per DP rank too."""
@@ -108,12 +142,12 @@ class _Holdings:
     __slots__ = ("by_engine_hash", "copies", "extra_refs")
 
     def __init__(self) -> None:
-        self.by_engine_hash: dict[int, int] = {}
+        self.by_engine_hash: dict[EngineHash, PrefixHash] = {}
         # engine hash -> how many *more* physical copies the owner holds (vLLM caches and
         # announces a block again when two requests computed it; each copy is evicted alone)
-        self.copies: dict[int, int] = {}
+        self.copies: dict[EngineHash, int] = {}
         # prefix hash -> how many *more* engine hashes of this owner map to it
-        self.extra_refs: dict[int, int] = {}
+        self.extra_refs: dict[PrefixHash, int] = {}
 
     def count(self) -> int:
         return len(self.by_engine_hash) + sum(self.copies.values())
@@ -158,8 +192,8 @@ class PrefixContext:
 
     def __init__(self, key: ContextKey) -> None:
         self.key = key
-        self.blocks: tuple[dict[int, int], dict[int, int], dict[int, int]] = ({}, {}, {})
-        self.slots: dict[tuple[str, int], _Slot] = {}
+        self.blocks: tuple[dict[PrefixHash, int], ...] = ({}, {}, {})  # GPU, CPU, DISK
+        self.slots: dict[SlotKey, _Slot] = {}
         self._by_index: dict[int, _Slot] = {}
         self._free: list[int] = []
         # pool bit -> bits of the engine slots its blocks count for (EVERY_SLOT: Mooncake)
@@ -167,8 +201,8 @@ class PrefixContext:
         self.pool_mask = 0  # every pool's bit: 0 keeps the walk free of pool lookups
         # engine hash -> prefix hash over every owner and tier, and how many *more* holders
         # than one it has (the first holder's mapping: engine hashes of one context agree)
-        self.engine_prefix: dict[int, int] = {}
-        self._engine_refs: dict[int, int] = {}
+        self.engine_prefix: dict[EngineHash, PrefixHash] = {}
+        self._engine_refs: dict[EngineHash, int] = {}
 
     # -- slots ---------------------------------------------------------------------------
     def slot(self, instance_id: str, dp_rank: int, shared_pool: bool, kv_store: str = "") -> _Slot:
@@ -208,7 +242,11 @@ class PrefixContext:
 
     # -- blocks --------------------------------------------------------------------------
     def hold(
-        self, slot: _Slot, tier: Tier, engine_hashes: list[int], prefix_hashes: list[int]
+        self,
+        slot: _Slot,
+        tier: Tier,
+        engine_hashes: Sequence[EngineHash],
+        prefix_hashes: Sequence[PrefixHash],
     ) -> int:
         """Record that ``slot`` holds these blocks on ``tier``; returns how many were stored.
 
@@ -235,7 +273,7 @@ class PrefixContext:
                 blocks[prefix_hash] = mask | bit
         return added
 
-    def release(self, slot: _Slot, tier: Tier, engine_hash: int) -> bool:
+    def release(self, slot: _Slot, tier: Tier, engine_hash: EngineHash) -> bool:
         holdings = slot.holdings[tier]
         copies = holdings.copies.get(engine_hash)
         if copies:  # another copy of the same block stays cached
@@ -258,18 +296,18 @@ class PrefixContext:
         self._unset(tier, prefix_hash, slot.bit)
         return True
 
-    def evict(self, slot: _Slot, tier: Tier, engine_hash: int) -> None:
+    def evict(self, slot: _Slot, tier: Tier, engine_hash: EngineHash) -> None:
         """Forget every copy of a block (its one key left the store, whoever saved it)."""
         slot.holdings[tier].copies.pop(engine_hash, None)
         self.release(slot, tier, engine_hash)
 
-    def _hold_engine_hash(self, engine_hash: int, prefix_hash: int) -> None:
+    def _hold_engine_hash(self, engine_hash: EngineHash, prefix_hash: PrefixHash) -> None:
         if engine_hash in self.engine_prefix:
             self._engine_refs[engine_hash] = self._engine_refs.get(engine_hash, 0) + 1
         else:
             self.engine_prefix[engine_hash] = prefix_hash
 
-    def _release_engine_hash(self, engine_hash: int) -> None:
+    def _release_engine_hash(self, engine_hash: EngineHash) -> None:
         extra = self._engine_refs.get(engine_hash)
         if extra is None:
             del self.engine_prefix[engine_hash]
@@ -278,7 +316,7 @@ class PrefixContext:
         else:
             self._engine_refs[engine_hash] = extra - 1
 
-    def _unset(self, tier: Tier, prefix_hash: int, bit: int) -> None:
+    def _unset(self, tier: Tier, prefix_hash: PrefixHash, bit: int) -> None:
         blocks = self.blocks[tier]
         mask = blocks[prefix_hash] & ~bit
         if mask:
@@ -301,7 +339,7 @@ class PrefixContext:
             holdings.extra_refs.clear()
         return held
 
-    def prefix_of(self, engine_hash: int, owner: tuple[str, int] | None = None) -> int | None:
+    def prefix_of(self, engine_hash: EngineHash, owner: SlotKey | None = None) -> PrefixHash | None:
         """The prefix hash an engine hash was indexed under, by any owner of the context.
 
         ``owner`` (instance, DP rank) is asked first: its own chain wins where owners with
@@ -318,22 +356,37 @@ class PrefixContext:
     def block_counts(self) -> tuple[int, int, int]:
         return len(self.blocks[0]), len(self.blocks[1]), len(self.blocks[2])
 
-    def store_pools(self) -> dict[str, tuple[int, list[str]]]:
-        """Each kv_store pool: its CPU blocks and the instances it serves (for the views)."""
-        pools = {}
+    def store_pools(self) -> tuple[StorePoolView, ...]:
+        """Each kv_store pool: its CPU blocks and the instances it serves."""
+        pools = []
         for pool in self.slots.values():
             if pool.kv_store:
                 members = self.pool_members[pool.bit]
                 served = {s.instance_id for s in self.slots.values() if s.bit & members}
-                pools[pool.kv_store] = (pool.holdings[Tier.CPU].prefix_count(), sorted(served))
-        return pools
+                blocks = pool.holdings[Tier.CPU].prefix_count()
+                pools.append(StorePoolView(pool.kv_store, blocks, tuple(sorted(served))))
+        return tuple(sorted(pools, key=lambda pool: pool.kv_store))
+
+    def view(self) -> ContextView:
+        instances: dict[str, list[int]] = {}
+        for slot in self.slots.values():
+            if not slot.kv_store:
+                instances.setdefault(slot.instance_id, []).append(slot.dp_rank)
+        ranks = {name: tuple(sorted(dp_ranks)) for name, dp_ranks in instances.items()}
+        return ContextView(self.key, self.block_counts(), ranks, self.store_pools())
+
+    def held_hashes(self) -> Iterator[tuple[EngineHash, PrefixHash]]:
+        """Every owner's engine hash -> prefix hash mappings, owner by owner, tier by tier."""
+        for slot in self.slots.values():
+            for holdings in slot.holdings:
+                yield from holdings.by_engine_hash.items()
 
     def is_empty(self) -> bool:
         return not self.slots and not any(self.blocks)
 
     # -- matching ------------------------------------------------------------------------
     def match(
-        self, hashes: Sequence[int | None], instance_id: str | None = None
+        self, hashes: Sequence[PrefixHash], instance_id: str | None = None
     ) -> dict[str, InstanceMatch]:
         """Walk the query's prefix hashes once for every engine slot."""
         engine_slots = [
@@ -371,7 +424,9 @@ class PrefixContext:
             )
         return matches
 
-    def _walk_tiers(self, hashes: Sequence[int | None], interest: int, lengths: dict) -> None:
+    def _walk_tiers(
+        self, hashes: Sequence[PrefixHash], interest: int, lengths: dict[int, list[int]]
+    ) -> None:
         """The general walk: GPU, then CPU (own offload or a pool), then DISK."""
         gpu_blocks, cpu_blocks, disk_blocks = self.blocks
         pools = self.pool_mask
@@ -410,8 +465,8 @@ class PrefixContext:
 
 
 def _members(
-    by_rank: dict[int, set[tuple[ContextKey, tuple[str, int]]]],
-) -> list[tuple[ContextKey, tuple[str, int]]]:
+    by_rank: dict[int, set[tuple[ContextKey, SlotKey]]],
+) -> list[tuple[ContextKey, SlotKey]]:
     """Every (context, slot key) of a stream, whatever its rank."""
     return [member for members in by_rank.values() for member in members]
 
@@ -435,12 +490,12 @@ class PrefixCacheTable:
         self.contexts: dict[ContextKey, PrefixContext] = {}
         self._sources: dict[str, StreamSource] = {}
         # stream -> DP rank (STORE_POOL_RANK: its kv_store pools) -> (context, slot key)
-        self._stream_slots: dict[str, dict[int, set[tuple[ContextKey, tuple[str, int]]]]] = {}
+        self._stream_slots: dict[str, dict[int, set[tuple[ContextKey, SlotKey]]]] = {}
         self._stream_contexts: dict[str, set[ContextKey]] = {}
         self.max_dp_ranks = max_dp_ranks  # the engine ranks one stream may own
         self.max_lora_contexts = max_lora_contexts  # the contexts one stream may own blocks in
         # kv_store -> engine hashes its pools received since its running check began
-        self._store_checks: dict[str, set[int]] = {}
+        self._store_checks: dict[str, set[EngineHash]] = {}
         self.stores_down: set[str] = set()  # their CPU events are dropped, their pools empty
 
     # -- membership ----------------------------------------------------------------------
@@ -511,7 +566,7 @@ class PrefixCacheTable:
         self._store_checks.pop(kv_store, None)
 
     def reconcile_store(
-        self, kv_store: str, present: AbstractSet[int], step: int = RECONCILE_STEP
+        self, kv_store: str, present: AbstractSet[EngineHash], step: int = RECONCILE_STEP
     ) -> Iterator[int]:
         """A check of the store answered: ``present`` holds the engine hash of each of its
         keys. Every pool block it lacks that was not announced since the check began was
@@ -544,7 +599,7 @@ class PrefixCacheTable:
                 yield len(gone)
 
     def _pool(
-        self, context_key: ContextKey, pool_key: tuple[str, int]
+        self, context_key: ContextKey, pool_key: SlotKey
     ) -> tuple[PrefixContext | None, _Slot | None]:
         context = self.contexts.get(context_key)
         return context, context.slots.get(pool_key) if context else None
@@ -555,7 +610,9 @@ class PrefixCacheTable:
         self.stores_down.add(kv_store)
         return self.clear_store(kv_store)
 
-    def _slot_for(self, source: StreamSource, context_key: ContextKey, dp_rank: int) -> tuple:
+    def _slot_for(
+        self, source: StreamSource, context_key: ContextKey, dp_rank: int
+    ) -> tuple[PrefixContext, _Slot]:
         """The stream's engine slot in a context, linked (with its kv_store's pool) once."""
         context = self.contexts.get(context_key)
         if context is None:
@@ -606,7 +663,9 @@ class PrefixCacheTable:
                 stats.clears += 1
         return stats
 
-    def _store(self, source: StreamSource, dp_rank: int, event: BlockStored, stats: ApplyStats):
+    def _store(
+        self, source: StreamSource, dp_rank: int, event: BlockStored, stats: ApplyStats
+    ) -> None:
         if event.group_idx:  # sliding-window / secondary KV groups are no reusable prefix
             stats.ignored += 1
             return
@@ -642,11 +701,11 @@ class PrefixCacheTable:
     @staticmethod
     def _prefixes(
         context: PrefixContext | None,
-        owner: tuple[str, int],
+        owner: SlotKey,
         source: StreamSource,
         event: BlockStored,
         stats: ApplyStats,
-    ) -> list[int]:
+    ) -> list[PrefixHash]:
         """The prefix hash of each stored block, or as many as can be placed ([] = none)."""
         hashes, size = event.block_hashes, source.block_size
         if event.token_ids:
@@ -656,16 +715,17 @@ class PrefixCacheTable:
             if event.parent_hash is None:
                 parent = salt_root(event.salt or source.salt)
             else:
-                parent = context.prefix_of(event.parent_hash, owner) if context else None
-                if parent is None:
+                known = context.prefix_of(event.parent_hash, owner) if context else None
+                if known is None:
                     stats.orphaned += 1
                     return []
+                parent = known
             try:
                 return chain_hashes(parent, event.token_ids, size)
             except TypeError:
                 stats.drop("bad_token_ids")
                 return []
-        placed = []  # no tokens: place through hashes engines already published with tokens
+        placed: list[PrefixHash] = []  # no tokens: place through hashes published with tokens
         for engine_hash in hashes:
             prefix_hash = context.prefix_of(engine_hash, owner) if context else None
             if prefix_hash is None:
@@ -674,7 +734,9 @@ class PrefixCacheTable:
             placed.append(prefix_hash)
         return placed
 
-    def _remove(self, source: StreamSource, dp_rank: int, event: BlockRemoved, stats):
+    def _remove(
+        self, source: StreamSource, dp_rank: int, event: BlockRemoved, stats: ApplyStats
+    ) -> None:
         if event.group_idx:
             stats.ignored += 1
             return
@@ -715,17 +777,34 @@ class PrefixCacheTable:
         return context.match(prefix_hashes(token_ids, context_key.block_size, salt), instance_id)
 
     def match_engine_hashes(
-        self, context_key: ContextKey, engine_hashes: Sequence[int], instance_id: str | None = None
+        self,
+        context_key: ContextKey,
+        engine_hashes: Sequence[EngineHash],
+        instance_id: str | None = None,
     ) -> dict[str, InstanceMatch] | None:
         """The same answer for a prompt given as the engine's own block hashes."""
         context = self.contexts.get(context_key)
         if context is None:
             return None
         prefix_of = context.engine_prefix.get
-        return context.match([prefix_of(h) for h in engine_hashes], instance_id)
+        return context.match([prefix_of(h, UNKNOWN_PREFIX) for h in engine_hashes], instance_id)
 
     def tenants(self) -> set[str]:
         return {key.tenant_id for key in self.contexts}
+
+    # -- views (the read API of everything outside the index) ----------------------------
+    def context_count(self) -> int:
+        return len(self.contexts)
+
+    def context_views(self) -> list[ContextView]:
+        """Every context's counts and owners, in the order the contexts were created."""
+        return [context.view() for context in self.contexts.values()]
+
+    def held_hashes(self, context_key: ContextKey) -> Iterator[tuple[EngineHash, PrefixHash]]:
+        """The engine hash -> prefix hash mappings of a context's owners (lazily: a view
+        asks for a few of possibly millions)."""
+        context = self.contexts.get(context_key)
+        return context.held_hashes() if context is not None else iter(())
 
     def block_count(self) -> int:
         return sum(sum(c.block_counts()) for c in self.contexts.values())
@@ -734,6 +813,6 @@ class PrefixCacheTable:
         """Blocks per kv_store over every context; each store some registration names."""
         blocks: dict[str, int] = {}
         for context in self.contexts.values():
-            for kv_store, (count, _) in context.store_pools().items():
-                blocks[kv_store] = blocks.get(kv_store, 0) + count
+            for pool in context.store_pools():
+                blocks[pool.kv_store] = blocks.get(pool.kv_store, 0) + pool.blocks
         return blocks

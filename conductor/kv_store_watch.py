@@ -26,14 +26,16 @@ import asyncio
 import logging
 import re
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, cast
 
 import aiohttp
 
 from .index import PrefixCacheTable
 from .metrics import ConductorMetrics
+from .states import StoreState
+from .wire.events import EngineHash
 
 log = logging.getLogger(__name__)
 
@@ -57,7 +59,7 @@ class CheckFailed(Exception):
 class StoreKeys:
     """The answer of ``/get_all_keys``, parsed chunk by chunk (it can be 100 MB)."""
 
-    digests: set[int] = field(default_factory=set)  # engine hashes: low 64 bits of digests
+    digests: set[EngineHash] = field(default_factory=set)  # low 64 bits of the digests
     keys: int = 0
     unparsable: int = 0
     _rest: bytes = b""
@@ -79,7 +81,8 @@ class StoreKeys:
         count = lines.count(b"\n")
         self.keys += count
         self.unparsable += count - len(found)
-        self.digests.update(int(digest[-16:], 16) for digest in found)
+        digests = (int(digest[-16:], 16) for digest in found)
+        self.digests.update(cast("Iterator[EngineHash]", digests))  # no NewType call per key
 
 
 async def fetch_keys(session: aiohttp.ClientSession, admin_url: str) -> StoreKeys:
@@ -128,7 +131,7 @@ async def check_store(
 @dataclass(slots=True)
 class _Store:
     admin_url: str
-    state: str = "unchecked"
+    state: StoreState = StoreState.UNCHECKED
     checked_at: float | None = None  # monotonic end of the last check
     task: asyncio.Task[None] | None = None
     told_unparsable: bool = False  # foreign keys are said once, then only counted
@@ -238,14 +241,14 @@ class StoreWatch:
                 keys.unparsable,
                 keys.keys,
             )
-        if store.state == "down":
+        if store.state is StoreState.DOWN:
             log.warning("kv_store=%s answers again: its CPU events are indexed", kv_store)
-        self._set_state(kv_store, store, "up")
+        self._set_state(kv_store, store, StoreState.UP)
 
     def _down(self, kv_store: str, store: _Store, reason: str) -> None:
         dropped = self._table.store_down(kv_store)
         self._metrics.store_blocks_dropped.labels(kv_store, "store_down").inc(dropped)
-        if store.state != "down":
+        if store.state is not StoreState.DOWN:
             log.warning(
                 "kv_store=%s down: %s at %s; %d blocks cleared, its CPU events are dropped "
                 "until it answers again",
@@ -254,8 +257,8 @@ class StoreWatch:
                 store.admin_url,
                 dropped,
             )
-        self._set_state(kv_store, store, "down")
+        self._set_state(kv_store, store, StoreState.DOWN)
 
-    def _set_state(self, kv_store: str, store: _Store, state: str) -> None:
+    def _set_state(self, kv_store: str, store: _Store, state: StoreState) -> None:
         store.state = state
         self._metrics.store_state.labels(kv_store).state(state)

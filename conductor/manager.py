@@ -17,6 +17,7 @@ from .config import Registration
 from .index import PrefixCacheTable
 from .kv_store_watch import StoreWatch
 from .metrics import ConductorMetrics
+from .states import SubscriberState, TaskState
 from .subscriber import StreamCallbacks, StreamSubscriber
 from .wire import DecodeError, Message, decode_batch
 
@@ -137,21 +138,21 @@ class ServiceManager:
         self.context.set(zmq.MAX_SOCKETS, self.limits.max_sockets)
         self._lock = asyncio.Lock()
 
-    def state_of(self, key: str) -> str:
+    def state_of(self, key: str) -> SubscriberState:
         subscriber = self._subscribers.get(key)
-        return subscriber.state if subscriber else "stopped"
+        return subscriber.state if subscriber else SubscriberState.STOPPED
 
     def stream_view(self, key: str) -> dict[str, Any]:
         """What /services and /health show of a stream: its state, its task failures (the
         last one's error) and, while its instance is marked down, until when and why."""
         subscriber = self._subscribers.get(key)
         if subscriber is None:
-            return {"state": "stopped", "failures": 0, "last_error": ""}
+            return {"state": SubscriberState.STOPPED, "failures": 0, "last_error": ""}
         tasks = subscriber.supervised()
         view: dict[str, Any] = {
             "state": subscriber.state,
             "failures": sum(task.restarts for task in tasks),
-            "last_error": next((t.last_error for t in tasks if t.state == "failed"), ""),
+            "last_error": next((t.last_error for t in tasks if t.state is TaskState.FAILED), ""),
         }
         registration = self.registrations[key]
         mark = self._down.get((registration.source().instance_id, registration.tenant_id))
@@ -352,7 +353,7 @@ class ServiceManager:
         def on_lost() -> None:  # the same engine may come back: it stays degraded
             self.table.clear_stream(key)
 
-        def on_state(state: str) -> None:
+        def on_state(state: SubscriberState) -> None:
             metrics.subscriber_state.labels(key).state(state)
 
         def on_event(name: str) -> None:

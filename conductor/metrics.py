@@ -6,21 +6,12 @@ from collections.abc import Iterable
 
 from prometheus_client import CollectorRegistry, Counter, Enum, Gauge, Histogram
 from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.metrics import MetricWrapperBase
 from prometheus_client.registry import Collector
 
 from .index import ApplyStats, PrefixCacheTable
+from .states import StoreState, SubscriberState
 from .wire.events import Tier
-
-SUBSCRIBER_STATES = (
-    "connecting",
-    "connected",
-    "replaying",
-    "disconnected",
-    "stopped",
-    "failed",  # one of its tasks failed; it is retried with backoff
-    "down",  # its instance was marked down (POST /instance_down)
-)
-STORE_STATES = ("unchecked", "up", "down")
 
 
 class _IndexCollector(Collector):
@@ -36,11 +27,13 @@ class _IndexCollector(Collector):
             labels=["tenant_id", "model", "lora_name", "block_size", "tier"],
         )
         contexts = GaugeMetricFamily("conductor_index_contexts", "Contexts in the index")
-        for key, context in list(self._table.contexts.items()):
-            for tier, count in zip(Tier, context.block_counts(), strict=True):
+        views = self._table.context_views()
+        for view in views:
+            key = view.key
+            for tier, count in zip(Tier, view.blocks, strict=True):
                 labels = [key.tenant_id, key.model_name, key.lora_name, str(key.block_size)]
                 blocks.add_metric([*labels, tier.name], count)
-        contexts.add_metric([], len(self._table.contexts))
+        contexts.add_metric([], len(views))
         yield blocks
         yield contexts
 
@@ -104,7 +97,7 @@ class ConductorMetrics:
             "conductor_subscriber_state",
             "State of each stream's subscriber",
             ["stream"],
-            states=list(SUBSCRIBER_STATES),
+            states=[state.value for state in SubscriberState],
             registry=registry,
         )
         self.query_seconds = Histogram(
@@ -148,7 +141,7 @@ class ConductorMetrics:
             "conductor_kv_store_state",
             "State of each store: down while its checks fail",
             ["kv_store"],
-            states=list(STORE_STATES),
+            states=[state.value for state in StoreState],
             registry=registry,
         )
         self._per_store = [
@@ -190,7 +183,7 @@ class ConductorMetrics:
         _forget(self._per_store, kv_store)
 
 
-def _forget(metrics: list, first_label: str) -> None:
+def _forget(metrics: Iterable[MetricWrapperBase], first_label: str) -> None:
     for metric in metrics:
         for labels in list(metric._metrics):  # noqa: SLF001 - no public enumeration
             if labels[0] == first_label:

@@ -15,6 +15,8 @@ from typing import Any, TypeVar
 
 from prometheus_client import CollectorRegistry, Counter, Histogram
 
+from .states import TaskState
+
 T = TypeVar("T")
 LOG_FORMAT = "%(asctime)s level=%(levelname)s logger=%(name)s %(message)s"
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
@@ -133,7 +135,7 @@ class SupervisedTask:
         failures: Counter,
         min_backoff: float = 0.1,
         max_backoff: float = 5.0,
-        on_state: Callable[[str], None] | None = None,
+        on_state: Callable[[TaskState], None] | None = None,
     ) -> None:
         self.name = name
         self._factory = factory
@@ -141,7 +143,7 @@ class SupervisedTask:
         self._min_backoff = min_backoff
         self._max_backoff = max_backoff
         self._on_state = on_state
-        self.state = "stopped"
+        self.state = TaskState.STOPPED
         self.last_error = ""
         self.restarts = 0
         self._task: asyncio.Task[None] | None = None
@@ -154,9 +156,9 @@ class SupervisedTask:
             self._task.cancel()
             await asyncio.gather(self._task, return_exceptions=True)
             self._task = None
-        self._set_state("stopped")
+        self._set_state(TaskState.STOPPED)
 
-    def _set_state(self, state: str) -> None:
+    def _set_state(self, state: TaskState) -> None:
         if state != self.state:
             self.state = state
             if self._on_state is not None:
@@ -165,7 +167,7 @@ class SupervisedTask:
     async def _supervise(self) -> None:
         backoff = self._min_backoff
         while True:
-            self._set_state("running")
+            self._set_state(TaskState.RUNNING)
             started = time.monotonic()
             try:
                 await self._factory()
@@ -180,9 +182,9 @@ class SupervisedTask:
                 logging.getLogger(__name__).error(
                     "task=%s failed, restarting in %.1fs", self.name, backoff, exc_info=True
                 )
-                self._set_state("failed")
+                self._set_state(TaskState.FAILED)
                 await asyncio.sleep(backoff)
                 backoff = min(backoff * 2, self._max_backoff)
             else:
-                self._set_state("stopped")
+                self._set_state(TaskState.STOPPED)
                 return

@@ -1,10 +1,11 @@
 """One registration's event stream: a SUB socket for live batches, a DEALER for replays.
 
-Sequence rules: batches are applied strictly in order; a gap is filled by a replay before
-the batch that revealed it; a sequence going back means the publisher restarted, so the
-owner's blocks are cleared and the stream is read as new. A malformed message is counted
-and skipped: the SUB socket is never recreated for it (that would lose messages), and ZMQ
-itself reconnects with capped exponential backoff.
+Sequence rules (``conductor.sequence``, which decides; this module only executes):
+batches are applied strictly in order; a gap is filled by a replay before the batch that
+revealed it; a sequence going back means the publisher restarted, so the owner's blocks are
+cleared and the stream is read as new. A malformed message is counted and skipped: the SUB
+socket is never recreated for it (that would lose messages), and ZMQ itself reconnects with
+capped exponential backoff.
 
 Liveness: the moment the connection to the publisher drops (its process died, or the
 network broke) the owner's blocks are cleared, because the conductor can no longer tell
@@ -31,7 +32,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -41,6 +42,16 @@ from prometheus_client import Counter
 from zmq.utils.monitor import parse_monitor_message
 
 from .runtime import SupervisedTask
+from .sequence import (
+    Apply,
+    DropDuplicate,
+    Gap,
+    GapUnrepaired,
+    Replay,
+    Restart,
+    SequenceTracker,
+)
+from .states import SubscriberState, TaskState
 from .wire.frames import FrameError, Message, parse_live, parse_replay, replay_request
 
 if TYPE_CHECKING:
@@ -61,7 +72,7 @@ class StreamCallbacks:
 
     on_message: Callable[[Message, bool], None]  # (message, replayed)
     on_restart: Callable[[], None]  # a new publisher: clear the owner's blocks
-    on_state: Callable[[str], None]
+    on_state: Callable[[SubscriberState], None]
     on_event: Callable[[str], None]  # gap, gap_unrepaired, replay_*, bad_frame, restart, lost
     on_lost: Callable[[], None]  # the publisher is gone: its blocks are unknown, clear them
     on_dropped: Callable[[Message], None]  # a batch of an instance marked down
@@ -86,11 +97,9 @@ class StreamSubscriber:
         self._callbacks = callbacks
         self._limits = limits
         self._failures = failures
-        self._first_sequence = first_sequence
-        self.last_sequence: int | None = None
-        self._last_replayed = False  # last_sequence came from a replay, not the live stream
-        self.state = "connecting"
-        self._connection = "connecting"  # what ZMQ says, under "down" and "failed"
+        self._sequence = SequenceTracker(first_sequence, can_replay=bool(replay_endpoint))
+        self.state = SubscriberState.CONNECTING
+        self._connection = SubscriberState.CONNECTING  # what ZMQ says, under down and failed
         self.down = False
         self._order = asyncio.Lock()  # live batches, replays and clears, one at a time
         self._sub: zmq.asyncio.Socket | None = None
@@ -135,7 +144,7 @@ class StreamSubscriber:
         await asyncio.gather(*(task.stop() for task in tasks))
         self._tasks, self._catching_up = [], None
         self._close_sockets()
-        self._set_connection("stopped")
+        self._set_connection(SubscriberState.STOPPED)
 
     def _socket(self, kind: int) -> zmq.asyncio.Socket:
         socket = self._context.socket(kind)
@@ -162,7 +171,7 @@ class StreamSubscriber:
                 socket.close(0)
         self._sub = self._monitor = self._dealer = None
 
-    def _supervised(self, task: str, factory: Callable) -> SupervisedTask:
+    def _supervised(self, task: str, factory: Callable[[], Awaitable[None]]) -> SupervisedTask:
         supervised = SupervisedTask(
             task, factory, self._failures, on_state=lambda _: self._publish_state()
         )
@@ -173,14 +182,18 @@ class StreamSubscriber:
     def supervised(self) -> list[SupervisedTask]:
         return [*self._tasks, *([self._catching_up] if self._catching_up else [])]
 
-    def _set_connection(self, state: str) -> None:
+    def _set_connection(self, state: SubscriberState) -> None:
         self._connection = state
         self._publish_state()
 
     def _publish_state(self) -> None:
         """down > failed > the connection's state: the most urgent news wins."""
-        failed = any(task.state == "failed" for task in self.supervised())
-        state = "down" if self.down else "failed" if failed else self._connection
+        if self.down:
+            state = SubscriberState.DOWN
+        elif any(task.state is TaskState.FAILED for task in self.supervised()):
+            state = SubscriberState.FAILED
+        else:
+            state = self._connection
         if state != self.state:
             self.state = state
             self._callbacks.on_state(state)
@@ -191,15 +204,18 @@ class StreamSubscriber:
         while True:
             event = parse_monitor_message(await self._monitor.recv_multipart())["event"]
             if event == zmq.EVENT_CONNECTED:
-                self._set_connection("connected")
+                self._set_connection(SubscriberState.CONNECTED)
                 await self._start_catch_up()
             elif event == zmq.EVENT_DISCONNECTED:
                 if self._catching_up is not None:  # its replies will never come
                     await self._catching_up.stop()
                     self._catching_up = None
                 await self._lose_publisher()
-            elif event == zmq.EVENT_CONNECT_RETRIED and self._connection != "replaying":
-                self._set_connection("disconnected")
+            elif (
+                event == zmq.EVENT_CONNECT_RETRIED
+                and self._connection is not SubscriberState.REPLAYING
+            ):
+                self._set_connection(SubscriberState.DISCONNECTED)
 
     async def _start_catch_up(self) -> None:
         if self._catching_up is not None:
@@ -209,16 +225,17 @@ class StreamSubscriber:
     async def _catch_up(self) -> None:
         """A (re)connected stream reads the publisher's buffer now, not at its next batch."""
         async with self._order:
-            if self.last_sequence is None and not self.down:
-                await self._replay(self._first_sequence, None, fail_loudly=True)
+            replay = None if self.down else self._sequence.catch_up()
+            if replay is not None:
+                await self._replay(replay, fail_loudly=True)
 
     async def _lose_publisher(self) -> None:
         async with self._order:
-            self._set_connection("disconnected")
+            self._set_connection(SubscriberState.DISCONNECTED)
             self._callbacks.on_event("lost")
             log.warning("stream=%s lost its publisher: clearing its blocks", self.name)
             self._callbacks.on_lost()
-            self.last_sequence = None
+            self._sequence.reset()
 
     async def mark_down(self) -> None:
         """The instance is dead (the router says so): forget its blocks, drop its events."""
@@ -228,14 +245,14 @@ class StreamSubscriber:
         async with self._order:
             self.down = True
             self._callbacks.on_lost()
-            self.last_sequence = None
+            self._sequence.reset()
             self._publish_state()
 
     async def mark_up(self) -> None:
         """Index the instance again, starting with its publisher's whole replay buffer."""
         self.down = False
         self._publish_state()
-        if self._connection in ("connected", "replaying"):
+        if self._connection in (SubscriberState.CONNECTED, SubscriberState.REPLAYING):
             await self._start_catch_up()
 
     # -- live stream ---------------------------------------------------------------------
@@ -259,62 +276,50 @@ class StreamSubscriber:
             await asyncio.sleep(0)
 
     async def _handle_live(self, message: Message) -> None:
-        last = self.last_sequence
-        if last is not None and message.seq <= last and self._last_replayed:
-            # sent live while a catch-up replay already delivered it (a new publisher
-            # counting from 0 also drops its connection: its batches come back through
-            # the catch-up that follows the reconnection)
-            return
-        if last is not None and message.seq <= last:
-            # PUB/SUB never redelivers, so a live sequence that does not advance means a
-            # new publisher counting from scratch.
-            self._callbacks.on_event("restart")
-            log.warning(
-                "stream=%s publisher restarted (seq %d after %d): clearing its blocks",
-                self.name,
-                message.seq,
-                last,
-            )
-            self._callbacks.on_restart()
-            self.last_sequence = last = None
-        expected = self._first_sequence if last is None else last + 1
-        if message.seq > expected:
-            if last is not None:
-                self._callbacks.on_event("gap")
-                log.info("stream=%s gap: expected seq %d, got %d", self.name, expected, message.seq)
-            await self._replay(expected, message.seq)
-            if self.last_sequence is None or self.last_sequence + 1 < message.seq:
-                if last is not None or self.replay_endpoint:
+        """Execute what the sequence tracker decides for a live batch."""
+        for action in self._sequence.live(message.seq):
+            match action:
+                case Apply():
+                    self._callbacks.on_message(message, False)
+                case DropDuplicate():  # a catch-up replay delivered it first
+                    pass
+                case Restart(seq=seq, last=last):
+                    self._callbacks.on_event("restart")
+                    log.warning(
+                        "stream=%s publisher restarted (seq %d after %d): clearing its blocks",
+                        self.name,
+                        seq,
+                        last,
+                    )
+                    self._callbacks.on_restart()
+                case Gap(expected=expected, seq=seq):
+                    self._callbacks.on_event("gap")
+                    log.info("stream=%s gap: expected seq %d, got %d", self.name, expected, seq)
+                case Replay():
+                    await self._replay(action)
+                case GapUnrepaired():
                     self._callbacks.on_event("gap_unrepaired")
-        self._apply(message, replayed=False)
-
-    def _apply(self, message: Message, replayed: bool) -> None:
-        self.last_sequence = message.seq
-        self._last_replayed = replayed
-        self._callbacks.on_message(message, replayed)
 
     # -- replay --------------------------------------------------------------------------
-    async def _replay(self, start: int, stop: int | None, fail_loudly: bool = False) -> None:
-        """Apply the publisher's buffered batches ``start <= seq < stop``, in order.
+    async def _replay(self, replay: Replay, fail_loudly: bool = False) -> None:
+        """Apply the publisher's buffered batches the tracker accepts, in order.
 
         A replay that fails is counted and logged; the live stream goes on. With
         ``fail_loudly`` (a catch-up, which nothing else would retry) a DEALER that cannot be
         opened (no socket or file descriptor left) is raised to the supervisor, which
         shows the stream "failed" and retries with backoff.
         """
-        if not self.replay_endpoint:
-            return
         previous = self._connection
-        self._set_connection("replaying")
+        self._set_connection(SubscriberState.REPLAYING)
         self._callbacks.on_event("replay_requested")
         try:
             if self._dealer is None:
                 self._dealer = self._new_dealer()
             async with asyncio.timeout(self._limits.replay_deadline_s):
-                await self._receive_replay(self._dealer, start, stop)
+                await self._receive_replay(self._dealer, replay)
         except (TimeoutError, zmq.ZMQError, asyncio.CancelledError) as error:
             self._callbacks.on_event("replay_failed")
-            log.warning("stream=%s replay from %d failed: %r", self.name, start, error)
+            log.warning("stream=%s replay from %d failed: %r", self.name, replay.start, error)
             if self._dealer is not None:  # late replies must not leak into the next replay
                 self._dealer.close(0)
                 self._dealer = None  # opened again by the next replay
@@ -323,10 +328,12 @@ class StreamSubscriber:
             ):
                 raise
         finally:
-            self._set_connection(previous if previous != "replaying" else "connected")
+            self._set_connection(
+                SubscriberState.CONNECTED if previous is SubscriberState.REPLAYING else previous
+            )
 
-    async def _receive_replay(self, dealer: zmq.asyncio.Socket, start: int, stop: int | None):
-        await dealer.send_multipart(replay_request(start))
+    async def _receive_replay(self, dealer: zmq.asyncio.Socket, replay: Replay) -> None:
+        await dealer.send_multipart(replay_request(replay.start))
         while True:
             async with asyncio.timeout(self._limits.replay_timeout_s):
                 frames = await dealer.recv_multipart()
@@ -339,7 +346,5 @@ class StreamSubscriber:
                 continue
             if message is None:
                 return
-            last = self.last_sequence
-            wanted = start <= message.seq and (stop is None or message.seq < stop)
-            if wanted and (last is None or message.seq > last):
-                self._apply(message, replayed=True)
+            if self._sequence.accept_replayed(message.seq, replay):
+                self._callbacks.on_message(message, True)

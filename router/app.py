@@ -42,6 +42,7 @@ from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from conductor.runtime import LoopLagMonitor, SupervisedTask
+from conductor.states import StoreState
 
 from . import disagg
 from .conductor_client import MAX_TOKENS, ConductorClient, ConductorUnavailable, Hits
@@ -127,7 +128,9 @@ class Router:
             retry_after_s=config.upstream.probe_interval_seconds,
         )
         # each configured store's state as the conductor last reported it
-        self.store_states = dict.fromkeys(sorted(set(config.kv_stores().values())), "unchecked")
+        self.store_states = dict.fromkeys(
+            sorted(set(config.kv_stores().values())), StoreState.UNCHECKED
+        )
         self.metrics = RouterMetrics()
         self._turn = itertools.count()  # rotates ties between equally good instances
         self._tokenizer_turn = itertools.count()  # spreads /tokenize calls
@@ -261,20 +264,20 @@ class Router:
             with contextlib.suppress(ConductorUnavailable):
                 states = await self.conductor.store_states(timeout=min(interval, 1.0))
                 for store in self.store_states:
-                    self._set_store_state(store, states.get(store, "unchecked"))
+                    self._set_store_state(store, states.get(store, StoreState.UNCHECKED))
             await asyncio.sleep(interval)
 
-    def _set_store_state(self, store: str, state: str) -> None:
+    def _set_store_state(self, store: str, state: StoreState) -> None:
         previous, self.store_states[store] = self.store_states[store], state
-        if (previous == "down") == (state == "down"):
+        if (previous is StoreState.DOWN) == (state is StoreState.DOWN):
             return
-        if state == "down":
+        if state is StoreState.DOWN:
             self.pool.stores_down.add(store)
             log.warning("kv store %s is down: its loads are not priced, nothing is pulled", store)
         else:
             self.pool.stores_down.discard(store)
             log.info("kv store %s is %s: its loads are priced again", store, state)
-        self.metrics.store_up.labels(store).set(0 if state == "down" else 1)
+        self.metrics.store_up.labels(store).set(0 if state is StoreState.DOWN else 1)
 
     def _publish_cost_model(self) -> None:
         model = self.params.cost if self.learner is None else self.learner.model

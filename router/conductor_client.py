@@ -18,12 +18,14 @@ import asyncio
 import logging
 import time
 from collections.abc import Awaitable, Callable, Sequence
+from enum import StrEnum
 from typing import Any, TypeVar
 
 import aiohttp
 import msgpack
 
 from conductor.hashing import token_bytes
+from conductor.states import StoreState
 
 from .config import ConductorSection, PrefillInstance, PrefillModelConfig
 from .notices import Notices
@@ -32,9 +34,15 @@ log = logging.getLogger(__name__)
 
 MSGPACK = "application/msgpack"
 Hits = dict[str, tuple[int, int, int]]
-STORE_STATES = ("up", "down", "unchecked")
 MAX_TOKENS = 2**31 - 1  # the Go API's int32: a larger hit is no hit this router believes
 T = TypeVar("T")
+
+
+class ConductorState(StrEnum):
+    """One conductor as ``/health`` shows it: ``down`` while its calls fail."""
+
+    UP = "up"
+    DOWN = "down"
 
 
 class ConductorUnavailable(Exception):
@@ -64,9 +72,12 @@ class ConductorClient:
         self._headers = {"Content-Type": MSGPACK, "Accept": MSGPACK, **self._auth}
         self._registered: set[str] = set()  # conductors whose last registration round worked
 
-    def states(self) -> dict[str, str]:
+    def states(self) -> dict[str, ConductorState]:
         """Each conductor: ``down`` while its calls fail, else ``up``."""
-        return {url: "down" if self._notices.failing(url) else "up" for url in self.urls}
+        return {
+            url: ConductorState.DOWN if self._notices.failing(url) else ConductorState.UP
+            for url in self.urls
+        }
 
     async def _post(
         self, url: str, path: str, body: dict[str, Any], timeout: float
@@ -207,7 +218,7 @@ class ConductorClient:
         return max(self._section.query_timeout_seconds, 1.0)
 
     # -- questions -------------------------------------------------------------------------
-    async def store_states(self, timeout: float) -> dict[str, str]:
+    async def store_states(self, timeout: float) -> dict[str, StoreState]:
         """Each Mooncake store's state as the conductor's ``/health`` reports it (``up``,
         ``down`` or ``unchecked``); raises ConductorUnavailable without an answer."""
 
@@ -278,13 +289,21 @@ def parse_hits(answer: dict[str, Any], tenant_id: str) -> Hits:
     return hits
 
 
-def parse_store_states(health: Any) -> dict[str, str]:
+def parse_store_states(health: Any) -> dict[str, StoreState]:
     """``{master: state}`` from a ``/health`` answer's ``kv_stores``
     (``{master: {"blocks", "state", "checked_s_ago"}}``). A store without a state this
     router knows (an older conductor lists only block counts) is ``unchecked``."""
     stores = health.get("kv_stores") if isinstance(health, dict) else None
-    states: dict[str, str] = {}
+    states: dict[str, StoreState] = {}
     for master, entry in stores.items() if isinstance(stores, dict) else ():
         state = entry.get("state") if isinstance(entry, dict) else None
-        states[str(master)] = state if state in STORE_STATES else "unchecked"
+        states[str(master)] = _store_state(state)
     return states
+
+
+def _store_state(value: Any) -> StoreState:
+    """The state ``value`` names; ``unchecked`` for anything else."""
+    try:
+        return StoreState(value)
+    except ValueError:
+        return StoreState.UNCHECKED

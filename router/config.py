@@ -29,7 +29,7 @@ from pydantic import (
 from conductor.config import master_address
 from conductor.runtime import port_number
 
-from .policy import POLICIES, PrefillCostModel, RoutingParams
+from .policy import REGISTRY, PrefillCostModel, RoutingParams
 
 
 class _Section(BaseModel):
@@ -160,8 +160,8 @@ class DecodeSection(_Section):
 
 
 def _known_policy(value: str) -> str:
-    if value not in POLICIES:
-        raise ValueError(f"must be one of {', '.join(POLICIES)}")
+    if value not in REGISTRY:
+        raise ValueError(f"must be one of {', '.join(REGISTRY)}")
     return value
 
 
@@ -337,7 +337,11 @@ def add_cli_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--lora-name")
     parser.add_argument("--query-timeout-seconds", type=float)
     parser.add_argument("--registration-timeout-seconds", type=float)
-    parser.add_argument("--policy", choices=POLICIES)
+    parser.add_argument(
+        "--policy",
+        choices=list(REGISTRY),
+        help="; ".join(policy.describe() for policy in REGISTRY.values()),
+    )
     parser.add_argument("--ttft-slo-ms", type=float)
     parser.add_argument("--max-body-bytes", type=int, help="default 8 MiB")
 

@@ -3,6 +3,9 @@
 They hold no state and do no I/O, so the proxy, the unit tests and the trace simulator all
 call the very same code. Cache hits are the conductor's cumulative answer per instance
 (GPU <= CPU <= DISK tokens); load is what the router itself tracks per instance.
+
+``REGISTRY`` names every policy once: the config's validation, the ``--policy`` choices and
+``choose`` all read it, so a policy is added in one place.
 """
 
 from __future__ import annotations
@@ -11,8 +14,11 @@ import math
 import random
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
+from types import MappingProxyType
+from typing import Protocol, TypeVar
 
-POLICIES = ("round_robin", "least_loaded", "max_prefix", "kv_cost", "ttft")
+# what ``_argmin`` ranks by: one number, or numbers compared in order
+Rank = TypeVar("Rank", float, tuple[float, ...])
 # count a prefix pulled through the store when it is this many times the instance's own:
 # 1, whenever the store holds more. On the FAST'25 traces with a store, 1 gave the lowest
 # mean and p90 TTFT of 1, 1.5, 2, 4 and inf (bench/README.md "Trace replay")
@@ -87,6 +93,7 @@ class SloViolation(Exception):
     """Even the best instance's estimated TTFT breaks the SLO: reject (HTTP 429)."""
 
     def __init__(self, best: Decision, slo_s: float) -> None:
+        assert best.estimated_ttft_s is not None, "only an estimate can break the SLO"
         super().__init__(
             f"estimated time to first token {best.estimated_ttft_s * 1000:.0f} ms on the best "
             f"instance ({best.instance_id}) exceeds the {slo_s * 1000:.0f} ms SLO"
@@ -95,7 +102,9 @@ class SloViolation(Exception):
         self.slo_s = slo_s
 
 
-def _argmin(candidates: Sequence[Candidate], key: Callable[[Candidate], float], turn: int):
+def _argmin(
+    candidates: Sequence[Candidate], key: Callable[[Candidate], Rank], turn: int
+) -> Candidate:
     """The lowest-``key`` candidate; ties rotate with ``turn`` so equals share the load."""
     best = min(key(c) for c in candidates)
     leaders = [c for c in candidates if key(c) == best]
@@ -237,6 +246,123 @@ class RoutingParams:
     cost: PrefillCostModel = PrefillCostModel()
 
 
+class PolicyRun(Protocol):
+    """How a registered policy runs: the parameters it reads come from ``params``."""
+
+    def __call__(
+        self,
+        params: RoutingParams,
+        candidates: Sequence[Candidate],
+        turn: int,
+        prompt_tokens: int,
+        rng: random.Random | None,
+    ) -> Decision: ...
+
+
+@dataclass(frozen=True, slots=True)
+class Policy:
+    """A routing policy as the config, the CLI and ``choose`` know it."""
+
+    name: str
+    summary: str  # one line for ``--help``
+    parameters: tuple[str, ...]  # the keys of the config's ``routing`` section it reads
+    run: PolicyRun
+
+    def describe(self) -> str:
+        """``name: summary [parameters]``, as ``--help`` lists it."""
+        reads = f" [{', '.join(self.parameters)}]" if self.parameters else ""
+        return f"{self.name}: {self.summary}{reads}"
+
+
+def _of_candidates_alone(decide: Callable[[Sequence[Candidate], int], Decision]) -> PolicyRun:
+    """A policy that reads no parameter and no prompt length."""
+
+    def run(
+        params: RoutingParams,
+        candidates: Sequence[Candidate],
+        turn: int,
+        prompt_tokens: int,
+        rng: random.Random | None,
+    ) -> Decision:
+        return decide(candidates, turn)
+
+    return run
+
+
+def _run_kv_cost(
+    params: RoutingParams,
+    candidates: Sequence[Candidate],
+    turn: int,
+    prompt_tokens: int,
+    rng: random.Random | None,
+) -> Decision:
+    return kv_cost(
+        candidates, turn, params.block_size, params.overlap_weight, params.temperature, rng
+    )
+
+
+def _run_ttft(
+    params: RoutingParams,
+    candidates: Sequence[Candidate],
+    turn: int,
+    prompt_tokens: int,
+    rng: random.Random | None,
+) -> Decision:
+    return ttft(
+        candidates,
+        turn,
+        prompt_tokens,
+        params.cost,
+        params.balance_threshold,
+        params.ttft_slo_s,
+        params.ttft_slack,
+    )
+
+
+# every policy the router has, in the order the CLI and the benchmarks list them
+REGISTRY: Mapping[str, Policy] = MappingProxyType(
+    {
+        policy.name: policy
+        for policy in (
+            Policy("round_robin", "each instance in turn", (), _of_candidates_alone(round_robin)),
+            Policy(
+                "least_loaded",
+                "the least queued prefill, then the fewest requests",
+                (),
+                _of_candidates_alone(least_loaded),
+            ),
+            Policy(
+                "max_prefix",
+                "the longest cached prefix, load ignored",
+                (),
+                _of_candidates_alone(max_prefix),
+            ),
+            Policy(
+                "kv_cost",
+                "cached blocks against load in blocks, as Dynamo",
+                ("overlap_weight", "temperature"),
+                _run_kv_cost,
+            ),
+            Policy(
+                "ttft",
+                "the lowest estimated time to first token, Mooncake's Algorithm 1",
+                ("cost", "learn_cost_model", "balance_threshold", "ttft_slo_ms", "ttft_slack"),
+                _run_ttft,
+            ),
+        )
+    }
+)
+POLICIES: tuple[str, ...] = tuple(REGISTRY)  # the names alone
+
+
+def policy_named(name: str) -> Policy:
+    """The registered policy ``name``; ValueError naming every choice otherwise."""
+    try:
+        return REGISTRY[name]
+    except KeyError:
+        raise ValueError(f"unknown policy {name!r}; choose one of {', '.join(POLICIES)}") from None
+
+
 def choose(
     params: RoutingParams,
     candidates: Sequence[Candidate],
@@ -247,24 +373,4 @@ def choose(
     """Run ``params.policy`` over non-empty ``candidates``; ``turn`` rotates ties."""
     if not candidates:
         raise ValueError("no candidate instances")
-    if params.policy == "round_robin":
-        return round_robin(candidates, turn)
-    if params.policy == "least_loaded":
-        return least_loaded(candidates, turn)
-    if params.policy == "max_prefix":
-        return max_prefix(candidates, turn)
-    if params.policy == "kv_cost":
-        return kv_cost(
-            candidates, turn, params.block_size, params.overlap_weight, params.temperature, rng
-        )
-    if params.policy == "ttft":
-        return ttft(
-            candidates,
-            turn,
-            prompt_tokens,
-            params.cost,
-            params.balance_threshold,
-            params.ttft_slo_s,
-            params.ttft_slack,
-        )
-    raise ValueError(f"unknown policy {params.policy!r}; choose one of {', '.join(POLICIES)}")
+    return policy_named(params.policy).run(params, candidates, turn, prompt_tokens, rng)

@@ -1,4 +1,7 @@
-"""Wire formats of KV-event producers, decoded into typed events."""
+"""Wire formats of KV-event producers, decoded into typed events.
+
+Every accepted format, byte by byte, with its source: docs/wire.md.
+"""
 
 from .decode import decode_batch
 from .events import (

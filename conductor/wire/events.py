@@ -4,8 +4,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from enum import IntEnum
+from typing import NewType, cast
 
 MASK64 = 0xFFFFFFFFFFFFFFFF
+# a block's hash as its engine published it (unsigned 64-bit); the index maps it to its
+# own prefix hash (``conductor.hashing.PrefixHash``)
+EngineHash = NewType("EngineHash", int)
 
 
 class DecodeError(ValueError):
@@ -41,21 +45,21 @@ def parse_medium(value: object) -> Tier | None:
     raise DecodeError(f"unknown medium {value!r}")
 
 
-def normalize_hash(value: object) -> int:
+def normalize_hash(value: object) -> EngineHash:
     """Unsigned 64-bit form of an int (signed int64 wraps) or a digest (low 8 bytes, BE)."""
     if isinstance(value, int) and not isinstance(value, bool):
-        return value & MASK64
+        return EngineHash(value & MASK64)
     if isinstance(value, bytes) and value:
-        return int.from_bytes(value[-8:], "big")
+        return EngineHash(int.from_bytes(value[-8:], "big"))
     raise DecodeError(f"block hash must be an int or non-empty bytes, got {value!r:.40}")
 
 
-def normalize_hashes(values: object) -> list[int]:
+def normalize_hashes(values: object) -> list[EngineHash]:
     if not isinstance(values, list):
         raise DecodeError(f"block_hashes must be an array, got {type(values).__name__}")
     if bool not in map(type, values):
         try:  # fast path: every hash is an int (vLLM default, SGLang, Mooncake)
-            return [h & MASK64 for h in values]
+            return cast(list[EngineHash], [h & MASK64 for h in values])
         except TypeError:
             pass
     return [normalize_hash(h) for h in values]
@@ -65,8 +69,8 @@ def normalize_hashes(values: object) -> list[int]:
 class BlockStored:
     """Blocks cached by a producer. ``token_ids`` may be empty (some store tiers)."""
 
-    block_hashes: list[int]
-    parent_hash: int | None
+    block_hashes: list[EngineHash]
+    parent_hash: EngineHash | None
     token_ids: list[int]
     block_size: int | None = None
     tier: Tier | None = None
@@ -77,7 +81,7 @@ class BlockStored:
 
 @dataclass(slots=True)
 class BlockRemoved:
-    block_hashes: list[int]
+    block_hashes: list[EngineHash]
     tier: Tier | None = None
     group_idx: int | None = None
 

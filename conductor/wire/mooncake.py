@@ -9,6 +9,7 @@ sends ``BlockStoreEvent`` arrays with decimal (or, fixed here, ``0x`` hex) strin
 from __future__ import annotations
 
 import re
+from typing import Any
 
 from .events import (
     MASK64,
@@ -16,6 +17,7 @@ from .events import (
     BlockRemoved,
     BlockStored,
     DecodeError,
+    EngineHash,
     Event,
     Tier,
     normalize_hash,
@@ -25,7 +27,7 @@ from .events import (
 from .vllm import _optional_int, _optional_str, _token_ids
 
 
-def decode_rfc_event(event: dict) -> Event:
+def decode_rfc_event(event: dict[str, Any]) -> Event:
     """A Mooncake master RFC #1527 event map (``event_type`` stored/removed/cleared)."""
     kind = event.get("event_type")
     if kind == "cleared":
@@ -57,15 +59,15 @@ def decode_rfc_event(event: dict) -> Event:
 _SEPARATORS = re.compile(r"[,\s]+")
 
 
-def _hash_text(value: str) -> int:
+def _hash_text(value: str) -> EngineHash:
     text = value.strip()
     try:
-        return int(text, 16 if text.lower().startswith("0x") else 10) & MASK64
+        return EngineHash(int(text, 16 if text.lower().startswith("0x") else 10) & MASK64)
     except ValueError:
         raise DecodeError(f"bad Mooncake hash string {value!r:.40}") from None
 
 
-def _legacy_hashes(value: object) -> list[int]:
+def _legacy_hashes(value: object) -> list[EngineHash]:
     if value is None or value == "":
         return []
     if isinstance(value, str):
@@ -85,7 +87,7 @@ def _legacy_tier(replicas: object) -> Tier:
     return Tier.CPU
 
 
-def decode_legacy_event(event: list) -> Event:
+def decode_legacy_event(event: list[Any]) -> Event:
     """``["BlockStoreEvent", key, replicas, model, block_size, hashes, parent, tokens]``."""
     if not event or event[0] != "BlockStoreEvent":
         raise DecodeError(f"unknown legacy Mooncake event {event[0] if event else None!r:.40}")

@@ -7,6 +7,8 @@ field positionally, 6 to 12 elements depending on the release.
 
 from __future__ import annotations
 
+from typing import Any
+
 from .events import (
     AllBlocksCleared,
     BlockRemoved,
@@ -80,7 +82,7 @@ def _stored(
     )
 
 
-def decode_map_event(event: dict) -> Event:
+def decode_map_event(event: dict[str, Any]) -> Event:
     """A vLLM >= 0.24 or SGLang tagged-map event."""
     kind = event.get("type")
     try:
@@ -112,11 +114,11 @@ def decode_map_event(event: dict) -> Event:
     raise DecodeError(f"unknown event type {kind!r:.40}")
 
 
-def _slot(event: list, index: int) -> object:
+def _slot(event: list[Any], index: int) -> object:
     return event[index] if len(event) > index else None
 
 
-def decode_array_event(event: list) -> Event:
+def decode_array_event(event: list[Any]) -> Event:
     """A vLLM <= 0.23 positional event (``array_like=True``)."""
     kind = event[0] if event else None
     if kind == "BlockStored":

@@ -1,4 +1,5 @@
-"""Every bad request gets a precise status and a message naming the field."""
+"""Every bad request gets a precise status and a message naming the field (the app served
+in-process: ``tests/conductor/conftest.py``)."""
 
 from __future__ import annotations
 
@@ -53,26 +54,24 @@ VALID_REGISTRATION = {
         ("/unregister", {"instance_id": "ghost"}, 404, "instance_id", "ghost|default|0"),
     ],
 )
-async def test_invalid_bodies(shared_conductor, http, path, body, status, field, message):
-    got_status, answer = await post(http, shared_conductor.url + path, body)
+async def test_invalid_bodies(served, http, path, body, status, field, message):
+    got_status, answer = await post(http, served.url + path, body)
     assert got_status == status, answer
     assert answer["field"] == field
     assert message in answer["error"]
 
 
 @pytest.mark.parametrize("raw", [b"{bad", b"", b"[1,2]", b"null"])
-async def test_malformed_json_is_400(shared_conductor, http, raw):
-    async with http.post(f"{shared_conductor.url}/query", data=raw) as response:
+async def test_malformed_json_is_400(served, http, raw):
+    async with http.post(f"{served.url}/query", data=raw) as response:
         assert response.status == 400
         answer = await response.json()
     assert answer["error"] in ("Invalid JSON", "request body must be an object")
 
 
-async def test_invalid_msgpack_is_400(shared_conductor, http):
+async def test_invalid_msgpack_is_400(served, http):
     headers = {"Content-Type": "application/msgpack"}
-    async with http.post(
-        f"{shared_conductor.url}/query", data=b"\xc1", headers=headers
-    ) as response:
+    async with http.post(f"{served.url}/query", data=b"\xc1", headers=headers) as response:
         assert response.status == 400
 
 
@@ -80,19 +79,19 @@ async def test_invalid_msgpack_is_400(shared_conductor, http):
     ("method", "path"),
     [("GET", "/query"), ("GET", "/register"), ("POST", "/services"), ("PUT", "/global_view")],
 )
-async def test_wrong_method_is_405(shared_conductor, http, method, path):
-    async with http.request(method, shared_conductor.url + path) as response:
+async def test_wrong_method_is_405(served, http, method, path):
+    async with http.request(method, served.url + path) as response:
         assert response.status == 405
         assert (await response.json())["error"] == "Method Not Allowed"
 
 
-async def test_unknown_path_is_404(shared_conductor, http):
-    status, answer = await get(http, f"{shared_conductor.url}/nope")
+async def test_unknown_path_is_404(served, http):
+    status, answer = await get(http, f"{served.url}/nope")
     assert status == 404 and answer["error"] == "Not Found"
 
 
-async def test_oversized_body_is_413(conductor_factory, http):
-    conductor = conductor_factory("--max-body-bytes", "1024")
+async def test_oversized_body_is_413(serve_conductor, http):
+    conductor = await serve_conductor("--max-body-bytes", "1024")
     body = {**VALID_QUERY, "token_ids": list(range(2000))}
     status, answer = await post(http, f"{conductor.url}/query", body)
     assert status == 413 and "too large" in answer["error"]
@@ -100,46 +99,44 @@ async def test_oversized_body_is_413(conductor_factory, http):
     assert status == 200
 
 
-async def test_reregistration_is_idempotent_and_conflicts_are_409(
-    conductor, http, publisher_factory
-):
+async def test_reregistration_is_idempotent_and_conflicts_are_409(served, http, publisher_factory):
     publisher = publisher_factory()
-    body = await register_and_connect(http, conductor.url, publisher, "a")
-    assert await post(http, f"{conductor.url}/register", body) == (
+    body = await register_and_connect(http, served.url, publisher, "a")
+    assert await post(http, f"{served.url}/register", body) == (
         200,
         {"instance_id": "a", "status": "registered successfully"},
     )
-    status, answer = await post(http, f"{conductor.url}/register", {**body, "block_size": 16})
+    status, answer = await post(http, f"{served.url}/register", {**body, "block_size": 16})
     assert status == 409 and "a|default|0" in answer["error"]
     other = {**body, "instance_id": "b"}
-    status, answer = await post(http, f"{conductor.url}/register", other)
+    status, answer = await post(http, f"{served.url}/register", other)
     assert status == 409 and "already registered as a|default|0" in answer["error"]
-    _, services = await get(http, f"{conductor.url}/services")
+    _, services = await get(http, f"{served.url}/services")
     assert services["count"] == 1
 
 
-async def test_unknown_tenant_and_instance(conductor, http, publisher_factory):
+async def test_unknown_tenant_and_instance(served, http, publisher_factory):
     publisher = publisher_factory()
-    await register_and_connect(http, conductor.url, publisher, "a")
-    status, answer = await post(http, f"{conductor.url}/query", {**VALID_QUERY, "tenant_id": "x"})
+    await register_and_connect(http, served.url, publisher, "a")
+    status, answer = await post(http, f"{served.url}/query", {**VALID_QUERY, "tenant_id": "x"})
     assert (status, answer) == (200, {})
     body = {**VALID_QUERY, "instance_id": "ghost"}
-    status, answer = await post(http, f"{conductor.url}/query", body)
+    status, answer = await post(http, f"{served.url}/query", body)
     zeros = {"longest_matched": 0, "DP": {}, "GPU": 0, "CPU": 0, "DISK": 0}
     assert (status, answer) == (200, {"default": {"ghost": zeros}})
 
 
-async def test_service_survives_garbage(shared_conductor, http):
+async def test_service_survives_garbage(served, http):
     """After a barrage of bad requests the service still answers correctly."""
     for raw in (b"\x00" * 100, json.dumps({"token_ids": [None]}).encode(), b"[" * 10000):
-        async with http.post(f"{shared_conductor.url}/query", data=raw) as response:
+        async with http.post(f"{served.url}/query", data=raw) as response:
             assert response.status == 400
-    status, health = await get(http, f"{shared_conductor.url}/health")
+    status, health = await get(http, f"{served.url}/health")
     assert status == 200 and health["status"] == "ok"
 
 
-async def test_the_socket_limit_is_503_with_retry_after(conductor_factory, http, publisher_factory):
-    conductor = conductor_factory("--max-sockets", "10")
+async def test_the_socket_limit_is_503_with_retry_after(serve_conductor, http, publisher_factory):
+    conductor = await serve_conductor("--max-sockets", "10")
     answers = []
     for number in range(4):
         body = registration(publisher_factory(), f"engine-{number}")

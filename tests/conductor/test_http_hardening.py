@@ -1,5 +1,7 @@
 """One request can neither hold the event loop nor a socket: item and body limits, head and
-body timeouts with real slow clients, a connection cap, Go integer widths."""
+body timeouts with real slow clients, a connection cap, Go integer widths. Limits and widths
+are checked in-process; slow clients, the connection cap and the loop lag against a
+conductor process (its guarded socket)."""
 
 from __future__ import annotations
 
@@ -46,17 +48,15 @@ async def closed_within(reader: asyncio.StreamReader, timeout: float) -> float:
         ("/register", {**REGISTRATION, "endpoint": "tcp://127.0.0.1:x"}, "endpoint"),
     ],
 )
-async def test_numbers_beyond_go_int64_are_400_naming_the_field(
-    shared_conductor, http, path, body, field
-):
-    status, answer = await post(http, shared_conductor.url + path, body)
+async def test_numbers_beyond_go_int64_are_400_naming_the_field(served, http, path, body, field):
+    status, answer = await post(http, served.url + path, body)
     assert (status, answer["field"]) == (400, field), answer
 
 
 async def test_the_largest_go_int_is_accepted_and_views_stay_msgpack_safe(
-    conductor, http, publisher_factory
+    served, http, publisher_factory
 ):
-    base = conductor.url
+    base = served.url
     publisher = publisher_factory()
     await register_and_connect(http, base, publisher, "a", dp_rank=INT64_MAX)
     headers = {"Accept": "application/msgpack"}
@@ -65,8 +65,8 @@ async def test_the_largest_go_int_is_accepted_and_views_stay_msgpack_safe(
             assert response.status == 200, path
 
 
-async def test_item_limits_are_413_naming_the_field(conductor_factory, http):
-    conductor = conductor_factory("--max-query-tokens", "64", "--max-query-hashes", "8")
+async def test_item_limits_are_413_naming_the_field(serve_conductor, http):
+    conductor = await serve_conductor("--max-query-tokens", "64", "--max-query-hashes", "8")
     base = conductor.url
     status, answer = await post(http, f"{base}/query", {**QUERY, "token_ids": [1] * 65})
     assert (status, answer["field"]) == (413, "token_ids") and "at most 64" in answer["error"]
@@ -76,9 +76,9 @@ async def test_item_limits_are_413_naming_the_field(conductor_factory, http):
     assert (await post(http, f"{base}/query", {**QUERY, "token_ids": [1] * 64}))[0] == 200
 
 
-async def test_small_routes_have_a_small_body_limit(shared_conductor, http):
+async def test_small_routes_have_a_small_body_limit(served, http):
     body = {**REGISTRATION, "modelname": "m" * 100_000}
-    status, answer = await post(http, f"{shared_conductor.url}/register", body)
+    status, answer = await post(http, f"{served.url}/register", body)
     assert status == 413 and "limit 65536" in answer["error"]
 
 

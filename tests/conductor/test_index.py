@@ -8,6 +8,7 @@ engine-hash entry is invisible to one query but routes requests to a dead cache 
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import random
 from collections import Counter
@@ -25,9 +26,11 @@ from conductor.index import (
     STORE_POOL_RANK,
     ApplyStats,
     ContextKey,
+    ContextView,
     InstanceMatch,
     PrefixCacheTable,
     PrefixContext,
+    StorePoolView,
     StreamSource,
 )
 from conductor.wire.events import (
@@ -556,9 +559,35 @@ def test_kv_store_pool_counts_for_its_members_only(table: PrefixCacheTable) -> N
     pool = context.slots[(STORE, STORE_POOL_RANK)]
     assert pool.holdings[Tier.CPU].count() == 3
     assert context.slots[("a", 0)].holdings[Tier.CPU].count() == 0  # not the engine's own
-    assert context.store_pools() == {STORE: (3, ["a", "b"]), OTHER_STORE: (0, ["d"])}
+    assert context.store_pools() == (  # sorted by store
+        StorePoolView(OTHER_STORE, 0, ("d",)),
+        StorePoolView(STORE, 3, ("a", "b")),
+    )
     assert table.store_blocks() == {STORE: 3, OTHER_STORE: 0}
     check_invariants(table)
+
+
+def test_the_read_api_shows_counts_owners_and_pools_never_slots(table: PrefixCacheTable) -> None:
+    """What /global_view, /health and the metrics read: frozen views in creation order."""
+    _kv_fleet(table)
+    table.add_stream(src("pool", shared_pool=True))
+    table.apply("a|default|0", batch(stored([40], prompt(1), lora_name="x")))
+    views = table.context_views()
+    assert [view.key for view in views] == [ctx(), ctx(lora="x")]
+    assert views[0] == ContextView(
+        ctx(),
+        (3, 3, 0),
+        {"a": (0,), "b": (0,), "c": (0,), "d": (0,), "pool": (0,)},  # no kv_store pool
+        (StorePoolView(OTHER_STORE, 0, ("d",)), StorePoolView(STORE, 3, ("a", "b"))),
+    )
+    pool_of_a = StorePoolView(STORE, 0, ("a",))  # a's store serves a in every context
+    assert views[1] == ContextView(ctx(lora="x"), (1, 0, 0), {"a": (0,)}, (pool_of_a,))
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        views[0].blocks = (0, 0, 0)  # type: ignore[misc]
+    held = list(table.held_hashes(ctx()))  # the engine's GPU copies, then the store's
+    assert held == list(zip([10, 11, 12] * 2, prefix_hashes(prompt(3), BS) * 2, strict=True))
+    assert list(table.held_hashes(ctx(tenant="nobody"))) == []
+    assert table.context_count() == 2 and table.store_blocks() == {STORE: 3, OTHER_STORE: 0}
 
 
 def test_kv_store_pool_removal_needs_a_cpu_medium(table: PrefixCacheTable) -> None:

@@ -2,11 +2,16 @@
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 
 import pytest
+from aiohttp.test_utils import TestServer
 
+from conductor.__main__ import parse_settings
+from conductor.service import MANAGER, create_app
+from conductor.states import SubscriberState
 from tests.conftest import REPO
 from tests.support.api import eventually, get, matched
 from tests.support.wire_publisher import stored
@@ -75,6 +80,33 @@ def test_invalid_config_exits_with_one_line_reason(tmp_path, content, reason):
     assert result.returncode != 0
     lines = result.stderr.strip().splitlines()
     assert len(lines) == 1 and reason in lines[0], result.stderr
+
+
+async def test_the_app_runs_everything_behind_its_routes_and_stops_it(
+    tmp_path, http, publisher_factory
+):
+    """``create_app`` is the whole service: its cleanup_ctx subscribes the config file's
+    streams before the first request and stops them when the app is cleaned up."""
+    publisher = publisher_factory()
+    endpoint = {"endpoint": publisher.endpoint, "type": "vLLM", "modelname": "m", "block_size": 4}
+    config = tmp_path / "conductor_config.json"
+    config.write_text(json.dumps({"kvevent_instance": {"engine-a": endpoint}}))
+    settings, limits, parsed, _ = parse_settings(["--config", str(config)])
+    app = create_app(settings, limits, parsed, state=None)
+    manager = app[MANAGER]
+    assert manager.state_of("engine-a|default|0") is SubscriberState.STOPPED  # not started
+    server = TestServer(app, host="127.0.0.1")
+    await server.start_server()
+    try:
+        base = f"http://127.0.0.1:{server.port}"
+        services = await eventually(
+            lambda: get(http, f"{base}/services"),
+            lambda answer: answer[1]["services"][0]["State"] == "connected",
+        )
+        assert services[1]["count"] == 1
+    finally:
+        await server.close()
+    assert manager.state_of("engine-a|default|0") is SubscriberState.STOPPED
 
 
 async def test_an_empty_config_starts_an_empty_service(conductor, http):

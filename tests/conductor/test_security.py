@@ -1,6 +1,9 @@
-"""Bearer-token auth and the /register endpoint allowlist, against a real conductor."""
+"""Bearer-token auth and the /register endpoint allowlist, against the conductor app served
+in-process."""
 
 from __future__ import annotations
+
+import logging
 
 import pytest
 
@@ -17,8 +20,8 @@ def entry(endpoint: str, **fields: str) -> Registration:
     return Registration.model_validate({**body, **fields})
 
 
-async def test_mutating_routes_need_the_token(conductor_factory, http, publisher_factory):
-    conductor = conductor_factory("--auth-token", TOKEN)
+async def test_mutating_routes_need_the_token(serve_conductor, http, publisher_factory):
+    conductor = await serve_conductor("--auth-token", TOKEN)
     base = conductor.url
     body = registration(publisher_factory(), "a")
     for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": TOKEN}):
@@ -36,8 +39,8 @@ async def test_mutating_routes_need_the_token(conductor_factory, http, publisher
     ] == 200
 
 
-async def test_auth_all_guards_every_route_but_health(conductor_factory, http):
-    conductor = conductor_factory("--auth-all", config={"auth_token": TOKEN})
+async def test_auth_all_guards_every_route_but_health(serve_conductor, http):
+    conductor = await serve_conductor("--auth-all", config={"auth_token": TOKEN})
     base = conductor.url
     for path in ("/services", "/global_view", "/metrics"):
         assert await get(http, base + path) == (401, UNAUTHORIZED)
@@ -46,9 +49,9 @@ async def test_auth_all_guards_every_route_but_health(conductor_factory, http):
         assert r.status == 200
 
 
-async def test_unlisted_endpoints_are_403_and_never_contacted(conductor, http):
+async def test_unlisted_endpoints_are_403_and_never_contacted(served, http, caplog):
     """The default allowlist is loopback: /services cannot probe other hosts or sockets."""
-    base = conductor.url
+    base = served.url
     for field, body in [
         ("endpoint", {"endpoint": "tcp://10.1.2.3:5557"}),
         ("endpoint", {"endpoint": "tcp://db.internal:5432"}),
@@ -65,13 +68,13 @@ async def test_unlisted_endpoints_are_403_and_never_contacted(conductor, http):
         assert (status, answer["field"]) == (403, field), answer
         assert "register_allow" in answer["error"]
     assert (await get(http, f"{base}/services"))[1]["count"] == 0
-    refusals = [line for line in conductor.log().splitlines() if "register refused" in line]
-    assert refusals and all("level=WARNING" in line for line in refusals)
+    refusals = [r for r in caplog.records if "register refused" in r.getMessage()]
+    assert refusals and all(record.levelno == logging.WARNING for record in refusals)
 
 
-async def test_listed_hosts_and_star_are_allowed(conductor_factory, http, publisher_factory):
+async def test_listed_hosts_and_star_are_allowed(serve_conductor, http, publisher_factory):
     publisher = publisher_factory()
-    conductor = conductor_factory("--register-allow", "10.0.0.0/8", "--register-allow", "*")
+    conductor = await serve_conductor("--register-allow", "10.0.0.0/8", "--register-allow", "*")
     await register_and_connect(http, conductor.url, publisher, "a")
     body = {
         "endpoint": "tcp://10.255.255.1:5557",

@@ -1,4 +1,5 @@
-"""End to end: the conductor as a subprocess, real ZMQ publishers in vLLM 0.33 format."""
+"""End to end: real ZMQ publishers in vLLM 0.33 format and the conductor, as a subprocess for
+the stream rules, in-process (``served``) for the shapes of its answers."""
 
 from __future__ import annotations
 
@@ -21,8 +22,8 @@ PROMPT = list(range(1, 13))  # three blocks of 4
 HASHES = [101, 102, 103]
 
 
-async def test_register_store_remove_unregister(conductor, http, publisher_factory):
-    base = conductor.url
+async def test_register_store_remove_unregister(served, http, publisher_factory):
+    base = served.url
     publisher = publisher_factory()
     await register_and_connect(http, base, publisher, "engine-a")
     assert await matched(http, base, PROMPT, "engine-a") == 0
@@ -133,8 +134,8 @@ async def test_concurrent_queries_while_events_stream(conductor, http, publisher
     await eventually(lambda: matched(http, base, [199] * 4, "engine-a"), lambda n: n == 4)
 
 
-async def test_shared_pool_and_tiers_answer_cumulatively(conductor, http, publisher_factory):
-    base = conductor.url
+async def test_shared_pool_and_tiers_answer_cumulatively(served, http, publisher_factory):
+    base = served.url
     engine, store = publisher_factory(), publisher_factory(with_replay=False)
     await register_and_connect(http, base, engine, "engine-a")
     await register_and_connect(http, base, store, "store", type="Mooncake")
@@ -153,8 +154,8 @@ async def test_shared_pool_and_tiers_answer_cumulatively(conductor, http, publis
     }
 
 
-async def test_msgpack_requests_get_msgpack_answers(conductor, http, publisher_factory):
-    base = conductor.url
+async def test_msgpack_requests_get_msgpack_answers(served, http, publisher_factory):
+    base = served.url
     publisher = publisher_factory()
     await register_and_connect(http, base, publisher, "engine-a")
     await publisher.publish([stored(HASHES, PROMPT)])
@@ -168,8 +169,8 @@ async def test_msgpack_requests_get_msgpack_answers(conductor, http, publisher_f
     assert answer["default"]["engine-a"]["GPU"] == 12
 
 
-async def test_query_by_hash_matches_query(conductor, http, publisher_factory):
-    base = conductor.url
+async def test_query_by_hash_matches_query(served, http, publisher_factory):
+    base = served.url
     publisher = publisher_factory()
     await register_and_connect(http, base, publisher, "engine-a")
     await publisher.publish([stored(HASHES, PROMPT)])

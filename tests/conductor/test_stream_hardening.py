@@ -4,6 +4,7 @@ dead engines. Real ZMQ sockets on 127.0.0.1, a real ServiceManager or conductor 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import random
 import signal
 import subprocess
@@ -280,9 +281,9 @@ async def test_dp_ranks_and_lora_contexts_are_capped_and_counted(
     dropped = "conductor_dropped_events_total"
     await until(lambda: counted(manager, dropped, stream=key, reason="lora_limit") == 2)
     assert counted(manager, dropped, stream=key, reason="dp_rank_limit") == 3
-    context = manager.table.contexts[CONTEXT]
-    assert sorted(rank for _, rank in context.slots) == [0, 1]
-    assert len(manager.table.contexts) == 2  # no LoRA, "x"
+    views = manager.table.context_views()
+    assert [view.key for view in views] == [CONTEXT, dataclasses.replace(CONTEXT, lora_name="x")]
+    assert views[0].instances == {"a": (0, 1)}
     warnings = [r.message for r in caplog.records if "drops events beyond" in r.message]
     assert len(warnings) == 2  # once per stream and reason
 
@@ -300,7 +301,7 @@ def test_clearing_many_ranks_is_linear():
     key = "tcp://127.0.0.1:1|default|0"
     for rank in range(ranks):
         table.apply(key, EventBatch(0.0, [BlockStored([rank], None, [1, 2, 3, 4])], rank))
-    assert len(table.contexts[CONTEXT].slots) == ranks
+    assert table.context_views()[0].instances == {"tcp://127.0.0.1:1": tuple(range(ranks))}
     started = time.process_time()
     for rank in range(ranks):
         table.apply(key, EventBatch(0.0, [AllBlocksCleared()], rank))
@@ -340,11 +341,11 @@ async def test_instance_down_drops_blocks_and_events_until_up_replays_them(
         await manager.instance_down("nobody")
 
 
-async def test_instance_routes_answer_as_agreed(conductor, http, publisher_factory):
+async def test_instance_routes_answer_as_agreed(served, http, publisher_factory):
     from tests.support.api import register_and_connect
 
-    await register_and_connect(http, conductor.url, publisher_factory(), "a")
-    status, body = await post(http, f"{conductor.url}/instance_down", {"instance_id": "a"})
+    await register_and_connect(http, served.url, publisher_factory(), "a")
+    status, body = await post(http, f"{served.url}/instance_down", {"instance_id": "a"})
     assert (status, body) == (
         200,
         {
@@ -354,16 +355,16 @@ async def test_instance_routes_answer_as_agreed(conductor, http, publisher_facto
             "status": "marked down",
         },
     )
-    _, services = await get(http, f"{conductor.url}/services")
+    _, services = await get(http, f"{served.url}/services")
     assert services["services"][0]["State"] == "down"
-    status, body = await post(http, f"{conductor.url}/instance_up", {"instance_id": "a"})
+    status, body = await post(http, f"{served.url}/instance_up", {"instance_id": "a"})
     assert (status, body) == (
         200,
         {"instance_id": "a", "streams": ["a|default|0"], "status": "marked up"},
     )
-    status, body = await post(http, f"{conductor.url}/instance_down", {"instance_id": "zz"})
+    status, body = await post(http, f"{served.url}/instance_down", {"instance_id": "zz"})
     assert (status, body) == (404, {"error": "instance not found: zz", "field": "instance_id"})
-    status, _ = await post(http, f"{conductor.url}/instance_down", {"instance_id": "a", "ttl_s": 0})
+    status, _ = await post(http, f"{served.url}/instance_down", {"instance_id": "a", "ttl_s": 0})
     assert status == 400
 
 

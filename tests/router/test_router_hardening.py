@@ -20,18 +20,18 @@ from typing import Any
 import aiohttp
 import pytest
 from aiohttp import web
+from aiohttp.test_utils import TestServer
 from pydantic import ValidationError
 
 from router import config as router_config
 from router.__main__ import main as router_main
-from router.app import Router, create_app
 from router.engine_metrics import engine_in_flight, parse_metrics
 from router.policy import PrefillCostModel
 from router.pool import CostLearner
+from tests.router.inprocess import MODEL, layout
 from tests.support.api import eventually
 from tests.support.processes import ConductorProcess, EngineSim, RouterProcess, free_port
 
-MODEL = "m"
 OPENAI_ERROR_KEYS = {"message", "type", "param", "code"}
 
 
@@ -94,55 +94,16 @@ class OddEngine:
 @pytest.fixture
 async def odd_engines() -> AsyncIterator[list[OddEngine]]:
     """Two misbehaving engines (well-behaved until told otherwise)."""
-    engines, runners = [OddEngine(), OddEngine()], []
-    for engine in engines:
-        runner = web.AppRunner(engine.app(), shutdown_timeout=0.1)
-        await runner.setup()
-        port = free_port()
-        await web.TCPSite(runner, "127.0.0.1", port).start()
-        engine.url = f"http://127.0.0.1:{port}"
-        runners.append(runner)
+    engines = [OddEngine(), OddEngine()]
+    servers = [TestServer(engine.app(), host="127.0.0.1") for engine in engines]
+    for engine, server in zip(engines, servers, strict=True):
+        await server.start_server(shutdown_timeout=0.1)
+        engine.url = f"http://127.0.0.1:{server.port}"
     yield engines
     for engine in engines:
         engine.released.set()
-    for runner in runners:
-        await runner.cleanup()
-
-
-def layout(urls: list[str], **sections: dict[str, Any]) -> dict[str, Any]:
-    """A router config for these engines; the conductor is an unused port unless given."""
-    config: dict[str, Any] = {
-        "conductor": {"address": f"http://127.0.0.1:{free_port()}", "query_timeout_seconds": 0.2},
-        "prefill": {
-            "config": {"modelname": MODEL, "block_size": 4},
-            "instances": [
-                {"instance_id": f"e{n}", "http_endpoint": url} for n, url in enumerate(urls)
-            ],
-        },
-        "routing": {"policy": "round_robin"},
-    }
-    for name, values in sections.items():
-        config[name] = {**config.get(name, {}), **values}
-    return config
-
-
-@pytest.fixture
-async def serve() -> AsyncIterator[Any]:
-    """Runs the router app in this process (real sockets on 127.0.0.1): (router, its URL)."""
-    runners = []
-
-    async def start(config: dict[str, Any]) -> tuple[Router, str]:
-        router = Router(router_config.RouterConfig.model_validate(config))
-        runner = web.AppRunner(create_app(router), handler_cancellation=True)
-        await runner.setup()
-        port = free_port()
-        await web.TCPSite(runner, "127.0.0.1", port).start()
-        runners.append(runner)
-        return router, f"http://127.0.0.1:{port}"
-
-    yield start
-    for runner in runners:
-        await runner.cleanup()
+    for server in servers:
+        await server.close()
 
 
 async def complete(

@@ -1,13 +1,15 @@
-"""The router as a process in front of real engine simulators and a real conductor."""
+"""The router in front of real engine simulators and a real conductor: as a process, and in
+this process (``inprocess``) where a test looks only at answers, statuses and metrics."""
 
 from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import re
 import signal
 import time
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -16,13 +18,16 @@ import pytest
 import zmq
 import zmq.asyncio
 from aiohttp import web
+from aiohttp.test_utils import TestServer
 from multidict import CIMultiDict
 
 from publishers.local import LocalService
+from tests.router.inprocess import ServedRouter, layout
 from tests.support.api import eventually, matched
 from tests.support.processes import ConductorProcess, EngineSim, RouterProcess, free_port
 
 MODEL = "m"
+AnyRouter = RouterProcess | ServedRouter  # a router process, or one in this process
 BLOCK_SIZE = 4
 SHARED = "Answer as a careful assistant who explains every step in plain words. " * 3
 
@@ -114,8 +119,23 @@ def fleet(tmp_path: Path) -> Iterator[Fleet]:
     fleet.stop()
 
 
+@pytest.fixture
+def engine_sims(tmp_path: Path) -> Iterator[Callable[..., EngineSim]]:
+    """Engine simulators without KV events or a conductor, for an in-process router."""
+    started: list[EngineSim] = []
+
+    def start(name: str, *args: str, port: int | None = None) -> EngineSim:
+        started.append(EngineSim(tmp_path, name, *args, port=port))
+        started[-1].wait_ready()
+        return started[-1]
+
+    yield start
+    for engine in started:
+        engine.stop()
+
+
 async def complete(
-    http: aiohttp.ClientSession, router: RouterProcess, prompt: str | list[int], **body: Any
+    http: aiohttp.ClientSession, router: AnyRouter, prompt: str | list[int], **body: Any
 ) -> tuple[int, dict[str, str], Any]:
     request = {"model": MODEL, "prompt": prompt, "max_tokens": 4, **body}
     async with http.post(f"{router.url}/v1/completions", json=request) as response:
@@ -138,7 +158,9 @@ async def indexed_everywhere(http: aiohttp.ClientSession, fleet: Fleet, names: l
     await asyncio.sleep(0.2)
 
 
-async def metric(http: aiohttp.ClientSession, service: LocalService, name: str) -> float:
+async def metric(
+    http: aiohttp.ClientSession, service: LocalService | ServedRouter, name: str
+) -> float:
     """Sum of every sample of a Prometheus metric (0 when absent)."""
     async with http.get(f"{service.url}/metrics") as response:
         text = await response.text()
@@ -146,7 +168,7 @@ async def metric(http: aiohttp.ClientSession, service: LocalService, name: str) 
     return sum(float(value) for value in pattern.findall(text))
 
 
-async def cache_metrics(http: aiohttp.ClientSession, router: RouterProcess, instance: str):
+async def cache_metrics(http: aiohttp.ClientSession, router: AnyRouter, instance: str):
     """(predicted, realized, unverified, answers compared) of one instance."""
     label = f'{{instance="{instance}"}}'
     names = (
@@ -158,7 +180,7 @@ async def cache_metrics(http: aiohttp.ClientSession, router: RouterProcess, inst
     return tuple([await metric(http, router, name + label) for name in names])
 
 
-async def error_buckets(http: aiohttp.ClientSession, router: RouterProcess, instance: str):
+async def error_buckets(http: aiohttp.ClientSession, router: AnyRouter, instance: str):
     """Cumulative counts of the prediction-error histogram, by upper bound."""
     async with http.get(f"{router.url}/metrics") as response:
         text = await response.text()
@@ -170,7 +192,7 @@ async def error_buckets(http: aiohttp.ClientSession, router: RouterProcess, inst
     return {float(le): float(count) for le, count in pattern.findall(text)}
 
 
-async def router_models(http: aiohttp.ClientSession, router: RouterProcess) -> list[str]:
+async def router_models(http: aiohttp.ClientSession, router: AnyRouter) -> list[str]:
     async with http.get(f"{router.url}/v1/models") as response:
         return [model["id"] for model in (await response.json())["data"]]
 
@@ -338,12 +360,8 @@ async def broken_engine() -> AsyncIterator[tuple[str, list[CIMultiDict[str]]]]:
 
     app = web.Application()
     app.add_routes([web.post("/tokenize", tokenize), web.post("/v1/completions", fail)])
-    runner = web.AppRunner(app)
-    await runner.setup()
-    port = free_port()
-    await web.TCPSite(runner, "127.0.0.1", port).start()
-    yield f"http://127.0.0.1:{port}", seen
-    await runner.cleanup()
+    async with TestServer(app, host="127.0.0.1") as server:
+        yield f"http://127.0.0.1:{server.port}", seen
 
 
 @pytest.fixture
@@ -376,12 +394,8 @@ async def cutting_engine() -> AsyncIterator[tuple[str, dict[str, str]]]:
             web.post("/v1/completions", die),
         ]
     )
-    runner = web.AppRunner(app)
-    await runner.setup()
-    port = free_port()
-    await web.TCPSite(runner, "127.0.0.1", port).start()
-    yield f"http://127.0.0.1:{port}", mode
-    await runner.cleanup()
+    async with TestServer(app, host="127.0.0.1") as server:
+        yield f"http://127.0.0.1:{server.port}", mode
 
 
 async def test_an_answer_cut_before_any_byte_is_retried_after_it_is_not(
@@ -488,9 +502,8 @@ BAD_REQUESTS = [
 ]
 
 
-async def test_bad_requests_get_openai_errors(fleet, http):
-    fleet.engine("a")
-    router = fleet.start_router(fleet.config(["a"]))
+async def test_bad_requests_get_openai_errors(engine_sims, serve, http):
+    router = await serve(layout([engine_sims("a").url]))
     headers = {"Content-Type": "application/json"}
     for body, status, message in BAD_REQUESTS:
         async with http.post(
@@ -501,9 +514,10 @@ async def test_bad_requests_get_openai_errors(fleet, http):
         assert message in error["message"] and error["code"] == status, body
 
 
-async def test_oversized_slo_and_no_upstream_statuses(fleet, http):
+async def test_oversized_slo_and_no_upstream_statuses(fleet, serve, http):
     fleet.engine("a")
-    router = fleet.start_router(fleet.config(["a"], ttft_slo_ms=0.001), "--max-body-bytes", "2000")
+    config = fleet.config(["a"], ttft_slo_ms=0.001)
+    router = await serve({**config, "limits": {"max_body_bytes": 2000}})
     status, _, answer = await complete(http, router, "x" * 5000)
     assert status == 413 and answer["error"]["type"] == "RequestTooLargeError"
     status, _, answer = await complete(http, router, "short")
@@ -516,9 +530,9 @@ async def test_oversized_slo_and_no_upstream_statuses(fleet, http):
     assert await metric(http, router, "router_rejections_total") >= 2
 
 
-async def test_models_health_and_metrics(fleet, http):
+async def test_models_health_and_metrics(fleet, serve, http):
     fleet.engine("a")
-    router = fleet.start_router(fleet.config(["a"]))
+    router = await serve(fleet.config(["a"]))
     async with http.get(f"{router.url}/v1/models") as response:
         assert [m["id"] for m in (await response.json())["data"]] == [MODEL]
     async with http.get(f"{router.url}/health") as response:
@@ -602,18 +616,21 @@ async def test_streamed_usage_is_compared_and_streams_without_it_are_unverified(
     assert await cache_metrics(http, router, "a") == (predicted, realized, 1, 1)
 
 
-async def test_a_model_no_upstream_serves_is_answered_by_the_router(fleet, http):
-    fleet.engine("a", "--served-model-name", "other", "alias")
-    router = fleet.start_router(fleet.config(["a"]))
-    models = await eventually(lambda: router_models(http, router), lambda ids: ids != [MODEL])
+async def test_a_model_no_upstream_serves_is_answered_by_the_router(
+    engine_sims, serve, http, caplog
+):
+    engine = engine_sims("a", "--served-model-name", "other", "alias")
+    with caplog.at_level(logging.WARNING, logger="router"):
+        router = await serve(layout([engine.url]))
+        models = await eventually(lambda: router_models(http, router), lambda ids: ids != [MODEL])
     assert models == ["other", "alias"]
     warnings = [
-        line
-        for line in router.log().splitlines()
-        if "level=WARNING" in line and "configured modelname" in line
+        record.getMessage()
+        for record in caplog.records
+        if record.levelno == logging.WARNING and "configured modelname" in record.getMessage()
     ]
     assert len(warnings) == 1, warnings
-    assert "instance=a" in warnings[0] and "['other', 'alias']" in warnings[0]
+    assert "instance=e0" in warnings[0] and "['other', 'alias']" in warnings[0]
     assert f"modelname '{MODEL}'" in warnings[0]
     for model in (MODEL, "nope"):
         status, headers, answer = await complete(http, router, "hello", model=model)
@@ -630,26 +647,22 @@ async def test_a_model_no_upstream_serves_is_answered_by_the_router(fleet, http)
         )
         assert "x-conductor-prefill-instance" not in headers  # answered here, not forwarded
     status, headers, _ = await complete(http, router, "hello", model="alias")
-    assert (status, headers["x-conductor-prefill-instance"]) == (200, "a")
+    assert (status, headers["x-conductor-prefill-instance"]) == (200, "e0")
 
 
-async def test_models_of_an_upstream_unreachable_at_start_are_learned_later(fleet, http):
+async def test_models_of_an_upstream_unreachable_at_start_are_learned_later(
+    engine_sims, serve, http
+):
     port = free_port()
-    config = fleet.config([])
-    config["prefill"]["instances"] = [
-        {"instance_id": "late", "http_endpoint": f"http://127.0.0.1:{port}"}
-    ]
-    router = fleet.start_router(config)  # the upstream is not there: start-up goes on
+    # the upstream is not there: start-up goes on
+    router = await serve(layout([f"http://127.0.0.1:{port}"]))
     assert await router_models(http, router) == [MODEL]  # the configured model meanwhile
     status, _, answer = await complete(http, router, "hello", model="nope")
     assert status == 503, answer  # no upstream to take it, but not refused as unknown
 
-    fleet.engines["late"] = EngineSim(
-        fleet.tmp_path, "late", "--served-model-name", MODEL, "alias", port=port
-    )
-    fleet.engines["late"].wait_ready()
+    engine_sims("late", "--served-model-name", MODEL, "alias", port=port)
     await eventually(lambda: router_models(http, router), lambda ids: ids == [MODEL, "alias"])
     status, _, answer = await complete(http, router, "hello", model="nope")
     assert status == 404 and answer["error"]["type"] == "NotFoundError"
     status, headers, _ = await complete(http, router, "hello", model="alias")
-    assert (status, headers["x-conductor-prefill-instance"]) == (200, "late")
+    assert (status, headers["x-conductor-prefill-instance"]) == (200, "e0")

@@ -15,7 +15,7 @@ from router import disagg
 from router.app import served_models
 from router.conductor_client import parse_hits, parse_store_states
 from router.engine_metrics import engine_in_flight, parse_metrics
-from router.policy import PrefillCostModel
+from router.policy import POLICIES, REGISTRY, PrefillCostModel
 from router.pool import CostLearner, InstancePool
 from router.store import StoreLoads, store_loads
 from tests.conftest import REPO
@@ -148,6 +148,19 @@ def test_bad_routing_section_names_the_field(tmp_path):
     )
     with pytest.raises(ValidationError, match="routing.policy"):
         router_config.load(parse(["--config", str(path)]))
+
+
+def test_config_and_cli_accept_the_registered_policies():
+    assert POLICIES == ("round_robin", "least_loaded", "max_prefix", "kv_cost", "ttft")
+    parser = argparse.ArgumentParser()
+    router_config.add_cli_flags(parser)
+    flag = next(action for action in parser._actions if action.dest == "policy")
+    assert list(flag.choices or ()) == list(REGISTRY)
+    for policy in REGISTRY.values():
+        assert policy.describe() in (flag.help or "")
+        assert set(policy.parameters) <= set(router_config.RoutingSection.model_fields)
+        section = router_config.RoutingSection.model_validate({"policy": policy.name})
+        assert section.policy == policy.name
 
 
 def test_tickets_account_load_exactly_once():
