@@ -10,7 +10,7 @@ a keep-alive HTTP client asks ``/query``. Measured:
    sizes (client-side percentiles, plus the service's own ``conductor_query_seconds``);
 3. resident memory per indexed block.
 
-Usage: ``python bench/conductor_bench.py [--quick] [--json PATH]``. ``--quick`` scales every
+Usage: ``python -m bench.conductor_bench [--quick] [--json PATH]``. ``--quick`` scales every
 size down ~10x for a smoke check. A readable table goes to stdout, everything to JSON.
 """
 
@@ -25,20 +25,22 @@ import os
 import platform
 import random
 import re
-import socket
 import struct
 import subprocess
 import sys
 import tempfile
 import time
 from collections.abc import Callable, Iterator, Sequence
-from contextlib import closing, contextmanager
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
 import msgpack
 import zmq
+
+from bench.stats import bucket_quantile, percentile, rss_bytes
+from publishers.local import LocalService
 
 BLOCK_SIZE = 16
 BLOCKS_PER_EVENT = 16  # one event = one 256-token prompt, as a vLLM engine step stores it
@@ -141,20 +143,6 @@ class Http:
 
 
 # -- the service ------------------------------------------------------------------------
-def free_port() -> int:
-    with closing(socket.socket()) as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
-
-
-def rss_bytes(pid: int) -> int:
-    """VmRSS of a process, from /proc (Linux): what the service really keeps resident."""
-    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith("VmRSS:"):
-            return int(line.split()[1]) * 1024
-    raise BenchError(f"no VmRSS for pid {pid}")
-
-
 CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
 
 
@@ -194,37 +182,24 @@ class CpuSample:
 
 
 @contextmanager
-def running_service(startup_timeout: float = 20.0) -> Iterator[tuple[subprocess.Popen, Http]]:
-    """Start an empty service on a free port; always kill it on the way out."""
-    port = free_port()
-    log = tempfile.NamedTemporaryFile(prefix="conductor-bench-", suffix=".log", delete=False)
-    command = [sys.executable, "-m", "conductor", "--host", "127.0.0.1", "--port", str(port)]
-    empty_config = Path(tempfile.mkdtemp(prefix="conductor-bench-")) / "conductor_config.json"
-    empty_config.write_text("{}")
-    command += ["--config", str(empty_config)]
-    process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT)
-    client = Http(port)
-    try:
-        for _ in deadline_loop(startup_timeout, "the service to answer /health", 0.05):
-            if process.poll() is not None:
-                tail = Path(log.name).read_text(errors="replace")[-2000:]
-                raise BenchError(f"service exited with {process.returncode}:\n{tail}")
-            try:
-                client.json("GET", "/health")
-                break
-            except (OSError, http.client.HTTPException):
-                continue
-        yield process, client
-    finally:
-        client.close()
-        process.terminate()
+def running_service() -> Iterator[tuple[subprocess.Popen, Http]]:
+    """Start an empty service on a free port; always stop it on the way out."""
+    with tempfile.TemporaryDirectory(prefix="conductor-bench-") as run_dir:
+        config = Path(run_dir) / "conductor_config.json"
+        config.write_text("{}")
+        service = LocalService(Path(run_dir), "conductor", "conductor", "--config", str(config))
         try:
-            process.wait(timeout=5)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            process.wait(timeout=5)
-        log.close()
-        os.unlink(log.name)
+            try:
+                service.wait_ready()
+            except (RuntimeError, TimeoutError) as error:  # it exited, or never listened
+                raise BenchError(str(error)) from None
+            client = Http(service.port)  # after the wait: a taken port moves the service
+            try:
+                yield service.process, client
+            finally:
+                client.close()
+        finally:
+            service.stop()
 
 
 # -- publishers and events --------------------------------------------------------------
@@ -393,23 +368,6 @@ def server_side(before: str, after: str, route: str = "/query") -> dict[str, flo
     return result
 
 
-def bucket_quantile(cumulative: list[tuple[float, float]], q: float) -> float:
-    """Prometheus' ``histogram_quantile``: linear interpolation inside the bucket."""
-    if not cumulative or cumulative[-1][1] == 0:
-        return math.nan
-    rank = q * cumulative[-1][1]
-    lower_bound, lower_count = 0.0, 0.0
-    for bound, count in cumulative:
-        if count >= rank:
-            if math.isinf(bound):
-                return lower_bound
-            return lower_bound + (bound - lower_bound) * (rank - lower_count) / max(
-                count - lower_count, 1e-9
-            )
-        lower_bound, lower_count = bound, count
-    return lower_bound
-
-
 def verify_clean(client: Http, blocks_expected: int, events_expected: int) -> dict[str, float]:
     """Fail loudly if the service lost, dropped or rejected anything we sent."""
     text = client.metrics()
@@ -461,19 +419,14 @@ def matched(client: Http, body: bytes, instance_id: str) -> int:
     return answer.get("default", {}).get(instance_id, {}).get("longest_matched", 0)
 
 
-def percentile(ordered: Sequence[float], q: float) -> float:
-    """Nearest-rank percentile of an ascending sequence."""
-    return ordered[min(len(ordered) - 1, max(0, math.ceil(q * len(ordered)) - 1))]
-
-
 def latency_summary(samples_ns: list[int], elapsed: float) -> dict[str, float]:
     ordered = sorted(samples_ns)
     ms = [s / 1e6 for s in ordered]
     return {
         "requests": len(ms),
-        "p50_ms": percentile(ms, 0.50),
-        "p90_ms": percentile(ms, 0.90),
-        "p99_ms": percentile(ms, 0.99),
+        "p50_ms": percentile(ms, 50),
+        "p90_ms": percentile(ms, 90),
+        "p99_ms": percentile(ms, 99),
         "max_ms": ms[-1],
         "mean_ms": sum(ms) / len(ms),
         "requests_per_s": len(ms) / elapsed,

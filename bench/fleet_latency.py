@@ -7,7 +7,7 @@ share a long document prefix, one at a time: a series straight to the first engi
 equal series (other documents, same shapes) through the router. Prints a table and writes
 ``bench/results/fleet_latency.json``.
 
-    python bench/fleet_latency.py [--fleet config/fleet-vllm.json] [--requests 40]
+    python -m bench.fleet_latency [--fleet config/fleet-vllm.json] [--requests 40]
 """
 
 from __future__ import annotations
@@ -27,6 +27,8 @@ from typing import Any
 
 import aiohttp
 import psutil
+
+from bench.stats import percentile
 
 REPO = Path(__file__).resolve().parents[1]
 WORDS = "cache prefix token block engine router latency memory batch request model".split()
@@ -91,8 +93,9 @@ async def series(http: aiohttp.ClientSession, url: str, bodies: list[dict]) -> d
 def summary(values: list[float]) -> dict[str, float] | None:
     if len(values) < 2:
         return None
-    cuts = statistics.quantiles(values, n=100, method="inclusive")
-    figures = {"p50": cuts[49], "p90": cuts[89], "p99": cuts[98], "mean": statistics.fmean(values)}
+    ordered = sorted(values)
+    figures = {f"p{q}": percentile(ordered, q) for q in (50, 90, 99)}
+    figures["mean"] = statistics.fmean(values)
     return {name: round(value, 1) for name, value in figures.items()}
 
 

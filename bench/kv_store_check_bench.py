@@ -16,9 +16,9 @@ allocates (tracemalloc, separate run) and the staleness bound at the default int
 
 With ``--real-master N`` it also times the real ``mooncake_master`` answering ``/get_all_keys``
 for N keys it holds (needs the store wheel; run it in a namespace of its own:
-``scripts/isolated-net.sh python bench/kv_store_check_bench.py --real-master 100000``).
+``scripts/isolated-net.sh python -m bench.kv_store_check_bench --real-master 100000``).
 
-    python bench/kv_store_check_bench.py [--quick] [--runs 3] [--json PATH]
+    python -m bench.kv_store_check_bench [--quick] [--runs 3] [--json PATH]
 """
 
 from __future__ import annotations
@@ -28,10 +28,7 @@ import asyncio
 import gc
 import hashlib
 import json
-import socket
 import statistics
-import subprocess
-import sys
 import tempfile
 import time
 import tracemalloc
@@ -41,14 +38,13 @@ from typing import Any
 import aiohttp
 from aiohttp import web
 
+from conductor.config import DEFAULT_STORE_CHECK_INTERVAL_S
+from conductor.index import PrefixCacheTable, StreamSource
+from conductor.kv_store_watch import check_store, fetch_keys
+from conductor.wire.events import BlockStored, EventBatch, Tier
+from publishers.local import HOST, LocalService
+
 REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))  # bench scripts run from a checkout, installed or not
-
-from conductor.config import DEFAULT_STORE_CHECK_INTERVAL_S  # noqa: E402
-from conductor.index import PrefixCacheTable, StreamSource  # noqa: E402
-from conductor.kv_store_watch import check_store, fetch_keys  # noqa: E402
-from conductor.wire.events import BlockStored, EventBatch, Tier  # noqa: E402
-
 STORE = "127.0.0.1:50051"
 BLOCK_SIZE = 16
 CHAIN_BLOCKS = 1000  # blocks per announced chain (one BlockStored event)
@@ -66,7 +62,7 @@ def key(block: int) -> str:
 
 
 # -- the key server (a process of its own) -----------------------------------------------------
-def serve(keys: int, port: int) -> None:
+def serve(keys: int, host: str, port: int) -> None:
     """Blocks ``0 .. keys - 1`` are in the store."""
     body = "".join(f"{key(b)}\n" for b in range(keys)).encode()
 
@@ -75,31 +71,14 @@ def serve(keys: int, port: int) -> None:
 
     app = web.Application()
     app.router.add_get("/get_all_keys", all_keys)
-    web.run_app(app, host="127.0.0.1", port=port, print=None, access_log=None)
+    web.run_app(app, host=host, port=port, print=None, access_log=None)
 
 
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
-def start_server(keys: int) -> tuple[subprocess.Popen, str]:
-    port = free_port()
-    process = subprocess.Popen(
-        [sys.executable, __file__, "--serve", str(keys), "--port", str(port)], cwd=REPO
-    )
-    deadline = time.monotonic() + 120
-    while time.monotonic() < deadline:
-        if process.poll() is not None:
-            raise RuntimeError(f"the key server exited with {process.returncode}")
-        try:
-            with socket.create_connection(("127.0.0.1", port), timeout=0.2):
-                return process, f"http://127.0.0.1:{port}"
-        except OSError:
-            time.sleep(0.1)
-    process.kill()
-    raise TimeoutError("the key server did not listen within 120 s")
+def start_server(keys: int, log_dir: Path) -> LocalService:
+    """The key server as a process of its own; it listens once its answer is built."""
+    server = LocalService(log_dir, "key-server", "bench.kv_store_check_bench", "--serve", str(keys))
+    server.wait_ready(timeout=120)
+    return server
 
 
 # -- the conductor side -------------------------------------------------------------------------
@@ -238,12 +217,12 @@ async def real_master(keys: int) -> dict[str, Any]:
 async def main_async(args: argparse.Namespace) -> dict[str, Any]:
     results: dict[str, Any] = {"interval_s": DEFAULT_STORE_CHECK_INTERVAL_S, "sizes": []}
     for keys in QUICK_SIZES if args.quick else SIZES:
-        process, url = start_server(keys)
-        try:
-            row = await measure(url, keys, args.runs)
-        finally:
-            process.terminate()
-            process.wait(10)
+        with tempfile.TemporaryDirectory(prefix="kv-store-check-") as log_dir:
+            server = start_server(keys, Path(log_dir))
+            try:
+                row = await measure(server.url, keys, args.runs)
+            finally:
+                server.stop(10)
         print(json.dumps(row), flush=True)
         results["sizes"].append(row)
     if args.real_master:
@@ -258,11 +237,12 @@ def main() -> None:
     parser.add_argument("--runs", type=int, default=3)
     parser.add_argument("--real-master", type=int, default=0, metavar="KEYS")
     parser.add_argument("--json", type=Path, default=REPO / "bench/results/kv_store_check.json")
-    parser.add_argument("--serve", type=int, help=argparse.SUPPRESS)
+    parser.add_argument("--serve", type=int, help=argparse.SUPPRESS)  # the key server's flags
+    parser.add_argument("--host", default=HOST, help=argparse.SUPPRESS)
     parser.add_argument("--port", type=int, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.serve is not None:
-        serve(args.serve, args.port)
+        serve(args.serve, args.host, args.port)
         return
     results = asyncio.run(main_async(args))
     args.json.parent.mkdir(exist_ok=True)

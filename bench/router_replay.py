@@ -1,6 +1,6 @@
 """Trace replay through the real stack: router, conductor and engine simulators as processes.
 
-``bench/trace_sim.py`` answers "which policy routes best?" in a discrete-event simulation
+``bench.trace_sim`` answers "which policy routes best?" in a discrete-event simulation
 that calls the project's code in process. This benchmark answers the question the
 simulation cannot: does the *deployed* stack — ``python -m router`` in front of ``python -m
 conductor`` and E ``python -m publishers.engine`` simulators, talking HTTP and ZMQ on
@@ -23,7 +23,7 @@ charge a load the timing model's time for the modelled engine's KV, like every o
 The store's binaries listen on every interface: run it inside
 ``scripts/isolated-net.sh``.
 
-Run ``python bench/router_replay.py --help``; bench/README.md "Router replay" has results.
+Run ``python -m bench.router_replay --help``; bench/README.md "Router replay" has results.
 """
 
 from __future__ import annotations
@@ -47,9 +47,7 @@ from typing import Any
 
 import aiohttp
 
-if __package__ in (None, ""):  # run as a script: make the repository importable
-    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
+from bench.stats import percentile
 from bench.trace_sim import (
     DEFAULT_SLOS_S,
     MODEL,
@@ -58,7 +56,6 @@ from bench.trace_sim import (
     imbalance,
     json_safe,
     load_trace,
-    percentile,
     pooled_reference,
     prompt_tokens,
     trace_path,

@@ -18,7 +18,7 @@ must be exact. Reported: the conductor's RSS over time and its slope (after warm
 ``/query`` latency percentiles, the loop-lag p99 and worst bucket from the conductor's
 ``conductor_event_loop_lag_seconds``, counts of churn actions, and mismatches.
 
-    python bench/soak.py [--duration-s 600] [--publishers 8] [--out bench/results/soak.json]
+    python -m bench.soak [--duration-s 600] [--publishers 8] [--out bench/results/soak.json]
 """
 
 from __future__ import annotations
@@ -38,10 +38,7 @@ from typing import Any
 import aiohttp
 import zmq
 
-if __package__ in (None, ""):  # run as a script: make the repository importable
-    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-from bench.conductor_bench import bucket_quantile, percentile, rss_bytes
+from bench.stats import bucket_quantile, percentile, rss_bytes
 from conductor.hashing import prefix_hashes
 from conductor.wire.events import BlockRemoved, BlockStored
 from publishers.local import HOST, LocalService
@@ -296,7 +293,7 @@ class Soak:
             "churn": report.churn,
             "queries": len(ordered),
             "query_errors": report.query_errors,
-            "query_ms": {q: round(percentile(ordered, q / 100), 3) for q in (50, 90, 99, 99.9)}
+            "query_ms": {q: round(percentile(ordered, q), 3) for q in (50, 90, 99, 99.9)}
             if ordered
             else {},
             "loop_lag_ms": {

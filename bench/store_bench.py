@@ -15,7 +15,7 @@ Starts ``mooncake_master`` and a store process (``publishers.store.LocalStore``)
 
 The store's binaries listen on every interface, so run it in a namespace of its own:
 
-    scripts/isolated-net.sh python bench/store_bench.py [--prompts 3] [--no-forward]
+    scripts/isolated-net.sh python -m bench.store_bench [--prompts 3] [--no-forward]
 """
 
 from __future__ import annotations

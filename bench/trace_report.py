@@ -1,8 +1,8 @@
 """The trace replay's command line: run the policies in parallel, print, write JSON and PNG.
 
-``python bench/trace_sim.py`` (or ``python -m bench.trace_sim``) lands in ``main`` here;
-the simulation itself is ``bench/trace_sim.py``. One process per run (policy × trace) on a
-pool of ``--jobs`` workers: a run is single-threaded, CPU-bound Python.
+``python -m bench.trace_report --help``; the simulation itself is ``bench/trace_sim.py``,
+which imports nothing from here. One process per run (policy × trace) on a pool of
+``--jobs`` workers: a run is single-threaded, CPU-bound Python.
 """
 
 from __future__ import annotations
@@ -239,7 +239,7 @@ def plot_cdfs(report: dict[str, Any], ttfts: dict[str, list[float]], path: Path)
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(
-        prog="trace_sim.py", description=__doc__.split("\n")[0],
+        prog="python -m bench.trace_report", description=__doc__.split("\n")[0],
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )  # fmt: skip
     add = parser.add_argument
@@ -379,3 +379,7 @@ def write_json(path: Path, reports: dict, config: SimConfig, args, wall_s: float
     }
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(json_safe(document), indent=1, default=str))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

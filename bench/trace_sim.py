@@ -1,30 +1,33 @@
 """Trace replay: the Mooncake FAST'25 traces through the router's policies, in process.
 
 A discrete-event simulation on a virtual clock (a heap of events; no sockets, no sleeping)
-of N prefill instances behind the router, wired exactly as in production:
+of N prefill instances behind the router, wired as in production:
 
     engine BlockManager --take_events()--> EventBatch --apply()--> conductor PrefixCacheTable
     router: match_tokens() -> InstancePool.candidates() -> policy.choose() -> claim()
 
-Everything that decides a hit or a route is the project's own code: ``BlockManager`` (vLLM
-0.33's caching decisions and events), ``PrefixCacheTable`` (the conductor's index and its
+What decides a hit or a route is the project's own code: ``BlockManager`` (vLLM 0.33's
+caching decisions and events), ``PrefixCacheTable`` (the conductor's index and its
 ``/query`` answer), ``router.pool`` (the proxy's load accounting) and ``router.policy``
-(the policies). This module adds only what production gets from the outside world: the
-clock, the request stream, and the time an engine spends on a prefill (``TimingModel``).
-
-What an instance models (a disaggregated *prefill* instance, as in Mooncake):
-- one prefill at a time, FIFO. A prefill is compute-bound, so batching several prompts
-  into one step would not finish the first one sooner; decode runs elsewhere, so it
-  neither delays prefills nor holds blocks here;
-- a prefill's blocks are allocated (and announced) when it starts, as vLLM caches a prompt
-  at scheduling time, and freed when it ends (its KV has gone to the decode instance);
-- its duration: ``kv_load_seconds`` for every reused token from its own CPU tier, the
-  router's own ``PrefillCostModel.store_load_s`` (tokens × bytes per token ÷ the store's
-  bandwidth) for every token loaded from the optional shared Mooncake store, then
-  ``prefill_seconds`` for the rest after the cached prefix — loading and computing are not
-  overlapped, transfers not congested. With a store, every instance shares it and loads
-  what the store holds past its own hit when its prefill starts, as vLLM's connector does;
-  the router prices that pull at the store's cost when KV balancing counts it;
+(the policies). What an instance does with the requests it is sent is a simplified model of
+its own, *not* the engine simulator's ``publishers.engine.scheduler.Scheduler``, so the
+TTFTs are this model's:
+- one prefill at a time, from a FIFO queue per instance: no per-step token budget, no
+  chunked prefill, no batching of prompts, no preemption, no decode (it runs elsewhere, so
+  it neither delays prefills nor holds blocks here). A prefill is compute-bound, so batching
+  prompts would not finish the first one sooner;
+- a prefill's blocks are allocated (and announced) all at once when it starts, as vLLM
+  caches a prompt at scheduling time, and freed when it ends (its KV has gone to the decode
+  instance);
+- its duration is priced here, per prompt rather than per engine step: ``kv_load_seconds``
+  for every reused token from its own CPU tier, plus the router's own
+  ``PrefillCostModel.store_load_s`` (tokens × bytes per token ÷ the store's bandwidth) for
+  every token loaded from the optional shared Mooncake store, plus ``prefill_seconds`` for
+  the rest after the cached prefix (one overhead per computed prompt); loading and
+  computing are not overlapped, transfers not congested. With a store, every instance
+  shares it and loads what the store holds past its own hit when its prefill *starts* (the
+  engine simulator looks the store up before queueing); the router prices that pull at the
+  store's cost when KV balancing counts it;
 - the request's first token, and so its TTFT, is the end of its prefill. The router learns
   it at once: ``Ticket.first_token()`` and ``release()`` (the prefill request is done).
 Events reach the conductor the instant they happen (no network delay), so the router
@@ -32,7 +35,8 @@ always sees the engines' current caches; queueing at the router is not modelled.
 default every instance has served the trace's first request before the replay starts
 (``warm_start``): a fleet in service holds its system prompt.
 
-Run ``python bench/trace_sim.py --help``; README "Trace replay" has results and caveats.
+Run ``python -m bench.trace_report --help`` (the command line); bench/README.md "trace_sim"
+has results and caveats.
 """
 
 from __future__ import annotations
@@ -42,7 +46,6 @@ import heapq
 import json
 import math
 import random
-import sys
 import time
 from collections import OrderedDict, deque
 from collections.abc import Iterable, Sequence
@@ -50,9 +53,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-if __package__ in (None, ""):  # run as a script: make the repository importable
-    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
+from bench.stats import percentile
 from conductor.index import ContextKey, PrefixCacheTable, StreamSource
 from conductor.wire.events import BlockRemoved, BlockStored, Event, EventBatch, Tier
 from publishers.engine.block_manager import Allocation, BlockManager
@@ -643,16 +644,6 @@ def json_safe(value: Any) -> Any:
     return value
 
 
-def percentile(sorted_values: Sequence[float], q: float) -> float:
-    """Linear interpolation between closest ranks (numpy's default), q in [0, 100]."""
-    if not sorted_values:
-        return math.nan
-    position = (len(sorted_values) - 1) * q / 100
-    low = math.floor(position)
-    high = min(low + 1, len(sorted_values) - 1)
-    return sorted_values[low] + (sorted_values[high] - sorted_values[low]) * (position - low)
-
-
 def imbalance(values: Sequence[float]) -> float:
     """max / mean over instances: 1.0 is perfectly even."""
     mean = sum(values) / len(values) if values else 0.0
@@ -694,9 +685,3 @@ def summarize(result: RunResult, slos_s: Sequence[float] = DEFAULT_SLOS_S) -> di
         "ttft_quantiles_s": [percentile(ttfts, q) for q in range(101)],
         "mismatches": result.mismatches[:20],
     }
-
-
-if __name__ == "__main__":
-    from bench.trace_report import main
-
-    sys.exit(main())

@@ -25,6 +25,7 @@ import logging
 import os
 import signal
 import sys
+from collections.abc import AsyncIterator
 from dataclasses import fields
 from typing import Any, Literal
 
@@ -39,13 +40,9 @@ from ..publisher import KVEventPublisher, binds, offset_endpoint
 from ..store import KVBlockShape, MooncakeConfig, StoreError
 from .block_hash import HASH_ALGORITHMS, BlockHasher
 from .block_manager import BlockManager
+from .loop import EngineLoop
 from .metrics import EngineMetrics, cache_config_info
-from .scheduler import (
-    DEFAULT_MAX_NUM_BATCHED_TOKENS,
-    DEFAULT_MAX_NUM_SEQS,
-    EngineLoop,
-    Scheduler,
-)
+from .scheduler import DEFAULT_MAX_NUM_BATCHED_TOKENS, DEFAULT_MAX_NUM_SEQS, Scheduler
 from .server import ServerSettings, create_app
 from .store_tier import KVTransferConfig, StoreTier, connect
 from .timing import TimingModel
@@ -305,8 +302,79 @@ async def unregister(session: aiohttp.ClientSession, url: str, body: dict[str, A
         log.warning("unregister failed url=%s error=%r", url, error)
 
 
+class Registration:
+    """This engine's event stream registered with a conductor while the engine runs.
+
+    ``context`` is a ``cleanup_ctx``: it starts registering (retrying in the background) and,
+    at the end, ``withdraw``s; shutdown withdraws earlier (``on_shutdown``), so the conductor
+    stops counting this engine's cache before its requests end.
+    """
+
+    def __init__(self, url: str, body: dict[str, Any]) -> None:
+        self.url, self.body = url, body
+        self._session: aiohttp.ClientSession | None = None
+        self._task: asyncio.Task[bool] | None = None
+
+    async def context(self, app: web.Application) -> AsyncIterator[None]:
+        self._session = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=5))
+        self._task = asyncio.create_task(register(self._session, self.url, self.body))
+        yield
+        await self.withdraw(app)
+
+    async def withdraw(self, app: web.Application) -> None:
+        """Stop registering; unregister if the conductor had accepted. Idempotent."""
+        task, session, self._task, self._session = self._task, self._session, None, None
+        if task is not None and session is not None:
+            task.cancel()
+            (registered,) = await asyncio.gather(task, return_exceptions=True)
+            if registered is True:
+                await unregister(session, self.url, self.body)
+            await session.close()
+
+
+def add_lifecycle(
+    app: web.Application,
+    engine: EngineLoop,
+    publisher: KVEventPublisher | None,
+    store: StoreTier | None,
+    registration: Registration | None,
+) -> None:
+    """Every resource's start and stop as aiohttp ``cleanup_ctx``: started in this order when
+    the app starts, stopped in reverse when it is cleaned up, also after a failed start.
+
+    Shutdown (``on_shutdown``, before the server waits up to ``SHUTDOWN_SECONDS`` for its
+    handlers) first unregisters, then ends every request, so a streaming client reads the
+    engine's "shut down" error instead of a cut connection.
+    """
+
+    async def publisher_open(app: web.Application) -> AsyncIterator[None]:
+        yield
+        if publisher is not None:
+            publisher.close(timeout=SHUTDOWN_SECONDS)
+
+    async def store_open(app: web.Application) -> AsyncIterator[None]:
+        yield
+        if store is not None:
+            await store.close()
+
+    async def engine_running(app: web.Application) -> AsyncIterator[None]:
+        engine.start()
+        yield
+        await engine.close()  # a no-op after end_requests; needed when start-up failed
+
+    async def end_requests(app: web.Application) -> None:
+        await engine.close()
+
+    app.cleanup_ctx.extend([publisher_open, store_open, engine_running])
+    if registration is not None:
+        app.cleanup_ctx.append(registration.context)
+        app.on_shutdown.append(registration.withdraw)
+    app.on_shutdown.append(end_requests)
+
+
 async def serve(args: argparse.Namespace) -> None:
-    """Run until SIGINT/SIGTERM; then unregister, end requests, close sockets."""
+    """Run until SIGINT/SIGTERM; the app's lifecycle (``add_lifecycle``) opens and closes
+    everything else."""
     tokenizer = Tokenizer()
     timing = timing_model(args)
     hasher = BlockHasher(args.prefix_caching_hash_algo, os.environ.get("PYTHONHASHSEED"))
@@ -368,21 +436,24 @@ async def serve(args: argparse.Namespace) -> None:
         observer=metrics,
         connector=store,
     )
+    registration = None
+    if args.sim_register_with and publisher is not None:
+        body = registration_body(args, settings, publisher, host, store)
+        registration = Registration(args.sim_register_with, body)
+    app = create_app(engine, tokenizer, settings, metrics)
+    add_lifecycle(app, engine, publisher, store, registration)
     runner = web.AppRunner(
-        create_app(engine, tokenizer, settings, metrics),
+        app,
         access_log=None,
         handler_cancellation=True,  # a client that disconnects aborts its request
         shutdown_timeout=SHUTDOWN_SECONDS,
     )
-    session = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=5))
-    registration: asyncio.Task[bool] | None = None
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for signum in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(signum, stop.set)
     try:
         await runner.setup()
-        engine.start()
         await web.TCPSite(runner, args.host, args.port).start()
         log.info(
             "serving host=%s port=%d instance_id=%s gpu_blocks=%d kv_endpoint=%s",
@@ -392,24 +463,10 @@ async def serve(args: argparse.Namespace) -> None:
             blocks.num_gpu_blocks,
             publisher.endpoint if publisher else None,
         )
-        if args.sim_register_with and publisher is not None:
-            body = registration_body(args, settings, publisher, host, store)
-            registration = asyncio.create_task(register(session, args.sim_register_with, body))
         await stop.wait()
         log.info("shutting down")
     finally:
-        if registration is not None:
-            registration.cancel()
-            registered = await asyncio.gather(registration, return_exceptions=True)
-            if registered == [True]:
-                await unregister(session, args.sim_register_with, body)
-        await session.close()
-        await engine.close()
         await runner.cleanup()
-        if store is not None:
-            await store.close()
-        if publisher is not None:
-            publisher.close(timeout=SHUTDOWN_SECONDS)
 
 
 def registration_body(

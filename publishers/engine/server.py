@@ -39,8 +39,9 @@ from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
+from .loop import EngineError, EngineLoop, RequestStream
 from .metrics import EngineMetrics
-from .scheduler import EngineError, EngineLoop, EngineRequest, RequestStream
+from .scheduler import EngineRequest
 from .tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
@@ -699,16 +700,17 @@ class EngineApi:
         except (aiohttp.ClientError, TimeoutError) as error:
             log.warning("kv release failed url=%s error=%r", url, error)
 
-    async def start(self, app: web.Application) -> None:
-        timeout = aiohttp.ClientTimeout(total=RELEASE_TIMEOUT_SECONDS)
-        self.client = aiohttp.ClientSession(timeout=timeout)
-
-    async def stop(self, app: web.Application) -> None:
+    async def release_client(self, app: web.Application) -> AsyncIterator[None]:
+        """``cleanup_ctx``: the session for release calls, open while the app runs; at the
+        end, calls still under way are cancelled."""
+        self.client = aiohttp.ClientSession(
+            timeout=aiohttp.ClientTimeout(total=RELEASE_TIMEOUT_SECONDS)
+        )
+        yield
         for task in self._background:
             task.cancel()
         await asyncio.gather(*self._background, return_exceptions=True)
-        if self.client is not None:
-            await self.client.close()
+        await self.client.close()
 
 
 @web.middleware
@@ -729,7 +731,7 @@ async def _errors(
 def create_app(
     engine: EngineLoop, tokenizer: Tokenizer, settings: ServerSettings, metrics: EngineMetrics
 ) -> web.Application:
-    """The aiohttp app; the engine loop is started and closed by the caller."""
+    """The aiohttp app; the engine loop's lifecycle is the caller's (``__main__``)."""
     api = EngineApi(engine, tokenizer, settings, metrics)
     app = web.Application(middlewares=[_errors], client_max_size=MAX_BODY_BYTES)
 
@@ -737,8 +739,7 @@ def create_app(
         response.headers["x-engine-instance-id"] = settings.instance_id
 
     app.on_response_prepare.append(identify)
-    app.on_startup.append(api.start)
-    app.on_cleanup.append(api.stop)
+    app.cleanup_ctx.append(api.release_client)
     app.router.add_post("/v1/completions", api.completions)
     app.router.add_post("/v1/chat/completions", api.chat_completions)
     app.router.add_get("/v1/models", api.models)

@@ -24,10 +24,11 @@ STORE_BUDGET_S = 180.0  # two fleets, one with a store to start and fill
 
 
 def run_replay(tmp_path: Path, *flags: str, budget_s: float = BUDGET_S) -> dict:
-    """``bench/router_replay.py`` as a user runs it, within the budget; its JSON report."""
+    """``python -m bench.router_replay`` as a user runs it, within the budget; its JSON
+    report."""
     report_path = tmp_path / "router_replay.json"
     replay = subprocess.Popen(
-        [sys.executable, "bench/router_replay.py", *flags, "--json", str(report_path)],
+        [sys.executable, "-m", "bench.router_replay", *flags, "--json", str(report_path)],
         cwd=REPO,
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,

@@ -1,4 +1,4 @@
-"""``bench/soak.py``, shortened: churn, queries, re-registrations and publisher restarts
+"""``python -m bench.soak``, shortened: churn, queries, re-registrations and publisher restarts
 together leave the conductor's index exact."""
 
 from __future__ import annotations

@@ -10,6 +10,8 @@ keep the module to a few seconds.
 from __future__ import annotations
 
 import hashlib
+import json
+import subprocess
 import sys
 from dataclasses import replace
 from pathlib import Path
@@ -343,3 +345,18 @@ def test_the_png_is_optional(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) ->
     message = plot_cdfs(report, {"ttft": [1.0]}, tmp_path / "cdf.png")
     assert "matplotlib is not installed" in message and "pip install matplotlib" in message
     assert not (tmp_path / "cdf.png").exists()
+
+
+def test_the_command_line_runs_as_a_module(tmp_path: Path) -> None:
+    """``python -m bench.trace_report``, as bench/README.md shows it, on a short slice."""
+    report = tmp_path / "trace.json"
+    flags = ["--trace", "synthetic", "--limit", "40", "--instances", "2", "--policies", "ttft"]
+    subprocess.run(
+        [sys.executable, "-m", "bench.trace_report", *flags, "--no-plot", "--json", str(report)],
+        cwd=Path(__file__).resolve().parents[2],
+        check=True,
+        capture_output=True,
+        timeout=120,
+    )
+    runs = json.loads(report.read_text())["traces"]["synthetic"]["runs"]
+    assert runs["ttft"]["served"] == 40

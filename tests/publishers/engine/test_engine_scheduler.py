@@ -16,15 +16,8 @@ import zmq
 from conductor.wire import EventBatch, decode_batch, parse_replay, replay_request
 from conductor.wire.events import BlockStored
 from publishers.engine.block_manager import BlockManager
-from publishers.engine.scheduler import (
-    EngineError,
-    EngineLoop,
-    EngineRequest,
-    RequestStream,
-    Scheduler,
-    StepPlan,
-    sample_token,
-)
+from publishers.engine.loop import EngineError, EngineLoop, RequestStream
+from publishers.engine.scheduler import EngineRequest, Scheduler, StepPlan, sample_token
 from publishers.engine.timing import TimingModel
 from publishers.publisher import KVEventPublisher
 
