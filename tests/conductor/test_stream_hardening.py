@@ -18,12 +18,15 @@ import aiohttp
 import pytest
 import zmq
 import zmq.asyncio
+from aiohttp.test_utils import TestClient, TestServer
 
+from conductor.api import ApiOptions, HttpLimits, api_app
 from conductor.config import Registration
 from conductor.index import ContextKey, PrefixCacheTable
 from conductor.kv_store_watch import StoreWatch
 from conductor.manager import CapacityExceeded, ServiceManager, StreamLimits
 from conductor.metrics import ConductorMetrics
+from conductor.security import BearerAuth, EndpointAllowlist
 from conductor.wire.events import AllBlocksCleared, BlockStored, EventBatch
 from publishers.local import free_port
 from publishers.publisher import KVEventPublisher
@@ -210,6 +213,8 @@ async def test_reader_survives_a_replay_without_sockets_and_catch_up_is_supervis
     view = manager.stream_view(key)
     assert view["failures"] >= 1 and "Too many open files" in view["last_error"], view
     assert counted(manager, "conductor_stream_task_failures_total", task="catch-up") >= 1
+    health = await health_of(manager)
+    assert health["status"] == "degraded" and health["streams"][key]["state"] == "failed"
 
     await publisher.publish([stored([1], [1, 2, 3, 4])], send=False)
     await publisher.publish([stored([2], [5, 6, 7, 8], parent=1)])  # a gap: its replay fails
@@ -227,6 +232,14 @@ async def test_reader_survives_a_replay_without_sockets_and_catch_up_is_supervis
     replay_endpoint.batches = list(publisher.buffer)
     await publisher.publish([stored([6], [17, 18, 19, 20], parent=5)])  # repaired by replay
     await until(lambda: matched(manager, [13, 14, 15, 16, 17, 18, 19, 20], "a") == 8)
+
+
+async def health_of(manager: ServiceManager) -> dict[str, Any]:
+    """The manager's ``/health`` as the service's routes answer it (in process)."""
+    options = ApiOptions(HttpLimits(), BearerAuth(""), EndpointAllowlist(allow_all=True))
+    async with TestClient(TestServer(api_app(manager, options))) as client:
+        response = await client.get("/health")
+        return await response.json()
 
 
 # -- 3. capacity ----------------------------------------------------------------------------
