@@ -775,17 +775,16 @@ async def read_json_body(
         raise ApiError(408, message) from None
     if raw.count(b",") >= limits.max_json_items:
         raise ApiError(400, f"request body has over {limits.max_json_items} JSON values")
+    too_deep = ApiError(400, f"request body is nested deeper than {limits.max_json_depth} levels")
     try:
         body = json.loads(raw)
-    except RecursionError:
-        body = None  # nested past the interpreter's limit: over ours too
+    except RecursionError:  # nested past the interpreter's limit: over ours too
+        raise too_deep from None
     except ValueError:
         raise ApiError(400, "request body is not valid JSON") from None
     brackets = raw.count(b"[") + raw.count(b"{")  # a body with few cannot nest deeply
-    if body is None or (
-        brackets > limits.max_json_depth and _deeper_than(body, limits.max_json_depth)
-    ):
-        raise ApiError(400, f"request body is nested deeper than {limits.max_json_depth} levels")
+    if brackets > limits.max_json_depth and _deeper_than(body, limits.max_json_depth):
+        raise too_deep
     if not isinstance(body, dict):
         raise ApiError(400, "request body must be a JSON object")
     for key, kind in (("model", str), ("stream", bool), ("max_tokens", int), ("cache_salt", str)):

@@ -493,6 +493,7 @@ async def test_client_disconnect_cancels_the_upstream_request(fleet, http):
 BAD_REQUESTS = [
     (b"{not json", 400, "not valid JSON"),
     (b"[1, 2]", 400, "JSON object"),
+    (b"null", 400, "JSON object"),
     (json.dumps({"model": "other", "prompt": "x"}).encode(), 404, "does not exist"),
     (json.dumps({"model": MODEL, "prompt": "x", "stream": "yes"}).encode(), 400, "stream"),
     (json.dumps({"prompt": "x"}).encode(), 400, "model"),
