@@ -3,7 +3,7 @@
 Every accepted format, byte by byte, with its source: docs/wire.md.
 """
 
-from .decode import decode_batch
+from .decode import decode_any_layout, decode_batch
 from .events import (
     AllBlocksCleared,
     BlockRemoved,
@@ -28,6 +28,7 @@ __all__ = [
     "FrameError",
     "Message",
     "Tier",
+    "decode_any_layout",
     "decode_batch",
     "normalize_hash",
     "parse_live",

@@ -4,6 +4,9 @@ Detection is by each event's shape, not by registration type, so a stream that m
 layouts (an engine plus its store connector) or a mislabelled registration still decodes;
 arrays on the legacy ``mooncake`` topic are Mooncake events, as the Go service routes them. One bad
 event is rejected with a reason; the rest of its batch survives.
+
+The common layout (a batch of well-formed vLLM / SGLang maps) first goes through msgspec's
+typed decoder (``typed.py``), which takes it whole or not at all.
 """
 
 from __future__ import annotations
@@ -12,6 +15,7 @@ import msgpack
 
 from . import mooncake, vllm
 from .events import DecodeError, Event, EventBatch
+from .typed import decode_map_batch
 
 LEGACY_MOONCAKE_TOPIC = b"mooncake"
 
@@ -30,6 +34,15 @@ def _decode_event(event: object, legacy_mooncake: bool) -> Event:
 
 def decode_batch(payload: bytes, topic: bytes = b"") -> EventBatch:
     """Decode one msgpack batch ``[ts, events(, dp_rank)]``; raise DecodeError if unusable."""
+    if topic != LEGACY_MOONCAKE_TOPIC:
+        batch = decode_map_batch(payload)
+        if batch is not None:
+            return batch
+    return decode_any_layout(payload, topic)
+
+
+def decode_any_layout(payload: bytes, topic: bytes = b"") -> EventBatch:
+    """``decode_batch`` without the fast path: every layout, one event rejected at a time."""
     try:
         batch = msgpack.unpackb(payload, raw=False, strict_map_key=False)
     except Exception as error:  # msgpack raises many types for corrupt input

@@ -28,10 +28,12 @@ from conductor.wire import (
     Event,
     EventBatch,
     Tier,
+    decode_any_layout,
     decode_batch,
     parse_live,
     parse_replay,
 )
+from conductor.wire.typed import decode_map_batch
 
 FIXTURES = Path(__file__).resolve().parents[1] / "fixtures" / "wire_fixtures.json"
 CASES: dict[str, dict[str, Any]] = {c["name"]: c for c in json.loads(FIXTURES.read_text())}
@@ -708,3 +710,49 @@ def test_every_event_is_decoded_or_rejected(
     """A well-formed batch never fails as a whole: each event is decoded or rejected."""
     decoded = decode_batch(pack_batch(events, *tail, ts=ts), topic)
     assert len(decoded.events) + len(decoded.rejected) == len(events)
+
+
+# --------------------------------------------------------------------------- the fast path
+
+
+def test_fast_path_takes_the_captured_map_batches_and_agrees() -> None:
+    """msgspec's typed decoder takes captured vLLM >= 0.24 / SGLang map batches whole and
+    decodes them exactly as the every-layout decoder does; it refuses the other layouts."""
+    taken = 0
+    for name, case in CASES.items():
+        message = fixture_message(case)
+        if message is None:
+            continue
+        topic, payload = message
+        fast = decode_map_batch(payload)
+        if fast is not None:
+            taken += 1
+            assert all(isinstance(e, dict) for e in msgpack.unpackb(payload)[1]), name
+        assert decode_batch(payload, topic) == decode_any_layout(payload, topic), name
+    assert taken >= 10
+
+
+GOOD_EVENTS = st.sampled_from([GOOD_STORED, GOOD_REMOVED, {"type": "AllBlocksCleared"}])
+
+
+@settings(max_examples=500, deadline=None)
+@given(
+    events=st.lists(GOOD_EVENTS | near_events, max_size=4),
+    ts=st.floats(allow_nan=False) | st.integers(0, U64) | st.booleans(),
+    tail=st.sampled_from([(), (None,), (0,), (7,), (-1,), (True,), (0, 1)]),
+    topic=TOPICS,
+)
+def test_fast_path_never_changes_an_answer(
+    events: list[Any], ts: Any, tail: tuple[Any, ...], topic: bytes
+) -> None:
+    """Whatever the batch, decode_batch answers (or refuses) as the every-layout decoder."""
+    payload = pack_batch(events, *tail, ts=ts)
+    try:
+        expected: EventBatch | str = decode_any_layout(payload, topic)
+    except DecodeError as error:
+        expected = str(error)
+    try:
+        actual: EventBatch | str = decode_batch(payload, topic)
+    except DecodeError as error:
+        actual = str(error)
+    assert actual == expected
