@@ -10,8 +10,14 @@ a keep-alive HTTP client asks ``/query``. Measured:
    sizes (client-side percentiles, plus the service's own ``conductor_query_seconds``);
 3. resident memory per indexed block.
 
-Usage: ``python -m bench.conductor_bench [--quick] [--json PATH]``. ``--quick`` scales every
-size down ~10x for a smoke check. A readable table goes to stdout, everything to JSON.
+With ``--peer COMMAND`` the same phases also run against another conductor that speaks the
+Go service's API (``bench.conductor_peer``), fed vLLM <= 0.23 array events, the layout the Go
+decoder reads; our service's ingest is then measured with those events too, and the run
+ends with a side-by-side table of ratios (``bench.conductor_compare``).
+
+Usage: ``python -m bench.conductor_bench [--quick] [--json PATH] [--peer COMMAND
+[--peer-env KEY=VALUE ...]]``. ``--quick`` scales every size down ~10x for a smoke check. A
+readable table goes to stdout, everything to JSON.
 """
 
 from __future__ import annotations
@@ -25,6 +31,7 @@ import os
 import platform
 import random
 import re
+import shlex
 import struct
 import subprocess
 import sys
@@ -39,7 +46,11 @@ from typing import Any
 import msgpack
 import zmq
 
+from bench.conductor_compare import compare, print_comparison
+from bench.conductor_peer import PeerError, PeerSpec, parse_env, running_peer
 from bench.stats import bucket_quantile, percentile, rss_bytes
+from conductor.wire.events import BlockStored, Tier
+from publishers.encoding import Layout, encode_batch
 from publishers.local import LocalService
 
 BLOCK_SIZE = 16
@@ -202,22 +213,85 @@ def running_service() -> Iterator[tuple[subprocess.Popen, Http]]:
             service.stop()
 
 
-# -- publishers and events --------------------------------------------------------------
-class Publisher:
-    """One engine's event stream: a raw PUB that binds, like vLLM with a ``*`` endpoint."""
+@dataclass
+class Target:
+    """A conductor under test: ours, or a peer assumed to speak only the Go service's API.
 
-    def __init__(self, context: zmq.Context, instance_id: str) -> None:
+    A peer has no ``/metrics``, ``/health`` or msgpack ``/query``, and its ``/services``
+    has no connection state, so it is checked through ``/query`` answers alone.
+    """
+
+    name: str
+    process: subprocess.Popen
+    client: Http
+    layout: Layout  # the event encoding it is fed
+    is_peer: bool
+
+    @property
+    def pids(self) -> list[int]:
+        return [os.getpid(), self.process.pid]
+
+    def publishers(self, context: zmq.Context, count: int) -> list[Publisher]:
+        return [Publisher(context, f"i{n}", self.layout, self.is_peer) for n in range(count)]
+
+    def register(self, publishers: list[Publisher]) -> int:
+        """Register and wait until every stream is received; returns the blocks it stored."""
+        if not self.is_peer:
+            register_all(self.client, publishers)
+            return 0
+        return register_by_probe(self.client, publishers)
+
+
+@contextmanager
+def running_target(peer: PeerSpec | None, layout: Layout) -> Iterator[Target]:
+    """Our service (``peer`` None) or the peer, empty on a free port, stopped on the way out."""
+    if peer is None:
+        with running_service() as (process, client):
+            yield Target("ours", process, client, layout, is_peer=False)
+        return
+    with tempfile.TemporaryDirectory(prefix="conductor-peer-") as run_dir:
+        with running_peer(peer, Path(run_dir)) as started:
+            client = Http(started.port)
+            try:
+                yield Target("peer", started.process, client, layout, is_peer=True)
+            finally:
+                client.close()
+
+
+# -- publishers and events --------------------------------------------------------------
+END_OF_REPLAY = MASK64.to_bytes(8, "big")
+
+
+class Publisher:
+    """One engine's event stream: a raw PUB that binds, like vLLM with a ``*`` endpoint.
+
+    ``layout`` is the producer whose event encoding it sends. With ``replay`` it also binds
+    a ROUTER that answers replay requests as vLLM does with an empty buffer (only the end
+    marker): the Go service refuses a registration without a replay endpoint, and a
+    conductor that catches up on connection must get an answer.
+    """
+
+    def __init__(
+        self, context: zmq.Context, instance_id: str, layout: Layout = "vllm", replay: bool = False
+    ) -> None:
         self.instance_id = instance_id
+        self.layout = layout
         self.socket = context.socket(zmq.PUB)
         self.socket.setsockopt(zmq.SNDHWM, PUB_SNDHWM)
         self.socket.setsockopt(zmq.LINGER, 0)
         port = self.socket.bind_to_random_port("tcp://127.0.0.1")
         self.endpoint = f"tcp://127.0.0.1:{port}"
+        self.replay: zmq.Socket | None = None
+        if replay:
+            self.replay = context.socket(zmq.ROUTER)
+            self.replay.setsockopt(zmq.LINGER, 0)
+            replay_port = self.replay.bind_to_random_port("tcp://127.0.0.1")
+            self.replay_endpoint = f"tcp://127.0.0.1:{replay_port}"
         self.seq = 0
         self.parent: int | None = None  # last engine hash of the previous chained event
 
     def registration(self) -> dict[str, Any]:
-        return {
+        body = {
             "endpoint": self.endpoint,
             "type": "vLLM",
             "modelname": MODEL,
@@ -225,22 +299,50 @@ class Publisher:
             "block_size": BLOCK_SIZE,
             "dp_rank": 0,
         }
+        if self.replay is not None:
+            body["replay_endpoint"] = self.replay_endpoint
+        return body
+
+    def payload(self, events: Sequence[BlockStored]) -> bytes:
+        """A ``KVEventBatch`` ``[ts, events, dp_rank]`` as the ``layout`` producer sends it."""
+        return encode_batch(events, time.time(), 0, self.layout)
 
     def send(self, payload: bytes) -> None:
         """Frames ``[topic, seq (8 B big-endian), payload]``; seq counts batches from 0."""
         self.socket.send_multipart([b"", self.seq.to_bytes(8, "big"), payload], copy=False)
         self.seq += 1
 
+    def answer_replays(self) -> None:
+        """Answer every pending ``[identity, b"", start_seq]`` request with the end marker."""
+        while self.replay is not None:
+            try:
+                frames = self.replay.recv_multipart(zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            if len(frames) == 3 and frames[1] == b"":  # anything else vLLM ignores too
+                self.replay.send_multipart([frames[0], b"", b"", END_OF_REPLAY, b""])
+
     def close(self) -> None:
         self.socket.close(0)
+        if self.replay is not None:
+            self.replay.close(0)
 
 
 _engine_hashes = itertools.count(1)
 
 
 def engine_hashes(count: int) -> list[int]:
-    """Unique uint64 engine hashes: an odd multiplier is a bijection mod 2**64."""
-    return [(next(_engine_hashes) * 0x9E3779B97F4A7C15) & MASK64 for _ in range(count)]
+    """Unique uint64 engine hashes: an odd multiplier is a bijection mod 2**64.
+
+    Hashes below 2**32 are skipped: msgpack packs them as uint32, and the Go service
+    rejects a parent hash that does not decode as a uint64.
+    """
+    made: list[int] = []
+    while len(made) < count:
+        value = (next(_engine_hashes) * 0x9E3779B97F4A7C15) & MASK64
+        if value >> 32:
+            made.append(value)
+    return made
 
 
 class TokenSource:
@@ -265,28 +367,12 @@ class TokenSource:
         return tokens
 
 
-def stored_event(hashes: list[int], tokens: list[int], parent: int | None) -> dict[str, Any]:
-    """A vLLM 0.33 ``BlockStored`` map with every field the BlockPool sends."""
-    return {
-        "type": "BlockStored",
-        "block_hashes": hashes,
-        "parent_block_hash": parent,
-        "token_ids": tokens,
-        "block_size": BLOCK_SIZE,
-        "lora_id": None,
-        "medium": "GPU",
-        "lora_name": None,
-        "extra_keys": [None] * len(hashes),
-        "group_idx": 0,
-    }
+def stored_event(hashes: list[int], tokens: list[int], parent: int | None) -> BlockStored:
+    """A GPU ``BlockStored``; every layout adds the fields its producer sends."""
+    return BlockStored(hashes, parent, tokens, BLOCK_SIZE, Tier.GPU, group_idx=0)
 
 
-def batch_payload(events: list[dict[str, Any]]) -> bytes:
-    """A vLLM ``KVEventBatch``: ``[ts, events, dp_rank]``."""
-    return msgpack.packb([time.time(), events, 0])
-
-
-def fresh_events(tokens: TokenSource, count: int) -> list[tuple[list[int], dict[str, Any]]]:
+def fresh_events(tokens: TokenSource, count: int) -> list[tuple[list[int], BlockStored]]:
     """``count`` independent one-prompt events, with their tokens (to query them later)."""
     made = []
     for _ in range(count):
@@ -315,6 +401,38 @@ def register_all(client: Http, publishers: list[Publisher], timeout: float = 20.
         if wanted <= connected:
             break
     time.sleep(0.05)  # the subscription frame follows the TCP connect by a round trip
+
+
+PROBE_TOKEN = 1 << 24  # above every prompt id TokenSource hands out
+
+
+def register_by_probe(client: Http, publishers: list[Publisher], timeout: float = 20.0) -> int:
+    """Register, then resend a one-block probe on each stream until ``/query`` shows it.
+
+    Without a connection state to read, a probe that arrived is the only proof that the
+    SUB socket joined (a PUB drops what it sends before that). Returns the blocks stored.
+    """
+    for publisher in publishers:
+        client.json("POST", "/register", publisher.registration())
+    probes = {}
+    for number, publisher in enumerate(publishers):
+        tokens = [PROBE_TOKEN + number] + [PROBE_TOKEN] * (BLOCK_SIZE - 1)
+        payload = publisher.payload([stored_event(engine_hashes(1), tokens, None)])
+        body = query_body(tokens, publisher.instance_id)
+        probes[publisher.instance_id] = (publisher, payload, body)
+    pending = dict(probes)
+    for _ in deadline_loop(timeout, "the peer to receive every stream", 0.02):
+        for publisher, payload, _ in pending.values():
+            publisher.answer_replays()
+            publisher.send(payload)
+        pending = {
+            name: probe
+            for name, probe in pending.items()
+            if matched(client, probe[2], name) != BLOCK_SIZE
+        }
+        if not pending:
+            break
+    return len(publishers)
 
 
 # -- reading the service's own numbers --------------------------------------------------
@@ -456,23 +574,30 @@ def time_queries(
 
 
 # -- 1. ingest --------------------------------------------------------------------------
-def bench_ingest(scale: Scale, context: zmq.Context, timeout: float = 300.0) -> dict[str, Any]:
+def bench_ingest(
+    scale: Scale,
+    context: zmq.Context,
+    peer: PeerSpec | None = None,
+    layout: Layout = "vllm",
+    timeout: float = 300.0,
+) -> dict[str, Any]:
     """Blocks/s from the first send until the last event's prompt answers in full.
 
     Batches are applied in sequence order, so the last prompt being queryable means every
-    earlier one was applied; the first prompt and the service's counters are checked too.
+    earlier one was applied; the first prompt and our service's counters are checked too,
+    and on a peer (no counters) the last prompt of every batch.
     """
     tokens = TokenSource(seed=1)
     made = fresh_events(tokens, scale.ingest_events)
-    payloads = [batch_payload([event for _, event in chunk]) for chunk in batches(made)]
     first_body = query_body(made[0][0], "i0")
     last_body = query_body(made[-1][0], "i0")
-    publisher = Publisher(context, "i0")
-    try:
-        with running_service() as (process, client):
-            register_all(client, [publisher])
-            polls, slowest_poll = 0, 0.0
-            cpu_before = CpuSample.take([os.getpid(), process.pid])
+    with running_target(peer, layout) as target:
+        (publisher,) = target.publishers(context, 1)
+        try:
+            payloads = [publisher.payload([event for _, event in chunk]) for chunk in batches(made)]
+            target.register([publisher])
+            client, polls, slowest_poll = target.client, 0, 0.0
+            cpu_before = CpuSample.take(target.pids)
             started = time.perf_counter()
             for payload in payloads:
                 publisher.send(payload)
@@ -485,15 +610,20 @@ def bench_ingest(scale: Scale, context: zmq.Context, timeout: float = 300.0) -> 
                 if done:
                     break
             elapsed = time.perf_counter() - started
-            load = CpuSample.take([os.getpid(), process.pid]).load_since(cpu_before)
+            load = CpuSample.take(target.pids).load_since(cpu_before)
             if matched(client, first_body, "i0") != EVENT_TOKENS:
                 raise BenchError("the first ingested prompt is not queryable")
             blocks = scale.ingest_events * BLOCKS_PER_EVENT
-            counters = verify_clean(client, blocks, scale.ingest_events)
-            rss_after = rss_bytes(process.pid)  # unpaced burst: includes what ZMQ queued
-    finally:
-        publisher.close()
+            if target.is_peer:
+                counters = {"batches_checked": verify_batches(client, made)}
+            else:
+                counters = verify_clean(client, blocks, scale.ingest_events)
+            rss_after = rss_bytes(target.process.pid)  # unpaced burst: includes ZMQ's queue
+        finally:
+            publisher.close()
     return {
+        "target": target.name,
+        "layout": layout,
         "events": scale.ingest_events,
         "blocks": blocks,
         "batches": len(payloads),
@@ -511,11 +641,42 @@ def bench_ingest(scale: Scale, context: zmq.Context, timeout: float = 300.0) -> 
     }
 
 
-def bench_ingest_runs(scale: Scale, context: zmq.Context) -> dict[str, Any]:
-    """Repeat the ingest run: one ~1 s run on a shared VM varies by +-25%."""
-    runs = [bench_ingest(scale, context) for _ in range(scale.ingest_runs)]
-    median = sorted(runs, key=lambda run: run["blocks_per_s"])[len(runs) // 2]
-    return {**median, "runs_blocks_per_s": [run["blocks_per_s"] for run in runs]}
+def verify_batches(client: Http, made: list[tuple[list[int], BlockStored]]) -> int:
+    """The last prompt of every batch answers in full: no batch was dropped (the Go service
+    drops a whole batch it cannot decode). Returns the batches checked."""
+    chunks = batches(made)
+    for number, chunk in enumerate(chunks):
+        if matched(client, query_body(chunk[-1][0], "i0"), "i0") != EVENT_TOKENS:
+            raise BenchError(f"batch {number} of the ingest is not queryable on the peer")
+    return len(chunks)
+
+
+@dataclass(frozen=True)
+class Contender:
+    """One ingest configuration: who is measured, fed which event layout."""
+
+    key: str
+    peer: PeerSpec | None
+    layout: Layout
+
+
+def bench_ingest_runs(
+    scale: Scale, context: zmq.Context, contenders: Sequence[Contender]
+) -> dict[str, dict[str, Any]]:
+    """Repeat the ingest run, contenders interleaved so they share the machine's noise.
+
+    One ~1 s run on a shared VM varies by +-25%; the median run of each is reported.
+    """
+    runs: dict[str, list[dict[str, Any]]] = {c.key: [] for c in contenders}
+    for _ in range(scale.ingest_runs):
+        for contender in contenders:
+            run = bench_ingest(scale, context, contender.peer, contender.layout)
+            runs[contender.key].append(run)
+    medians = {}
+    for key, measured in runs.items():
+        median = sorted(measured, key=lambda run: run["blocks_per_s"])[len(measured) // 2]
+        medians[key] = {**median, "runs_blocks_per_s": [run["blocks_per_s"] for run in measured]}
+    return medians
 
 
 # -- 2.-4. query latency and memory -----------------------------------------------------
@@ -528,21 +689,38 @@ def prefix_holdings(instances: int) -> list[int]:
     return [max(0, QUERY_BLOCKS // 2 - 16 * i) if i < 8 else 0 for i in range(instances)]
 
 
+@dataclass(frozen=True)
+class Job:
+    """One batch to send, and the last prompt in it (queryable once the batch is applied)."""
+
+    publisher: Publisher
+    payload: bytes
+    last_prompt: list[int]
+
+
 @dataclass
 class QueryIndex:
-    """A service with ``instances`` publishers and the blocks each was told to hold."""
+    """A conductor with ``instances`` publishers and the blocks each was told to hold."""
 
-    client: Http
-    process: subprocess.Popen
+    target: Target
     publishers: list[Publisher]
     tokens: TokenSource = field(default_factory=TokenSource)
     query_tokens: list[int] = field(default_factory=list)
-    holdings: int = 0  # (instance, block) pairs stored: conductor_blocks_stored_total
-    distinct: int = 0  # distinct prefix blocks: /health "blocks"
+    holdings: int = 0  # (instance, block) pairs the grid asked for
     events: int = 0
+    probe_blocks: int = 0  # a peer's proofs of subscription (``register_by_probe``)
     next_instance: int = 0
 
-    def send_window(self, jobs: list[tuple[Publisher, bytes]], timeout: float) -> None:
+    @property
+    def stored(self) -> int:
+        """Every (instance, block) pair stored: ``conductor_blocks_stored_total``."""
+        return self.holdings + self.probe_blocks
+
+    @property
+    def client(self) -> Http:
+        return self.target.client
+
+    def send_window(self, jobs: list[Job], timeout: float) -> None:
         """Send batches, keeping at most one window queued ahead of the service.
 
         Without pacing, the SUB's receive queue (100,000 messages) would hold gigabytes
@@ -550,20 +728,28 @@ class QueryIndex:
         """
         windows = batches(jobs, SETUP_WINDOW_BATCHES)
         for number, window in enumerate(windows):
-            for publisher, payload in window:
-                publisher.send(payload)
+            for job in window:
+                job.publisher.send(job.payload)
             if number > 0:
-                self.wait_distinct(self.distinct - self._blocks_in(windows[number:]), timeout)
-        self.wait_distinct(self.distinct, timeout)
+                self.wait_applied(windows[number - 1], timeout)
+        if windows:
+            self.wait_applied(windows[-1], timeout)
 
-    @staticmethod
-    def _blocks_in(windows: list[list[tuple[Publisher, bytes]]]) -> int:
-        return sum(len(window) for window in windows) * BATCH_EVENTS * BLOCKS_PER_EVENT
+    def wait_applied(self, window: Sequence[Job], timeout: float) -> None:
+        """Until each stream's last batch in ``window`` is queryable (streams apply in order).
 
-    def wait_distinct(self, blocks: int, timeout: float) -> None:
-        for _ in deadline_loop(timeout, f"{blocks} distinct blocks in the index", 0.01):
-            if self.client.json("GET", "/health")["blocks"] >= blocks:
+        Streams are checked one at a time, so a poll costs the service one query.
+        """
+        last = {job.publisher.instance_id: job.last_prompt for job in window}
+        pending = list(last.items())
+        for _ in deadline_loop(timeout, f"{len(window)} batches to be applied", 0.01):
+            while pending and self.holds(*pending[-1]):
+                pending.pop()
+            if not pending:
                 return
+
+    def holds(self, instance_id: str, prompt: list[int]) -> bool:
+        return matched(self.client, query_body(prompt, instance_id), instance_id) == len(prompt)
 
     def load_query_prefixes(self, timeout: float) -> None:
         """Each instance stores its share of the query prompt as chained 16-block events."""
@@ -581,30 +767,34 @@ class QueryIndex:
                 events.append(stored_event(hashes, chunk, publisher.parent))
                 publisher.parent = hashes[-1]
             if events:
-                publisher.send(batch_payload(events))
+                publisher.send(publisher.payload(events))
             self.holdings += blocks
             self.events += len(events)
-        self.distinct = max(prefix_holdings(len(self.publishers)))
-        self.wait_distinct(self.distinct, timeout)
+        body = query_body(self.query_tokens)
+        for _ in deadline_loop(timeout, "the query prompt's prefixes to be indexed", 0.01):
+            if self.answer(body) == self.expected_answer():
+                return
 
     def grow_to(self, holdings: int, timeout: float) -> None:
         """Add unrelated one-prompt events, round-robin over instances, up to ``holdings``."""
         count = max(0, holdings - self.holdings) // BLOCKS_PER_EVENT
-        per_instance: list[list[dict[str, Any]]] = [[] for _ in self.publishers]
+        per_instance: list[list[tuple[list[int], BlockStored]]] = [[] for _ in self.publishers]
         for _ in range(count):
             prompt = self.tokens.prompt()
             event = stored_event(engine_hashes(BLOCKS_PER_EVENT), prompt, None)
-            per_instance[self.next_instance].append(event)
+            per_instance[self.next_instance].append((prompt, event))
             self.next_instance = (self.next_instance + 1) % len(self.publishers)
         self.holdings += count * BLOCKS_PER_EVENT
-        self.distinct += count * BLOCKS_PER_EVENT
         self.events += count
-        streams = [[batch_payload(list(chunk)) for chunk in batches(e)] for e in per_instance]
+        streams = [
+            [
+                Job(publisher, publisher.payload([e for _, e in chunk]), chunk[-1][0])
+                for chunk in batches(made)
+            ]
+            for publisher, made in zip(self.publishers, per_instance, strict=True)
+        ]
         jobs = [  # round-robin over the streams, each stream in its own order
-            (publisher, payload)
-            for row in itertools.zip_longest(*streams)
-            for publisher, payload in zip(self.publishers, row, strict=True)
-            if payload is not None
+            job for row in itertools.zip_longest(*streams) for job in row if job is not None
         ]
         self.send_window(jobs, timeout)
 
@@ -612,47 +802,55 @@ class QueryIndex:
         holds = prefix_holdings(len(self.publishers))
         return {p.instance_id: n * BLOCK_SIZE for p, n in zip(self.publishers, holds, strict=True)}
 
-    def check_answer(self, body: bytes, content_type: str = JSON_TYPE) -> None:
-        """The timed query must return the right thing, or its latency means nothing."""
+    def answer(self, body: bytes, content_type: str = JSON_TYPE) -> dict[str, int]:
+        """``longest_matched`` per instance, from a 200 answer."""
         status, data = self.client.raw("POST", "/query", body, content_type)
         if status != 200:
             raise BenchError(f"/query -> {status}: {data[:300]!r}")
         answer = msgpack.unpackb(data) if content_type == MSGPACK_TYPE else json.loads(data)
-        got = {name: m["longest_matched"] for name, m in answer.get("default", {}).items()}
+        return {name: m["longest_matched"] for name, m in answer.get("default", {}).items()}
+
+    def check_answer(self, body: bytes, content_type: str = JSON_TYPE) -> None:
+        """The timed query must return the right thing, or its latency means nothing."""
+        got = self.answer(body, content_type)
         if got != self.expected_answer():
             raise BenchError(f"wrong /query answer: {got}")
 
 
 def measure_cell(index: QueryIndex, scale: Scale) -> dict[str, Any]:
-    """Latency of the 4,096-token query (and a 1-block floor) at the index's current size."""
+    """Latency of the 4,096-token query (and a 1-block floor) at the index's current size.
+
+    Our service also gets the same query as msgpack and its own timing; a peer only JSON.
+    """
+    target, client = index.target, index.client
     body = query_body(index.query_tokens)
     index.check_answer(body)
-    warm_up(index.client, body, scale.warmup)
-    before = index.client.metrics()
-    cpu_before = CpuSample.take([os.getpid(), index.process.pid])
-    result = time_queries(index.client, body, scale.requests)
-    load = CpuSample.take([os.getpid(), index.process.pid]).load_since(cpu_before)
-    after = index.client.metrics()
-    packed = msgpack_query_body(index.query_tokens)
-    index.check_answer(packed, MSGPACK_TYPE)
-    warm_up(index.client, packed, scale.warmup, MSGPACK_TYPE)
-    as_msgpack = time_queries(index.client, packed, scale.requests, MSGPACK_TYPE)
+    warm_up(client, body, scale.warmup)
+    before = "" if target.is_peer else client.metrics()
+    cpu_before = CpuSample.take(target.pids)
+    result = time_queries(client, body, scale.requests)
+    load = CpuSample.take(target.pids).load_since(cpu_before)
+    cell: dict[str, Any] = {"instances": len(index.publishers), "blocks": index.stored}
+    if not target.is_peer:
+        cell["server"] = server_side(before, client.metrics())
+        packed = msgpack_query_body(index.query_tokens)
+        index.check_answer(packed, MSGPACK_TYPE)
+        warm_up(client, packed, scale.warmup, MSGPACK_TYPE)
+        cell["msgpack_int32"] = time_queries(client, packed, scale.requests, MSGPACK_TYPE)
     floor_body = query_body(index.query_tokens[:BLOCK_SIZE])
-    warm_up(index.client, floor_body, 50)
-    floor = time_queries(index.client, floor_body, scale.floor_requests)
-    counters = verify_clean(index.client, index.holdings, index.events)
+    warm_up(client, floor_body, 50)
+    cell["floor_1_block"] = time_queries(client, floor_body, scale.floor_requests)
+    if not target.is_peer:
+        counters = verify_clean(client, index.stored, index.events)
+        cell["blocks"] = int(counters["blocks_stored"])
+        cell["distinct_blocks"] = client.json("GET", "/health")["blocks"]
     return {
-        "instances": len(index.publishers),
-        "blocks": int(counters["blocks_stored"]),
-        "distinct_blocks": index.client.json("GET", "/health")["blocks"],
+        **cell,
         "query_tokens": len(index.query_tokens),
         "request_bytes": len(body),
         "client": result,
-        "server": server_side(before, after),
-        "msgpack_int32": as_msgpack,
-        "floor_1_block": floor,
         "load": load,
-        "rss_bytes": rss_bytes(index.process.pid),
+        "rss_bytes": rss_bytes(target.process.pid),
     }
 
 
@@ -661,22 +859,24 @@ def bench_queries(
     context: zmq.Context,
     instances: int,
     report: Callable[[dict[str, Any]], None],
+    peer: PeerSpec | None = None,
     timeout: float = 600.0,
 ) -> dict[str, Any]:
-    """One service, ``instances`` publishers, the index grown through every size."""
-    publishers = [Publisher(context, f"i{n}") for n in range(instances)]
-    try:
-        with running_service() as (process, client):
-            rss_empty = rss_bytes(process.pid)
-            register_all(client, publishers)
-            rss_registered = rss_bytes(process.pid)
-            index = QueryIndex(client, process, publishers)
+    """One conductor, ``instances`` publishers, the index grown through every size."""
+    with running_target(peer, "vllm-legacy" if peer else "vllm") as target:
+        publishers = target.publishers(context, instances)
+        try:
+            rss_empty = rss_bytes(target.process.pid)
+            probes = target.register(publishers)
+            rss_registered = rss_bytes(target.process.pid)
+            index = QueryIndex(target, publishers, probe_blocks=probes)
             index.load_query_prefixes(timeout)
             cells = []
             for size in scale.index_sizes:
                 started = time.perf_counter()
                 index.grow_to(size, timeout)
                 cell = measure_cell(index, scale)
+                cell["target"] = target.name
                 cell["build_s"] = time.perf_counter() - started
                 cell["rss_empty_bytes"] = rss_empty
                 cell["rss_registered_bytes"] = rss_registered
@@ -684,10 +884,15 @@ def bench_queries(
                 cell["bytes_per_block_total"] = cell["rss_bytes"] / cell["blocks"]
                 report(cell)
                 cells.append(cell)
-    finally:
-        for publisher in publishers:
-            publisher.close()
-    return {"instances": instances, "rss_empty_bytes": rss_empty, "cells": cells}
+        finally:
+            for publisher in publishers:
+                publisher.close()
+    return {
+        "target": target.name,
+        "instances": instances,
+        "rss_empty_bytes": rss_empty,
+        "cells": cells,
+    }
 
 
 # -- output -----------------------------------------------------------------------------
@@ -695,8 +900,14 @@ def mib(value: float) -> str:
     return f"{value / 2**20:.1f}"
 
 
+LAYOUT_NAMES = {"vllm": "vLLM 0.33 maps", "vllm-legacy": "vLLM <= 0.23 arrays"}
+
+
 def print_ingest(result: dict[str, Any]) -> None:
-    print("\n== ingest (one publisher, vLLM 0.33 maps, 16 blocks/event, 20 events/batch)")
+    print(
+        f"\n== ingest: {result['target']} (one publisher, {LAYOUT_NAMES[result['layout']]}, "
+        "16 blocks/event, 20 events/batch)"
+    )
     print(
         f"  {result['events']:,} events / {result['blocks']:,} blocks in "
         f"{result['elapsed_s']:.3f} s (publisher sent all in {result['send_s']:.3f} s)"
@@ -719,19 +930,25 @@ def print_ingest(result: dict[str, Any]) -> None:
 
 
 QUERY_HEADER = (
-    f"  {'inst':>4} {'blocks':>9} {'p50':>7} {'p90':>7} {'p99':>7} {'max':>7} {'req/s':>7} "
-    f"{'srv mean':>8} {'srv p99~':>8} {'mp p50':>7} {'mp p99':>7} {'1-blk p50':>9} {'RSS MiB':>8} "
-    f"{'B/blk':>6} {'build s':>7} {'bg cpu':>6}"
+    f"  {'svc':<4} {'inst':>4} {'blocks':>9} {'p50':>7} {'p90':>7} {'p99':>7} {'max':>7} "
+    f"{'req/s':>7} {'srv mean':>8} {'srv p99~':>8} {'mp p50':>7} {'mp p99':>7} {'1-blk p50':>9} "
+    f"{'RSS MiB':>8} {'B/blk':>6} {'build s':>7} {'bg cpu':>6}"
 )
 
 
 def print_cell(cell: dict[str, Any]) -> None:
-    c, s, f, m = cell["client"], cell["server"], cell["floor_1_block"], cell["msgpack_int32"]
+    """One row; a peer has no server-side timing and no msgpack query (``-``)."""
+    c, f = cell["client"], cell["floor_1_block"]
+    s, m = cell.get("server"), cell.get("msgpack_int32")
+    own = (
+        f"{s['mean_ms']:>8.3f} {s['p99_ms_est']:>8.3f} {m['p50_ms']:>7.3f} {m['p99_ms']:>7.3f}"
+        if s and m
+        else f"{'-':>8} {'-':>8} {'-':>7} {'-':>7}"
+    )
     print(
-        f"  {cell['instances']:>4} {cell['blocks']:>9,} {c['p50_ms']:>7.3f} {c['p90_ms']:>7.3f} "
-        f"{c['p99_ms']:>7.3f} {c['max_ms']:>7.2f} {c['requests_per_s']:>7.0f} "
-        f"{s['mean_ms']:>8.3f} {s['p99_ms_est']:>8.3f} {m['p50_ms']:>7.3f} {m['p99_ms']:>7.3f} "
-        f"{f['p50_ms']:>9.3f} {mib(cell['rss_bytes']):>8} "
+        f"  {cell['target']:<4} {cell['instances']:>4} {cell['blocks']:>9,} {c['p50_ms']:>7.3f} "
+        f"{c['p90_ms']:>7.3f} {c['p99_ms']:>7.3f} {c['max_ms']:>7.2f} "
+        f"{c['requests_per_s']:>7.0f} {own} {f['p50_ms']:>9.3f} {mib(cell['rss_bytes']):>8} "
         f"{cell['bytes_per_block_total']:>6.0f} {cell['build_s']:>7.1f} "
         f"{cell['load']['other_cores'] + cell['load']['steal_cores']:>6.2f}",
         flush=True,
@@ -812,8 +1029,10 @@ NOISY_CORES = 0.25
 
 def warn_if_noisy(result: dict[str, Any]) -> None:
     """Latency on a shared 2-core box is only comparable when nothing else was running."""
-    loads = [result["ingest"]["load"]]
-    loads += [cell["load"] for run in result["query"] for cell in run["cells"]]
+    runs = [result, *([result["peer"]] if "peer" in result else [])]
+    ingests = [run[key] for run in runs for key in ("ingest", "ingest_legacy") if key in run]
+    cells = [cell for run in runs for query in run["query"] for cell in query["cells"]]
+    loads = [measured["load"] for measured in (*ingests, *cells)]
     worst = max(load["other_cores"] + load["steal_cores"] for load in loads)
     if worst > NOISY_CORES:
         print(
@@ -832,34 +1051,90 @@ def machine() -> dict[str, Any]:
     }
 
 
-def main(argv: list[str] | None = None) -> int:
+def parse_args(argv: list[str] | None) -> tuple[argparse.Namespace, PeerSpec | None]:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="~10x smaller, for smoke checks")
     parser.add_argument("--json", type=Path, default=DEFAULT_JSON, help="where to write JSON")
+    parser.add_argument(
+        "--peer",
+        metavar="COMMAND",
+        help="also measure this conductor (e.g. the Go binary's path; split like a shell "
+        "line): it gets CONDUCTOR_CONFIG_PATH (a file with its port) and CONDUCTOR_LOG_LEVEL",
+    )
+    parser.add_argument(
+        "--peer-env",
+        metavar="KEY=VALUE",
+        action="append",
+        default=[],
+        help="an extra environment variable for the peer (repeatable)",
+    )
     args = parser.parse_args(argv)
+    if args.peer is None:
+        if args.peer_env:
+            parser.error("--peer-env needs --peer")
+        return args, None
+    try:
+        command = tuple(shlex.split(args.peer))
+        env = parse_env(args.peer_env)
+    except ValueError as error:
+        parser.error(str(error))
+    if not command:
+        parser.error("--peer needs a command")
+    return args, PeerSpec(command, env)
+
+
+def run(scale: Scale, context: zmq.Context, peer: PeerSpec | None) -> dict[str, Any]:
+    """Every phase; with a peer, ingest runs interleaved and the query grids side by side."""
+    result: dict[str, Any] = {"scale": asdict(scale), "machine": machine()}
+    contenders = [Contender("ours", None, "vllm")]
+    if peer is not None:
+        contenders += [
+            Contender("ours_legacy", None, "vllm-legacy"),
+            Contender("peer", peer, "vllm-legacy"),
+        ]
+        result["peer"] = {"command": list(peer.command), "env": dict(peer.env), "query": []}
+    ingest = bench_ingest_runs(scale, context, contenders)
+    result["ingest"] = ingest["ours"]
+    if peer is not None:
+        result["ingest_legacy"] = ingest["ours_legacy"]
+        result["peer"]["ingest"] = ingest["peer"]
+    for measured in ingest.values():
+        print_ingest(measured)
+    print("\n== /query of a 4,096-token prompt (256 blocks), sequential keep-alive, ms")
+    print(
+        f"  ({scale.requests:,} timed requests per row after {scale.warmup} warm-up; "
+        "srv = conductor_query_seconds, ~ = bucket estimate; mp = the same query as msgpack "
+        "with int32-packed tokens; B/blk = RSS / blocks)"
+    )
+    print("  (bg cpu = cores used by other processes or stolen while timing: noise)")
+    print(QUERY_HEADER)
+    result["query"] = []
+    for instances in scale.instance_counts:
+        result["query"].append(bench_queries(scale, context, instances, print_cell))
+        if peer is not None:
+            result["peer"]["query"].append(
+                bench_queries(scale, context, instances, print_cell, peer)
+            )
+    result["summary"] = headline(scale, result)
+    result["targets"] = TARGETS
+    print_headline(result["summary"])
+    if peer is not None:
+        result["comparison"] = compare(result)
+        print_comparison(result["comparison"])
+    warn_if_noisy(result)
+    return result
+
+
+def main(argv: list[str] | None = None) -> int:
+    args, peer = parse_args(argv)
     scale = QUICK if args.quick else FULL
     print(f"conductor benchmark ({scale.name}): {machine()}")
+    if peer is not None:
+        print(f"peer: {shlex.join(peer.command)}")
     context = zmq.Context()
     try:
-        result: dict[str, Any] = {"scale": asdict(scale), "machine": machine()}
-        result["ingest"] = bench_ingest_runs(scale, context)
-        print_ingest(result["ingest"])
-        print("\n== /query of a 4,096-token prompt (256 blocks), sequential keep-alive, ms")
-        print(
-            f"  ({scale.requests:,} timed requests per row after {scale.warmup} warm-up; "
-            "srv = conductor_query_seconds, ~ = bucket estimate; mp = the same query as msgpack "
-            "with int32-packed tokens; B/blk = RSS / blocks)"
-        )
-        print("  (bg cpu = cores used by other processes or stolen while timing: noise)")
-        print(QUERY_HEADER)
-        result["query"] = [
-            bench_queries(scale, context, n, print_cell) for n in scale.instance_counts
-        ]
-        result["summary"] = headline(scale, result)
-        result["targets"] = TARGETS
-        print_headline(result["summary"])
-        warn_if_noisy(result)
-    except (BenchError, OSError, http.client.HTTPException) as error:
+        result = run(scale, context, peer)
+    except (BenchError, PeerError, OSError, http.client.HTTPException) as error:
         print(f"benchmark failed: {type(error).__name__}: {error}", file=sys.stderr)
         return 1
     finally:
