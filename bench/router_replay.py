@@ -10,9 +10,15 @@ For each policy it starts a fresh fleet (conductor, engines, router: no cache, i
 accounting or learned cost model carries over from the previous policy), warms every engine
 with the trace's first request (as trace_sim's default ``warm_start``), then sends the
 first N requests at their trace arrival times divided by ``--speedup`` through the router,
-prompts as token ids, streaming. The engines run ``--sim-time-scale 1/speedup``, so their
-model clock and the compressed arrivals agree: TTFTs are read on the model clock
-(``x-engine-ttft-ms``) and are comparable with the trace's own seconds.
+streaming. The engines run ``--sim-time-scale 1/speedup``, so their model clock and the
+compressed arrivals agree: TTFTs are read on the model clock (``x-engine-ttft-ms``) and are
+comparable with the trace's own seconds.
+
+``--peers`` puts a router users pick instead (``bench.peer_routers``: vllm-router,
+sglang-router) in front of the same engines, one fresh fleet each after our policies: same
+engine flags, same warm-up, same requests. Prompts are token ids, or text that tokenizes back
+to the same ids (``bench.text_prompts``; the default with peers, since sglang-router takes
+only text).
 
 ``--store on`` (or ``both``) gives every run a fresh real Mooncake store (master and store
 process, ``publishers.store.LocalStore``): the engines save every prefilled block to it and
@@ -41,13 +47,17 @@ import tempfile
 import time
 from collections import Counter
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
 import aiohttp
+import psutil
 
+from bench.peer_routers import PEERS, TEXT_ONLY, PeerEngine, find_binary, installed_version
+from bench.peer_routers import wait_http_ready as wait_peer_ready
 from bench.stats import percentile
+from bench.text_prompts import WordTable, hf_words, stand_in_words
 from bench.trace_sim import (
     DEFAULT_SLOS_S,
     MODEL,
@@ -71,6 +81,7 @@ REPO = Path(__file__).resolve().parent.parent
 RESULTS_DIR = REPO / "bench" / "results"
 DEFAULT_BLOCK_SIZE = 16  # a 512-token trace block is 32 engine blocks
 MAX_TOKENS_CAP = 4  # decode is not what routing decides; a few tokens keep the run fast
+SPECIALS_SLACK = 8  # context beyond the longest prompt: an HF tokenizer adds a BOS token
 DEFAULT_POLICIES = ("ttft", "max_prefix", "least_loaded", "round_robin")
 DEFAULT_SPEEDUP = 10.0
 QUICK = {"requests": 60, "engines": 2, "policies": "ttft,round_robin", "speedup": 20.0}
@@ -86,6 +97,7 @@ STORE_BLOCK_FLAGS = ("--sim-store-layers", "1", "--sim-store-kv-heads", "1",
                      "--sim-store-head-dim", "8")  # fmt: skip
 DEFAULT_CONCURRENCY = 1024  # above any slice's in-flight peak: arrivals stay open-loop
 LATE_WARNING_S = 0.5  # wall; a client this late no longer replays the trace's arrivals
+PEER_SETTLE_S = 0.5  # wall; lets a peer subscribed to KV events take in the warm-up's
 
 
 # -- setup -------------------------------------------------------------------------------
@@ -109,6 +121,14 @@ class ReplaySetup:
     block_size: int = DEFAULT_BLOCK_SIZE  # the engines' (and so the store's keys')
     store_runs: tuple[bool, ...] = (False,)  # each policy without and/or with a store
     store_mb: int = STORE_SEGMENT_MB
+    peers: dict[str, Path] = field(default_factory=dict)  # peer router -> its binary
+    words: WordTable | None = None  # text prompts (None: token ids)
+    tokenizer: Path | None = None  # the engines' HF tokenizer directory (None: stand-in)
+
+    @property
+    def routers(self) -> tuple[str, ...]:
+        """Every run's router: our policies, then the peers."""
+        return (*self.policies, *self.peers)
 
     @property
     def timing(self) -> TimingModel:
@@ -136,7 +156,7 @@ def build_setup(args: argparse.Namespace) -> ReplaySetup:
         policies=tuple(p for p in args.policies.split(",") if p),
         speedup=args.speedup,
         gpu_blocks=sizing.gpu_blocks_for(requests),
-        max_model_len=max(r.input_length + max_tokens(r) for r in requests),
+        max_model_len=max(r.input_length + max_tokens(r) for r in requests) + SPECIALS_SLACK,
         concurrency=args.concurrency,
         slos_s=tuple(args.slo_s),
         reject_slo_ms=args.reject_slo_ms,
@@ -144,7 +164,17 @@ def build_setup(args: argparse.Namespace) -> ReplaySetup:
         block_size=args.block_size,
         store_runs=STORE_MODES[args.store],
         store_mb=args.store_mb,
+        peers=args.peer_binaries,
+        words=prompt_words(args.prompts, args.tokenizer),
+        tokenizer=args.tokenizer,
     )
+
+
+def prompt_words(prompts: str, tokenizer: Path | None) -> WordTable | None:
+    """How trace tokens become text for ``--prompts text`` (None: send token ids)."""
+    if prompts == "ids":
+        return None
+    return hf_words(tokenizer) if tokenizer is not None else stand_in_words()
 
 
 def describe(setup: ReplaySetup) -> dict[str, Any]:
@@ -165,6 +195,14 @@ def describe(setup: ReplaySetup) -> dict[str, Any]:
         "engines": setup.engines,
         "engine_speed": setup.engine_speed,
         "policies": list(setup.policies),
+        "peers": {
+            name: {
+                "binary": str(binary),
+                "version": installed_version(binary, PEERS[name].distribution),
+            }
+            for name, binary in setup.peers.items()
+        },
+        "prompts": "ids" if setup.words is None else f"text ({setup.words.source} tokenizer)",
         "speedup": setup.speedup,
         "engine_time_scale": setup.time_scale,
         "engine_block_size": setup.block_size,
@@ -233,8 +271,9 @@ def run_label(policy: str, store: bool) -> str:
 
 
 class Fleet:
-    """A fresh conductor, E engine simulators and a router with one policy (and, with
-    ``store``, a fresh Mooncake store they all share).
+    """E fresh engine simulators behind a fresh router: ours with one policy and its own
+    conductor, or a peer router (which needs no conductor); with ``store``, a fresh Mooncake
+    store the engines share.
 
     Fresh processes per policy rather than reset caches: the conductor's index, the
     router's load accounting and learned cost model and the engines' model clocks all start
@@ -244,6 +283,7 @@ class Fleet:
 
     def __init__(self, setup: ReplaySetup, policy: str, log_dir: Path, store: bool) -> None:
         self.setup, self.policy, self.log_dir = setup, policy, log_dir
+        self.peer = PEERS.get(policy)
         self.label = run_label(policy, store)
         self.store: LocalStore | None = None
         if store:
@@ -267,22 +307,38 @@ class Fleet:
         self.stop()
 
     def _start(self) -> None:
-        conductor_config = self.log_dir / f"conductor-{self.label}.json"
-        conductor_config.write_text(json.dumps(self.conductor_config(), indent=2))
         if self.store is not None:
             with STOPPING.deferred():
                 self.store.start()
-        self.conductor = self._spawn("conductor", "conductor", "--config", str(conductor_config))
+        if self.peer is None:
+            conductor_config = self.log_dir / f"conductor-{self.label}.json"
+            conductor_config.write_text(json.dumps(self.conductor_config(), indent=2))
+            self.conductor = self._spawn(
+                "conductor", "conductor", "--config", str(conductor_config)
+            )
         for index in range(self.setup.engines):
             self.engines.append(self._engine(f"engine-{index}"))
         for service in self.services:
             service.wait_ready(STARTUP_TIMEOUT_S)
+        if self.peer is not None:
+            self._start_peer()
+            return
         config_path = self.log_dir / f"router-{self.label}.json"
         config_path.write_text(json.dumps(self.router_config(), indent=2))
         self.router = self._spawn(
             "router", "router", "--config", str(config_path), "--log-level", "WARNING"
         )
         self.router.wait_ready(STARTUP_TIMEOUT_S)  # it listens once it has registered every stream
+
+    def _start_peer(self) -> None:
+        """The peer's binary in front of the engines, ready once it has registered them."""
+        assert self.peer is not None
+        engines = [PeerEngine(e.service.url, e.endpoint, e.replay_endpoint) for e in self.engines]
+        arguments = self.peer.arguments(engines, self.setup.block_size, MODEL)
+        binary = str(self.setup.peers[self.policy])
+        self.router = self._spawn("router", "bench.peer_routers", binary, *arguments)
+        self.router.wait_ready(STARTUP_TIMEOUT_S)
+        wait_peer_ready(self.router.url + self.peer.ready_path, STARTUP_TIMEOUT_S)
 
     def _spawn(
         self, name: str, module: str, *args: str, env: dict[str, str] | None = None
@@ -308,6 +364,7 @@ class Fleet:
             "replay_endpoint": replay,
         }
         store_args: tuple[str, ...] = ()
+        tokenizer_args = () if setup.tokenizer is None else ("--tokenizer", str(setup.tokenizer))
         env: dict[str, str] = {}
         if self.store is not None:
             mooncake_config = self.log_dir / f"mooncake-{self.label}.json"
@@ -328,6 +385,8 @@ class Fleet:
             "--sim-time-scale", repr(setup.time_scale),
             "--sim-gpu-flops", repr(setup.timing.gpu_flops),
             "--sim-log-level", "WARNING",
+            "--enable-scale-out",  # vllm-router renders every prompt on every engine
+            *tokenizer_args,
             *store_args,
             env=env,
         )  # fmt: skip
@@ -367,6 +426,8 @@ class Fleet:
                 ],
             },
             "routing": routing,
+            # with the engines' HF tokenizer, ours tokenizes in process as it would in service
+            **({"tokenizer": {"path": str(self.setup.tokenizer)}} if self.setup.tokenizer else {}),
         }
 
     def stop(self) -> None:
@@ -375,6 +436,21 @@ class Fleet:
             service.stop(STOP_TIMEOUT_S)
         if self.store is not None:
             self.store.stop()
+
+    def routing_cpu_s(self) -> float:
+        """CPU seconds the routing side has used so far: the router's process tree and, for
+        ours, the conductor's (a peer that indexes KV events does so in its own process)."""
+        total = 0.0
+        for service in (self.router, self.conductor):
+            if service is None:
+                continue
+            with contextlib.suppress(psutil.Error):
+                process = psutil.Process(service.process.pid)
+                for member in (process, *process.children(recursive=True)):
+                    with contextlib.suppress(psutil.Error):
+                        times = member.cpu_times()
+                        total += times.user + times.system
+        return total
 
     def logs(self) -> str:
         return "\n".join(f"--- {s.name} ({s.log_path})\n{s.log_tail()}" for s in self.services)
@@ -405,7 +481,13 @@ class Outcome:
         return self.status == 200 and self.error is None
 
 
-def request_bodies(requests: Sequence[TraceRequest]) -> list[bytes]:
+def prompt(request: TraceRequest, words: WordTable | None) -> str | list[int]:
+    """The request's prompt: its trace tokens as ids, or as text when ``words`` says how."""
+    tokens = prompt_tokens(request)
+    return tokens if words is None else words.text(tokens)
+
+
+def request_bodies(requests: Sequence[TraceRequest], words: WordTable | None) -> list[bytes]:
     """Every request's JSON body, encoded before the clock starts so that sending stays on
     schedule. Streaming with usage: the client sees the first token (and the router acts
     on it) as a production client would, and still gets cached_tokens at the end."""
@@ -413,7 +495,7 @@ def request_bodies(requests: Sequence[TraceRequest]) -> list[bytes]:
         json.dumps(
             {
                 "model": MODEL,
-                "prompt": prompt_tokens(request),
+                "prompt": prompt(request, words),
                 "max_tokens": max_tokens(request),
                 "stream": True,
                 "stream_options": {"include_usage": True},
@@ -438,7 +520,11 @@ def last_usage(sse_text: str) -> dict[str, Any] | None:
 
 
 def read_headers(outcome: Outcome, headers: Any) -> None:
-    outcome.instance = headers.get("x-conductor-prefill-instance")
+    """Our router names the engine it chose; through a peer, the engine's own header does
+    (the simulator's, passed on by every router)."""
+    outcome.instance = headers.get("x-conductor-prefill-instance") or headers.get(
+        "x-engine-instance-id"
+    )
     outcome.fallback = headers.get("x-conductor-fallback")
     if (cached := headers.get("x-conductor-cached-tokens")) is not None:
         outcome.router_cached_tokens = int(cached)
@@ -503,23 +589,29 @@ async def warm_up(fleet: Fleet, request: TraceRequest) -> None:
     """Serve ``request`` on every engine directly (not measured), then wait until the
     conductor reports it cached on each: proof that every event stream is subscribed.
     With a store, each engine's turn waits until the store holds what the one before saved,
-    so the later engines load the prompt from the store, as they would in service.
+    so the later engines load the prompt from the store, as they would in service. A peer
+    router has no conductor to ask: the fleet waits ``PEER_SETTLE_S`` instead. The engines
+    get the same prompt whatever the router, so every run starts from the same caches (a
+    peer whose tree learns from the requests it routes starts knowing none of them).
 
     A fleet in service already holds its application's shared prefix; starting cold, the
     first engine to cache the conversation trace's common first block would be every later
     request's longest match (trace_sim's ``warm_up`` explains the same choice)."""
-    tokens = prompt_tokens(request)
-    body = {"model": MODEL, "prompt": tokens, "max_tokens": 1}
+    body = {"model": MODEL, "prompt": prompt(request, fleet.setup.words), "max_tokens": 1}
     size = fleet.setup.block_size
-    expected = len(tokens) // size * size
-    assert fleet.conductor is not None
-    query = {"model": MODEL, "block_size": size, "token_ids": tokens}
     timeout = aiohttp.ClientTimeout(total=WARM_UP_TIMEOUT_S)
+    conductor = fleet.conductor
 
     async def indexed_everywhere(session: aiohttp.ClientSession, which: int) -> None:
+        if conductor is None:
+            await asyncio.sleep(PEER_SETTLE_S)
+            return
+        tokens = await engine_tokens(session, fleet.engines[0], body["prompt"])
+        expected = len(tokens) // size * size
+        query = {"model": MODEL, "block_size": size, "token_ids": tokens}
         deadline = time.monotonic() + WARM_UP_TIMEOUT_S
         while time.monotonic() < deadline:
-            async with session.post(f"{fleet.conductor.url}/query", json=query) as answer:
+            async with session.post(f"{conductor.url}/query", json=query) as answer:
                 hits = parse_hits(await answer.json(), "default")
             if all(hits.get(e.instance_id, (0, 0, 0))[which] >= expected for e in fleet.engines):
                 return
@@ -534,6 +626,20 @@ async def warm_up(fleet: Fleet, request: TraceRequest) -> None:
             if fleet.store is not None:  # the store's pool is every engine's CPU tier
                 await indexed_everywhere(session, 1)
         await indexed_everywhere(session, 0)
+
+
+async def engine_tokens(
+    session: aiohttp.ClientSession, engine: Engine, prompt: str | list[int]
+) -> list[int]:
+    """The ids ``engine`` computes for ``prompt``: what its KV events (and so the
+    conductor) are keyed by, whichever tokenizer it runs."""
+    if isinstance(prompt, list):
+        return prompt
+    request = {"model": MODEL, "prompt": prompt}
+    async with session.post(f"{engine.service.url}/tokenize", json=request) as answer:
+        if answer.status != 200:
+            raise RuntimeError(f"/tokenize on {engine.instance_id}: {await answer.text()}")
+        return (await answer.json())["tokens"]
 
 
 async def store_loaded_tokens(fleet: Fleet) -> int:
@@ -554,13 +660,28 @@ async def store_loaded_tokens(fleet: Fleet) -> int:
 
 
 def quantiles(values: Sequence[float], prefix: str, unit: str) -> dict[str, float | None]:
+    """p50, p90, p99, mean and max; every one None without values (a peer reports no
+    ``x-conductor-overhead-ms``)."""
     ordered = sorted(values)
     figures: dict[str, float | None] = {
-        f"{prefix}_p{q}_{unit}": percentile(ordered, q) for q in (50, 90, 99)
+        f"{prefix}_p{q}_{unit}": percentile(ordered, q) if ordered else None for q in (50, 90, 99)
     }
     figures[f"{prefix}_mean_{unit}"] = sum(ordered) / len(ordered) if ordered else None
     figures[f"{prefix}_max_{unit}"] = ordered[-1] if ordered else None
     return figures
+
+
+def path_overheads_ms(served: Sequence[Outcome], speedup: float) -> list[float]:
+    """Per request, the wall time from sending to the first byte that the engine's TTFT does
+    not account for: the router's own time, its two extra hops, and the engine's parsing and
+    tokenizing before its TTFT clock starts. The same measure for every router, ours (whose
+    ``x-conductor-overhead-ms`` is its part before forwarding) or a peer (which reports
+    none); the engine's TTFT is model time, ``speedup`` times its wall time."""
+    return [
+        (o.client_ttft_s - o.ttft_s) / speedup * 1000
+        for o in served
+        if o.client_ttft_s is not None and o.ttft_s is not None
+    ]
 
 
 def per_instance(outcomes: Sequence[Outcome], instances: Sequence[str]) -> dict[str, dict]:
@@ -606,6 +727,7 @@ def summarize(
         },
         **quantiles([o.client_ttft_s for o in served if o.client_ttft_s], "client_ttft", "s"),
         **quantiles([o.overhead_ms for o in served if o.overhead_ms is not None], "overhead", "ms"),
+        **quantiles(path_overheads_ms(served, setup.speedup), "path_overhead", "ms"),
         "fallbacks": dict(Counter(o.fallback for o in served if o.fallback)),
         "send_lag_max_s": max((o.send_lag_s for o in outcomes), default=0.0),
         "instances": load,
@@ -620,7 +742,7 @@ def format_table(setup: dict[str, Any], runs: Sequence[dict[str, Any]]) -> str:
     slos = [f"{slo:g}" for slo in setup["slos_s"]]
     head = ["policy", "hit", "TTFT mean", "p50", "p90", "p99", "client p50", "p99",
             *(f"≤{s} s" for s in slos), "imb req", "imb tok", "err", "rej", "router p50 ms",
-            "p99 ms", "fallb", "wall s"]  # fmt: skip
+            "p99 ms", "path p50 ms", "p99 ms", "CPU ms/req", "fallb", "wall s"]  # fmt: skip
     rows = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
 
     def num(value: float | None, spec: str) -> str:
@@ -639,6 +761,9 @@ def format_table(setup: dict[str, Any], runs: Sequence[dict[str, Any]]) -> str:
             str(run["rejected"]),
             num(run["overhead_p50_ms"], ".1f"),
             num(run["overhead_p99_ms"], ".1f"),
+            num(run["path_overhead_p50_ms"], ".1f"),
+            num(run["path_overhead_p99_ms"], ".1f"),
+            num(run["routing_cpu_ms_per_request"], ".1f"),
             str(sum(run["fallbacks"].values())),
             f"{run['wall_s']:.0f}",
         ]
@@ -660,10 +785,14 @@ def run_policy(
             asyncio.run(warm_up(fleet, setup.requests[0]))
         except (OSError, aiohttp.ClientError, RuntimeError, TimeoutError) as error:
             raise RuntimeError(f"{fleet.label}: warm-up failed: {error}\n{fleet.logs()}") from None
+        cpu_before = fleet.routing_cpu_s()
         replay_started = time.perf_counter()
         outcomes = asyncio.run(replay(setup, fleet.router.url, bodies))
         replay_s = time.perf_counter() - replay_started
+        cpu_s = fleet.routing_cpu_s() - cpu_before
         summary = summarize(fleet.label, outcomes, setup, [e.instance_id for e in fleet.engines])
+        summary["routing_cpu_s"] = cpu_s
+        summary["routing_cpu_ms_per_request"] = cpu_s * 1000 / len(outcomes)
         summary["store_loaded_tokens"] = asyncio.run(store_loaded_tokens(fleet))
         if summary["errors"]:
             summary["logs"] = fleet.logs()
@@ -696,6 +825,30 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         "4 default engines carry the conversation slice's load (about 0.95x uncached)",
     )
     add("--policies", default=",".join(DEFAULT_POLICIES), help="comma-separated router policies")
+    add(
+        "--peers",
+        default="",
+        help=f"comma-separated peer routers, each on a fleet of its own after our policies: "
+        f"{', '.join(PEERS)}",
+    )
+    add(
+        "--peer-bin-dir",
+        type=Path,
+        help="where the peers' executables are (e.g. a venv's bin with the project's routers "
+        "extra); default: PATH",
+    )
+    add(
+        "--prompts",
+        choices=("ids", "text"),
+        help="send the trace's tokens as token ids or as text that tokenizes back to them "
+        "(default: text with --peers or --tokenizer, ids otherwise)",
+    )
+    add(
+        "--tokenizer",
+        type=Path,
+        help="an HF model directory: the engines tokenize with its tokenizer.json and the "
+        "text prompts are built from its vocabulary (default: the simulator's stand-in)",
+    )
     add(
         "--speedup",
         type=float,
@@ -737,9 +890,14 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     add("--log-dir", type=Path, help="keep the processes' logs and configs here")
     add("--json", type=Path, default=RESULTS_DIR / "router_replay.json")
     args = parser.parse_args(argv)
-    unknown = set(args.policies.split(",")) - set(POLICIES)
+    unknown = set(args.policies.split(",")) - set(POLICIES) - {""}
     if unknown:
         parser.error(f"unknown policies {sorted(unknown)}; choose from {', '.join(POLICIES)}")
+    args.peer_binaries = peer_binaries(parser, args.peers, args.peer_bin_dir)
+    if args.prompts is None:
+        args.prompts = "text" if args.peer_binaries or args.tokenizer else "ids"
+    if args.prompts == "ids" and (args.tokenizer or TEXT_ONLY & set(args.peer_binaries)):
+        parser.error("--tokenizer and sglang-router need --prompts text")
     if args.quick:
         defaults = {k: parser.get_default(k) for k in QUICK}
         for key, value in QUICK.items():
@@ -748,36 +906,32 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     return args
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    args = parse_args(argv)
-    STOPPING.install()
-    setup = build_setup(args)
+def run_all(setup: ReplaySetup, log_dir: Path | None) -> tuple[dict[str, Any], list[dict], float]:
+    """Every router's fleet in turn (without and/or with the store): the setup's figures,
+    each run's summary and the wall time. Logs go to ``log_dir`` (None: a scratch dir)."""
     described = describe(setup)
-    bodies = request_bodies(setup.requests)
+    bodies = request_bodies(setup.requests, setup.words)
     print(
         f"{setup.trace}: {len(setup.requests)} requests over {described['trace_span_s']:.0f} "
         f"trace s at speedup {setup.speedup:g}, {setup.engines} engines × "
         f"{setup.gpu_blocks} blocks of {setup.block_size}, offered load (uncached) "
-        f"{described['offered_load_uncached']:.2f}×",
+        f"{described['offered_load_uncached']:.2f}×, prompts {described['prompts']}",
         file=sys.stderr,
     )
     started = time.perf_counter()
     runs = []
     with tempfile.TemporaryDirectory(prefix="router_replay-") as scratch:
-        log_dir = args.log_dir or Path(scratch)
-        log_dir.mkdir(parents=True, exist_ok=True)
-        for policy in setup.policies:
+        logs = log_dir or Path(scratch)
+        logs.mkdir(parents=True, exist_ok=True)
+        for router in setup.routers:
             for store in setup.store_runs:
-                runs.append(run_policy(setup, policy, bodies, log_dir, store))
+                runs.append(run_policy(setup, router, bodies, logs, store))
                 print(f"  {runs[-1]['policy']}: {runs[-1]['wall_s']:.1f} s", file=sys.stderr)
-    wall_s = time.perf_counter() - started
-    print(format_table(described, runs))
-    print(
-        f"ideal hit {described['ideal_hit_ratio']:.1%}, pooled-LRU hit "
-        f"{described['pooled_hit_ratio']:.1%}; {len(runs)} runs in {wall_s:.0f} s wall"
-    )
-    write_json(args.json, described, runs, wall_s)
-    print(f"wrote {args.json}")
+    return described, runs, time.perf_counter() - started
+
+
+def check_runs(runs: Sequence[dict]) -> int:
+    """Warn about what makes the figures unreliable; the exit status (1: requests failed)."""
     late = max(run["send_lag_max_s"] for run in runs)
     if late > LATE_WARNING_S:
         print(
@@ -791,15 +945,57 @@ def main(argv: Sequence[str] | None = None) -> int:
     return 1 if errors else 0
 
 
+def peer_binaries(
+    parser: argparse.ArgumentParser, peers: str, bin_dir: Path | None
+) -> dict[str, Path]:
+    """Each requested peer's executable; a usage error names what is missing."""
+    binaries: dict[str, Path] = {}
+    for name in dict.fromkeys(p for p in peers.split(",") if p):
+        if name not in PEERS:
+            parser.error(f"unknown peer {name!r}; choose from {', '.join(PEERS)}")
+        binary = find_binary(PEERS[name], bin_dir)
+        if binary is None:
+            where = bin_dir or "PATH"
+            parser.error(
+                f"{PEERS[name].binary} is not in {where}: pip install the project's routers "
+                "extra (or the wheel) and give --peer-bin-dir"
+            )
+        binaries[name] = binary
+    return binaries
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = parse_args(argv)
+    STOPPING.install()
+    described, runs, wall_s = run_all(build_setup(args), args.log_dir)
+    print(format_table(described, runs))
+    print(
+        f"ideal hit {described['ideal_hit_ratio']:.1%}, pooled-LRU hit "
+        f"{described['pooled_hit_ratio']:.1%}; {len(runs)} runs in {wall_s:.0f} s wall"
+    )
+    write_json(args.json, described, runs, wall_s)
+    print(f"wrote {args.json}")
+    return check_runs(runs)
+
+
 def write_json(path: Path, setup: dict, runs: list[dict], wall_s: float) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     report = {
         "setup": setup,
         "runs": {run["policy"]: run for run in runs},
         "wall_s": wall_s,
-        "machine": {"python": platform.python_version(), "cpus": os.cpu_count()},
+        "machine": machine(),
     }
     path.write_text(json.dumps(json_safe(report), indent=2) + "\n", encoding="utf-8")
+
+
+def machine() -> dict[str, Any]:
+    """Where the figures come from, and how busy the machine was as they were written."""
+    return {
+        "python": platform.python_version(),
+        "cpus": os.cpu_count(),
+        "load_average": os.getloadavg(),
+    }
 
 
 if __name__ == "__main__":

@@ -2,7 +2,8 @@
 
 The benchmark's numbers are only worth reading if every request made it through router,
 conductor and engines, and if the figures it reports are well-formed; this runs
-``--quick`` exactly as a user would and checks both.
+``--quick`` exactly as a user would and checks both, and (when vllm-router and
+sglang-router are installed) a small slice through every peer router.
 """
 
 from __future__ import annotations
@@ -16,10 +17,12 @@ from pathlib import Path
 
 import pytest
 
+from bench.peer_routers import PEERS, find_binary
 from tests.support.store import store_skip_reason
 
 REPO = Path(__file__).resolve().parents[2]
 BUDGET_S = 60.0
+PEER_BIN_ENV = "MOONCAKE_PEER_BIN_DIR"  # a venv's bin with the routers extra; else PATH
 STORE_BUDGET_S = 180.0  # two fleets, one with a store to start and fill
 
 
@@ -75,3 +78,41 @@ def test_a_replay_with_the_store_loads_what_another_engine_saved(tmp_path: Path)
     warm_up_prompt = report["setup"]["warm_up_prompt_tokens"] // 16 * 16
     assert runs["round_robin+store"]["store_loaded_tokens"] >= warm_up_prompt - 16
     assert runs["round_robin+store"]["hit_ratio"] >= runs["round_robin"]["hit_ratio"]
+
+
+def peer_bin_dir() -> Path | None:
+    return Path(os.environ[PEER_BIN_ENV]) if os.environ.get(PEER_BIN_ENV) else None
+
+
+def peers_skip_reason() -> str | None:
+    missing = sorted({p.binary for p in PEERS.values() if find_binary(p, peer_bin_dir()) is None})
+    if missing:
+        where = os.environ.get(PEER_BIN_ENV) or "PATH"
+        return (
+            f"{', '.join(missing)} not in {where}: pip install the project's routers extra "
+            f"(vllm-router, sglang-router) or set {PEER_BIN_ENV} to a venv's bin"
+        )
+    return None
+
+
+@pytest.mark.skipif(peers_skip_reason() is not None, reason=str(peers_skip_reason()))
+def test_every_peer_router_serves_the_same_text_prompts(tmp_path: Path) -> None:
+    """Ours and each peer on a fleet of its own, the same text prompts: every request served,
+    the engines' figures read through every router, each peer's version recorded."""
+    bin_dir = peer_bin_dir()
+    report = run_replay(
+        tmp_path, "--requests", "16", "--engines", "2", "--speedup", "20", "--policies", "ttft",
+        "--peers", ",".join(PEERS), *(("--peer-bin-dir", str(bin_dir)) if bin_dir else ()),
+    )  # fmt: skip
+    assert report["setup"]["prompts"] == "text (stand-in tokenizer)"
+    assert all(peer["version"] != "unknown" for peer in report["setup"]["peers"].values())
+    runs = report["runs"]
+    assert list(runs) == ["ttft", *PEERS]
+    for label, run in runs.items():
+        assert run["errors"] == 0, (label, run["error_samples"])
+        assert run["served"] == run["requests"] == 16, label
+        assert sum(entry["requests"] for entry in run["instances"].values()) == 16, label
+        assert run["ttft_p50_s"] > 0 and run["path_overhead_p50_ms"] is not None, label
+        assert run["routing_cpu_s"] > 0, label
+        assert run["hit_ratio"] > 0, label  # the warm-up's first block, cached everywhere
+    assert runs["ttft"]["overhead_p50_ms"] is not None
