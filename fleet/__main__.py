@@ -176,8 +176,9 @@ class Fleet:
 
 
 def model_directory(spec: fleet_spec.FleetSpec) -> Path | None:
-    """The directory real engines load; the tiny model is written there on first use."""
-    if not spec.has_vllm:
+    """The directory real engines load (and simulators and the router tokenize with); the
+    tiny model is written there on first use."""
+    if not spec.needs_model:
         return None
     if spec.model.path is not None:
         return spec.model.path.expanduser()

@@ -124,6 +124,9 @@ def _engine_plan(
             "--sim-instance-id",
             engine.name,
         ]
+        if spec.model.sim_tokenizer == "model":
+            assert model_dir is not None
+            argv += ["--tokenizer", str(model_dir)]
     return ServicePlan(
         name=engine.name,
         kind=engine.kind,
@@ -137,11 +140,17 @@ def _engine_plan(
 
 
 def router_config(
-    spec: FleetSpec, conductor_url: str, engines: list[ServicePlan], kv_store: str
+    spec: FleetSpec,
+    conductor_url: str,
+    engines: list[ServicePlan],
+    kv_store: str,
+    model_dir: Path | None = None,
 ) -> dict:
     """The router's config (the upstream proxy's layout): each engine under its one name,
-    with the store it saves to (``kv_store``, the master's address; absent: none)."""
+    with the store it saves to (``kv_store``, the master's address; absent: none), and the
+    model directory the engines tokenize with, for the router to tokenize in-process."""
     store = {"kv_store": kv_store} if kv_store else {}
+    tokenizer = {"tokenizer": {"path": str(model_dir)}} if model_dir is not None else {}
     return {
         "conductor": {"address": conductor_url},
         "prefill": {
@@ -162,6 +171,7 @@ def router_config(
             ],
         },
         "routing": {"policy": spec.router.policy},
+        **tokenizer,
     }
 
 
@@ -211,7 +221,7 @@ def make_plan(spec: FleetSpec, run_dir: Path, model_dir: Path | None) -> FleetPl
     router_port = spec.router.port or free_port()
     kv_store = store.address.master if store else ""
     router_path = write_json(
-        run_dir / "router.json", router_config(spec, conductor_url, engines, kv_store)
+        run_dir / "router.json", router_config(spec, conductor_url, engines, kv_store, model_dir)
     )
     router = ServicePlan(
         name="router",

@@ -32,6 +32,9 @@ class ModelSection(_Section):
     name: str = Field(default="tiny-llama", min_length=1)
     # real engines load this directory; absent: the tiny model, written on first use
     path: Path | None = None
+    # what simulated engines tokenize with: "model" is that directory's HF tokenizer and
+    # chat template (the ids real vLLM computes), "stand-in" the simulator's own
+    sim_tokenizer: Literal["model", "stand-in"] = "stand-in"
 
 
 class ServiceSection(_Section):
@@ -94,6 +97,12 @@ class FleetSpec(_Section):
     @property
     def has_vllm(self) -> bool:
         return any(engine.kind == "vllm" for engine in self.engines)
+
+    @property
+    def needs_model(self) -> bool:
+        """Whether any engine reads the model directory (real vLLM, or a simulator
+        tokenizing with it); the router then tokenizes with it too."""
+        return self.has_vllm or self.model.sim_tokenizer == "model"
 
     def vllm_interpreter(self) -> Path:
         return Path(self.vllm_python or DEFAULT_VLLM_PYTHON).expanduser()

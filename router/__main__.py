@@ -14,6 +14,7 @@ from conductor.runtime import add_common_flags, configure_logging, new_event_loo
 
 from . import config as router_config
 from .app import Router, create_app
+from .tokenizer import TokenizerUnavailable
 
 ACCESS_LOG_FORMAT = 'remote=%a request="%r" status=%s bytes=%b seconds=%Tf'
 
@@ -36,8 +37,12 @@ def main(argv: list[str] | None = None) -> None:
         reason = one_line(error) if isinstance(error, ValidationError) else str(error)
         sys.exit(f"mooncake-router: invalid configuration: {reason}")
     configure_logging(args.log_level)
+    try:
+        router = Router(config)
+    except TokenizerUnavailable as error:
+        sys.exit(f"mooncake-router: tokenizer: {error}")
     web.run_app(
-        create_app(Router(config)),
+        create_app(router),
         host=args.host,
         port=args.port,
         access_log=logging.getLogger("router.access") if args.access_log else None,

@@ -38,6 +38,7 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 import aiohttp
+import msgspec
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
@@ -47,12 +48,13 @@ from conductor.states import StoreState
 from . import disagg
 from .conductor_client import MAX_TOKENS, ConductorClient, ConductorUnavailable, Hits
 from .config import LimitsSection, RouterConfig
-from .engine_metrics import engine_in_flight, in_range, parse_metrics
+from .engine_metrics import IN_FLIGHT, engine_in_flight, in_range, parse_metrics
 from .metrics import RouterMetrics
 from .notices import Notices
 from .policy import Decision, RoutingParams, SloViolation, choose, reusable_hits
 from .pool import CostLearner, InstancePool, Ticket, Upstream
-from .store import loads_in
+from .store import STORE_METRICS, loads_in
+from .tokenizer import LocalTokenizer, Unsupported, probes
 from .usage import UsageTap, cached_tokens
 
 log = logging.getLogger(__name__)
@@ -62,7 +64,13 @@ HOP_BY_HOP = {"content-length", "transfer-encoding", "connection", "keep-alive",
 MODELS_RETRY_S = 2.0  # how soon an upstream whose model list is unknown is asked again
 MAX_TTFT_MS = 3_600_000.0  # an engine-reported TTFT past an hour is no measurement
 TOKENIZE_ATTEMPTS = 3  # engines asked for a prompt's tokens before routing without them
+# a body past this many bytes is tokenized in a worker thread (HF tokenizers release the
+# GIL): about 5k tokens, a few ms of encoding. A smaller one is encoded on the loop when it
+# is the only request being routed (no thread hop); in a burst every one goes to a thread,
+# so the encodings run on every core and the loop keeps reading the conductor's answers
+INLINE_TOKENIZE_BYTES = 16 * 1024
 DOWN_TTL_PROBES = 3  # an /instance_down mark lasts this many probe intervals (re-sent)
+SCRAPED_METRICS = frozenset((*IN_FLIGHT, *STORE_METRICS))  # what an engine scrape reads
 ERROR_TYPES = {
     400: "BadRequestError",
     401: "AuthenticationError",
@@ -107,6 +115,7 @@ class Routed:
     body: dict[str, Any]
     raw: bytes  # forwarded as received when nothing needs changing
     prompt_tokens: int
+    tokenized_by: str  # given, local, engine or none (router_tokenize_total's path)
     fallback: str | None  # why the conductor's answer is missing, if it is
     started: float
 
@@ -133,15 +142,24 @@ class Router:
         )
         self.metrics = RouterMetrics()
         self._turn = itertools.count()  # rotates ties between equally good instances
+        self._tokenizing = 0  # requests whose prompt is being tokenized
         self._tokenizer_turn = itertools.count()  # spreads /tokenize calls
         self._rng = random.Random()
         self._sessions: dict[str, aiohttp.ClientSession] = {}
         self._control: aiohttp.ClientSession | None = None
+        self._conductor_session: aiohttp.ClientSession | None = None
         self.conductor: ConductorClient | None = None
         self.notices = Notices(log)
         self.lag = LoopLagMonitor(self.metrics.registry, "router")
         self.tasks: dict[str, SupervisedTask] = {}
         self._health_changed = asyncio.Event()  # wakes the dead-upstream reporter
+        directory = config.tokenizer.directory(config.prefill.config.modelname)
+        # raises TokenizerUnavailable (a ValueError) for a directory it cannot read
+        self.local = LocalTokenizer.load(directory) if directory is not None else None
+        # the paths (completions, chat) the local tokenizer serves: once an engine agreed
+        self.local_paths: set[bool] = set() if config.tokenizer.verify else {False, True}
+        if self.local is not None and self.local.chat_unsupported:
+            log.info("chat prompts go to the engines' /tokenize: %s", self.local.chat_unsupported)
 
     # -- lifecycle -----------------------------------------------------------------------
     async def start(self) -> None:
@@ -162,8 +180,15 @@ class Router:
         for store in self.store_states:
             self.metrics.store_up.labels(store).set(1)
         self._publish_cost_model()
+        # its own pool, uncapped: a query never queues behind other calls for a connection
+        self._conductor_session = aiohttp.ClientSession(
+            connector=aiohttp.TCPConnector(limit=0, keepalive_timeout=60)
+        )
         self.conductor = ConductorClient(
-            self._control, self.config.conductor, self.config.prefill.config, self.notices
+            self._conductor_session,
+            self.config.conductor,
+            self.config.prefill.config,
+            self.notices,
         )
         background: dict[str, Callable[[], Awaitable[None]]] = {
             "learn_models": self._learn_models,  # meanwhile, not after registering
@@ -174,6 +199,9 @@ class Router:
         }
         if self.store_states:  # no store, nothing to watch
             background["watch_stores"] = self._watch_stores
+        if self.local is not None and self.config.tokenizer.verify:
+            background["verify_tokenizer"] = self._verify_tokenizer
+        self._publish_local_paths()
         for name, factory in background.items():
             self.tasks[name] = SupervisedTask(name, factory, self.metrics.task_failures)
             self.tasks[name].start()
@@ -182,7 +210,7 @@ class Router:
 
     async def stop(self) -> None:
         await asyncio.gather(*(task.stop() for task in self.tasks.values()), self.lag.stop())
-        for session in [*self._sessions.values(), self._control]:
+        for session in [*self._sessions.values(), self._control, self._conductor_session]:
             if session is not None:
                 await session.close()
 
@@ -233,7 +261,7 @@ class Router:
             return
         except (aiohttp.ClientError, ValueError):
             return
-        samples, skipped = parse_metrics(text)
+        samples, skipped = parse_metrics(text, SCRAPED_METRICS)
         upstream.engine_in_flight, rejected = engine_in_flight(samples)
         self._rejected("metrics_line", skipped)
         self._rejected("metrics_value", rejected)
@@ -346,16 +374,100 @@ class Router:
                 async with asyncio.timeout(interval):
                     await self._health_changed.wait()
 
+    async def _verify_tokenizer(self) -> None:
+        """Trust the local tokenizer for completions and for chat once an engine's
+        ``/tokenize`` gives the same ids for every probe; a mismatch (or an engine that
+        cannot tokenize chat) leaves that path with the engines for good."""
+        assert self.local is not None
+        pending = {False} if self.local.chat_unsupported else {False, True}
+        while pending:
+            for upstream in self._rotation(self.pool.prefill.values())[:1]:
+                for chat in sorted(pending):
+                    verdict = await self._agrees(upstream, chat)
+                    if verdict is not None:
+                        pending.discard(chat)
+                    if verdict:
+                        self.local_paths.add(chat)
+                        log.info("tokenizing %s prompts in the router", _path_name(chat))
+                self._publish_local_paths()
+            if pending:
+                await asyncio.sleep(MODELS_RETRY_S)
+
+    async def _agrees(self, upstream: Upstream, chat: bool) -> bool | None:
+        """Whether ``upstream``'s /tokenize gives the local ids for every probe of the
+        path; None when it did not answer (asked again later)."""
+        assert self.local is not None
+        for probe_chat, body in probes(self.local, self.config.prefill.config.modelname):
+            if probe_chat != chat:
+                continue
+            try:
+                engine: Any = await self._tokenize_on(upstream, body)
+            except ApiError as error:  # the engine refuses it: so must the router
+                engine = error.message
+            except (aiohttp.ClientError, TimeoutError, ValueError):
+                return None
+            if engine is None:
+                return None
+            try:
+                local: Any = self.local.prompt_ids(chat, body)
+            except Unsupported as unsupported:
+                local = f"unsupported: {unsupported.reason}"
+            if engine != local:
+                log.warning(
+                    "the router's tokenizer disagrees with instance=%s on a %s probe (%s): "
+                    "those prompts keep going to the engines' /tokenize",
+                    upstream.instance_id, _path_name(chat), _difference(local, engine),
+                )  # fmt: skip
+                return False
+        return True
+
+    def _publish_local_paths(self) -> None:
+        for chat in (False, True):
+            active = self.local is not None and chat in self.local_paths
+            self.metrics.local_tokenizer.labels(_path_name(chat)).set(int(active))
+
     # -- deciding ------------------------------------------------------------------------
-    async def tokenize(self, path: str, body: dict[str, Any]) -> list[int] | None:
-        """The prompt's token ids: given in the request, or from a prefill instance's
-        ``/tokenize`` (the engine's own tokenizer); None when no instance could say. A slow
-        or odd tokenizer is skipped for the next one, never taken for a dead engine."""
+    async def tokenize(
+        self, path: str, body: dict[str, Any], raw: bytes
+    ) -> tuple[list[int] | None, str]:
+        """The prompt's token ids and where they came from: given in the request, the
+        router's own tokenizer (``tokenizer``), else a prefill instance's ``/tokenize``;
+        None when no instance could say. A slow or odd tokenizer is skipped for the next
+        one, never taken for a dead engine."""
         prompt = body.get("prompt")
-        if isinstance(prompt, list) and prompt and all(type(t) is int for t in prompt):
-            return prompt
+        if isinstance(prompt, list) and prompt:
+            try:  # checks every id in C: several times faster than a Python loop
+                return msgspec.convert(prompt, list[int], strict=True), "given"
+            except msgspec.ValidationError:  # not ids, or one past 64 bits (still ids)
+                if all(type(t) is int for t in prompt):
+                    return prompt, "given"
+        chat = path.endswith("chat/completions")
+        if self.local is not None and chat in self.local_paths:
+            try:
+                tokens = await self._tokenize_locally(chat, body, len(raw))
+            except Unsupported as unsupported:
+                self.metrics.local_skipped.labels(unsupported.reason).inc()
+            else:
+                self._check_prompt_length(len(tokens))
+                return tokens, "local"
+        tokens = await self._tokenize_remotely(chat, body)
+        return tokens, "none" if tokens is None else "engine"
+
+    async def _tokenize_locally(self, chat: bool, body: dict[str, Any], size: int) -> list[int]:
+        assert self.local is not None
+        if size <= INLINE_TOKENIZE_BYTES and self._tokenizing == 1:
+            return self.local.prompt_ids(chat, body)
+        return await asyncio.to_thread(self.local.prompt_ids, chat, body)
+
+    def _check_prompt_length(self, tokens: int) -> None:
+        limit = self.limits.max_json_items
+        if tokens >= limit:
+            raise ApiError(400, f"the prompt is over the router's limit of {limit} tokens")
+
+    async def _tokenize_remotely(self, chat: bool, body: dict[str, Any]) -> list[int] | None:
+        prompt = body.get("prompt")
         request: dict[str, Any] = {"model": body.get("model")}
-        if path.endswith("chat/completions"):
+        if chat:
             request["messages"] = body.get("messages")
         else:
             request["prompt"] = prompt
@@ -385,9 +497,7 @@ class Router:
             raise ApiError(response.status, _upstream_message(raw.decode(errors="replace")))
         if response.status != 200:
             return None
-        limit = self.limits.max_json_items
-        if raw.count(b",") >= limit:
-            raise ApiError(400, f"the prompt is over the router's limit of {limit} tokens")
+        self._check_prompt_length(raw.count(b","))
         try:
             answer = json.loads(raw)
         except (ValueError, RecursionError):
@@ -412,10 +522,13 @@ class Router:
         if tokens is None:
             return {}, "tokenize_failed"
         assert self.conductor is not None
+        asked = time.perf_counter()
         try:
             hits = await self.conductor.query(tokens, body.get("cache_salt"))
         except ConductorUnavailable:  # logged once by the client, not per request
             return {}, "conductor_unavailable"
+        finally:
+            self.metrics.conductor_query_seconds.observe(time.perf_counter() - asked)
         return reusable_hits(hits, len(tokens), self.params.block_size), None
 
     def decide(
@@ -476,11 +589,16 @@ class Router:
         model = body.get("model")
         if self.pool.serves_nowhere(model):  # vLLM's own answer, without a round trip
             raise ApiError(404, f"The model `{model}` does not exist.", "NotFoundError", "model")
-        tokens = await self.tokenize(request.path, body)
+        self._tokenizing += 1
+        try:
+            tokens, tokenized_by = await self.tokenize(request.path, body, raw)
+        finally:
+            self._tokenizing -= 1
+        self.metrics.tokenized.labels(tokenized_by).inc()
         hits, fallback = await self.hits(tokens, body)
         if fallback:
             self.metrics.fallbacks.labels(fallback).inc()
-        routed = Routed(body, raw, len(tokens or ()), fallback, started)
+        routed = Routed(body, raw, len(tokens or ()), tokenized_by, fallback, started)
         self.metrics.prompt_tokens.inc(routed.prompt_tokens)
         failed: set[str] = set()
         last: UpstreamFailed | None = None
@@ -510,6 +628,7 @@ class Router:
             "x-conductor-prefill-instance": prefill.instance_id,
             "x-conductor-cached-tokens": str(decision.cached_tokens),
             "x-conductor-policy": decision.policy,
+            "x-conductor-tokenized-by": routed.tokenized_by,
             "x-conductor-overhead-ms": f"{(time.perf_counter() - routed.started) * 1000:.3f}",
         }
         if routed.fallback:
@@ -777,7 +896,7 @@ async def read_json_body(
         raise ApiError(400, f"request body has over {limits.max_json_items} JSON values")
     too_deep = ApiError(400, f"request body is nested deeper than {limits.max_json_depth} levels")
     try:
-        body = json.loads(raw)
+        body = _loads(raw)
     except RecursionError:  # nested past the interpreter's limit: over ours too
         raise too_deep from None
     except ValueError:
@@ -793,6 +912,31 @@ async def read_json_body(
     if "model" not in body:
         raise ApiError(400, "`model` is required", param="model")
     return body, raw
+
+
+def _loads(raw: bytes) -> Any:
+    """``json.loads``, through msgspec (several times faster on token lists) when it can:
+    what msgspec refuses (NaN, huge numbers, lone surrogates, deep nesting) takes the
+    standard parser, so every body means what it meant."""
+    try:
+        return msgspec.json.decode(raw)
+    except (msgspec.MsgspecError, RecursionError):
+        return json.loads(raw)
+
+
+def _path_name(chat: bool) -> str:
+    return "chat" if chat else "completions"
+
+
+def _difference(local: Any, engine: Any) -> str:
+    """Where the router's ids first differ from an engine's answer, for the log."""
+    if not isinstance(engine, list) or not isinstance(local, list):
+        return f"the router has {local!r:.100}, the engine answered {engine!r:.200}"
+    at = next((i for i, (a, b) in enumerate(zip(local, engine, strict=False)) if a != b), None)
+    at = min(len(local), len(engine)) if at is None else at
+    return (
+        f"first difference at token {at}: router {local[at : at + 5]} engine {engine[at : at + 5]}"
+    )
 
 
 def _deeper_than(value: Any, limit: int) -> bool:

@@ -10,6 +10,11 @@ one that answered last, else the next in order (each within the query timeout). 
 conductor's token (``auth_token``) goes as ``Authorization: Bearer`` on every call. A
 conductor that stops answering is logged once, then as a periodic reminder, and its return
 once.
+
+A query past its timeout is not cut: the router routes without it, and the answer is still
+read (within the control timeout) so that its keep-alive connection serves the next query.
+Cutting it closed the connection, and under load every timeout then cost a new TCP
+connection on both sides, which made the next query later still.
 """
 
 from __future__ import annotations
@@ -35,6 +40,7 @@ log = logging.getLogger(__name__)
 MSGPACK = "application/msgpack"
 Hits = dict[str, tuple[int, int, int]]
 MAX_TOKENS = 2**31 - 1  # the Go API's int32: a larger hit is no hit this router believes
+MAX_LATE_CALLS = 32  # late answers still read in the background; past it, calls are cut
 T = TypeVar("T")
 
 
@@ -71,6 +77,7 @@ class ConductorClient:
         self._auth = {"Authorization": f"Bearer {token}"} if token else {}
         self._headers = {"Content-Type": MSGPACK, "Accept": MSGPACK, **self._auth}
         self._registered: set[str] = set()  # conductors whose last registration round worked
+        self._late: set[asyncio.Future[Any]] = set()  # calls past their timeout, still read
 
     def states(self) -> dict[str, ConductorState]:
         """Each conductor: ``down`` while its calls fail, else ``up``."""
@@ -217,6 +224,31 @@ class ConductorClient:
     def _control_timeout(self) -> float:
         return max(self._section.query_timeout_seconds, 1.0)
 
+    async def _post_within(
+        self, url: str, path: str, body: dict[str, Any], timeout: float
+    ) -> tuple[int, Any]:
+        """``_post`` awaited for ``timeout``; past it TimeoutError, while the call goes on
+        in the background (within the control timeout) and keeps its connection. A
+        conductor that answers nothing at all would pile such calls up: past
+        ``MAX_LATE_CALLS`` they are cut."""
+        call = asyncio.ensure_future(self._post(url, path, body, self._control_timeout()))
+        try:
+            async with asyncio.timeout(timeout):
+                return await asyncio.shield(call)
+        except TimeoutError:
+            if len(self._late) >= MAX_LATE_CALLS:
+                call.cancel()
+            else:
+                self._late.add(call)
+            call.add_done_callback(self._forget_late)
+            raise
+
+    def _forget_late(self, call: asyncio.Future[Any]) -> None:
+        """A late answer nobody waits for: its outcome, failure included, is dropped."""
+        self._late.discard(call)
+        if not call.cancelled():
+            call.exception()
+
     # -- questions -------------------------------------------------------------------------
     async def store_states(self, timeout: float) -> dict[str, StoreState]:
         """Each Mooncake store's state as the conductor's ``/health`` reports it (``up``,
@@ -253,8 +285,8 @@ class ConductorClient:
 
         async def ask(url: str) -> Hits:
             try:
-                status, answer = await self._post(
-                    url, "/query", body, timeout=self._section.query_timeout_seconds
+                status, answer = await self._post_within(
+                    url, "/query", body, self._section.query_timeout_seconds
                 )
             except (aiohttp.ClientError, TimeoutError) as error:
                 raise ConductorUnavailable(f"query failed: {error!r}") from None

@@ -112,6 +112,24 @@ class LimitsSection(_Section):
     body_read_timeout_seconds: float = Field(default=30.0, gt=0)
 
 
+class TokenizerSection(_Section):
+    """Ours: tokenize in the router with a model directory's HF tokenizer (tokenizer.json,
+    tokenizer_config.json's chat template) instead of asking an engine's ``/tokenize``."""
+
+    # the model directory; absent: the served model's name when it is a local directory
+    # holding a tokenizer.json, else every prompt goes to an engine's /tokenize
+    path: Path | None = None
+    # compare with an engine's /tokenize (a few probe prompts) before trusting it
+    verify: bool = True
+
+    def directory(self, modelname: str) -> Path | None:
+        """The directory to load: ``path``, else ``modelname`` when it names one."""
+        if self.path is not None:
+            return self.path.expanduser()
+        candidate = Path(modelname).expanduser()
+        return candidate if (candidate / "tokenizer.json").is_file() else None
+
+
 class StreamRegistration(_Section):
     """One KV-event stream of a prefill instance (one per DP rank)."""
 
@@ -195,6 +213,7 @@ class RouterConfig(_Section):
     routing: RoutingSection = RoutingSection()
     upstream: UpstreamSection = UpstreamSection()
     limits: LimitsSection = LimitsSection()
+    tokenizer: TokenizerSection = TokenizerSection()
 
     @model_validator(mode="after")
     def _balancing_needs_a_store(self) -> RouterConfig:
@@ -239,6 +258,7 @@ FLAG_KEYS: dict[str, tuple[str, ...]] = {
     "policy": ("routing", "policy"),
     "ttft_slo_ms": ("routing", "ttft_slo_ms"),
     "max_body_bytes": ("limits", "max_body_bytes"),
+    "tokenizer": ("tokenizer", "path"),
 }
 # environment variable → where its value goes (below flags, above the file)
 ENV_KEYS: dict[str, tuple[str, ...]] = {
@@ -344,6 +364,11 @@ def add_cli_flags(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--ttft-slo-ms", type=float)
     parser.add_argument("--max-body-bytes", type=int, help="default 8 MiB")
+    parser.add_argument(
+        "--tokenizer",
+        help="model directory whose HF tokenizer the router tokenizes with (default: the "
+        "served model's name when it is a local directory; else engines' /tokenize)",
+    )
 
 
 def load(args: argparse.Namespace, environ: Mapping[str, str] = os.environ) -> RouterConfig:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import math
 import re
+from collections.abc import Collection
 from dataclasses import dataclass
 
 SAMPLE = re.compile(
@@ -48,13 +49,18 @@ def _labels(text: str | None) -> dict[str, str] | None:
     return labels if end == len(text) else None
 
 
-def parse_metrics(text: str) -> tuple[list[Sample], int]:
-    """The samples of a Prometheus text and how many non-comment lines were skipped."""
+def parse_metrics(text: str, wanted: Collection[str] | None = None) -> tuple[list[Sample], int]:
+    """The samples of a Prometheus text and how many non-comment lines were skipped. With
+    ``wanted``, only those metrics' labels and values are read (a scrape's other lines,
+    most of them, are only checked for their shape): the router scrapes every engine
+    every few seconds, and reading every label of every line was most of that work."""
     samples, skipped = [], 0
     for line in text.splitlines():
         if not line.strip() or line.startswith("#"):
             continue
         match = SAMPLE.match(line.strip())
+        if match and wanted is not None and match.group("name") not in wanted:
+            continue
         labels = _labels(match.group("labels")) if match else None
         try:
             value = float(match.group("value")) if match else math.nan

@@ -51,8 +51,36 @@ class RouterMetrics:
         )
         self.proxy_seconds = Histogram(
             "router_overhead_seconds",
-            "Time spent in the router before the request is forwarded",
+            "Time spent in the router before the request is forwarded (reading the body, "
+            "tokenizing, the conductor's answer, the choice)",
             buckets=(0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.25),
+            registry=registry,
+        )
+        self.tokenized = Counter(
+            "router_tokenize_total",
+            "Prompts by where their token ids came from: given (token ids in the request), "
+            "local (the router's own tokenizer), engine (an engine's /tokenize), none",
+            ["path"],
+            registry=registry,
+        )
+        self.local_skipped = Counter(
+            "router_tokenize_local_skipped_total",
+            "Prompts the router's tokenizer left to an engine's /tokenize, by reason "
+            "(a request field, content or template it does not reproduce exactly)",
+            ["reason"],
+            registry=registry,
+        )
+        self.local_tokenizer = Gauge(
+            "router_local_tokenizer_active",
+            "1 while the router tokenizes this path itself (after an engine's /tokenize "
+            "agreed with it on the probe prompts)",
+            ["path"],
+            registry=registry,
+        )
+        self.conductor_query_seconds = Histogram(
+            "router_conductor_query_seconds",
+            "A conductor /query as the router waits for it (failed ones included)",
+            buckets=(0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5),
             registry=registry,
         )
         self.ttft_seconds = Histogram(

@@ -19,6 +19,7 @@ from .engine_metrics import Sample, parse_metrics
 HIT_TOKENS = "vllm:external_prefix_cache_hits_total"
 LOAD_BYTES = "vllm:mooncake_store_operation_bytes_total"
 LOAD_SECONDS = "vllm:mooncake_store_operation_time_seconds_sum"
+STORE_METRICS = (HIT_TOKENS, LOAD_BYTES, LOAD_SECONDS)  # what ``loads_in`` reads
 
 
 @dataclass(frozen=True, slots=True)
@@ -52,7 +53,7 @@ def loads_in(samples: list[Sample]) -> StoreLoads | None:
     engine's (no external prefix-cache counter). Reads not reported yet count as 0:
     labelled counters appear at their first increment. Lines that do not parse are
     skipped (``engine_metrics``)."""
-    totals = {HIT_TOKENS: 0.0, LOAD_BYTES: 0.0, LOAD_SECONDS: 0.0}
+    totals = dict.fromkeys(STORE_METRICS, 0.0)
     seen = set()
     for sample in samples:
         if sample.name not in totals:

@@ -27,6 +27,7 @@ import signal
 import sys
 from collections.abc import AsyncIterator
 from dataclasses import fields
+from pathlib import Path
 from typing import Any, Literal
 
 import aiohttp
@@ -46,7 +47,7 @@ from .scheduler import DEFAULT_MAX_NUM_BATCHED_TOKENS, DEFAULT_MAX_NUM_SEQS, Sch
 from .server import ServerSettings, create_app
 from .store_tier import KVTransferConfig, StoreTier, connect
 from .timing import TimingModel
-from .tokenizer import Tokenizer
+from .tokenizer import EngineTokenizer, ModelTokenizer, Tokenizer
 
 log = logging.getLogger("publishers.engine")
 
@@ -94,6 +95,12 @@ def build_parser() -> argparse.ArgumentParser:
     vllm = parser.add_argument_group("vLLM flags (same names and meanings)")
     vllm.add_argument("model", nargs="?", default=DEFAULT_MODEL, help="model name to report")
     vllm.add_argument("--served-model-name", nargs="+", help="names the API accepts")
+    vllm.add_argument(
+        "--tokenizer",
+        type=Path,
+        help="an HF model directory to tokenize with, as vLLM does (tokenizer.json and its "
+        "chat template); default: the simulator's stand-in tokenizer",
+    )
     vllm.add_argument("--host", help="HTTP address (default: every interface)")
     vllm.add_argument("--port", type=int, default=8000)
     vllm.add_argument("--block-size", type=int, default=16)
@@ -375,7 +382,9 @@ def add_lifecycle(
 async def serve(args: argparse.Namespace) -> None:
     """Run until SIGINT/SIGTERM; the app's lifecycle (``add_lifecycle``) opens and closes
     everything else."""
-    tokenizer = Tokenizer()
+    tokenizer: EngineTokenizer = (
+        Tokenizer() if args.tokenizer is None else ModelTokenizer(args.tokenizer)
+    )
     timing = timing_model(args)
     hasher = BlockHasher(args.prefix_caching_hash_algo, os.environ.get("PYTHONHASHSEED"))
     blocks = BlockManager(

@@ -42,7 +42,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 from .loop import EngineError, EngineLoop, RequestStream
 from .metrics import EngineMetrics
 from .scheduler import EngineRequest
-from .tokenizer import Tokenizer
+from .tokenizer import EngineTokenizer
 
 log = logging.getLogger(__name__)
 
@@ -323,7 +323,7 @@ def _sse(payload: object) -> bytes:
 class _Generation:
     """A request's text, token by token, cut at the first stop string."""
 
-    def __init__(self, stream: RequestStream, tokenizer: Tokenizer, stops: list[str]) -> None:
+    def __init__(self, stream: RequestStream, tokenizer: EngineTokenizer, stops: list[str]) -> None:
         self.stream = stream
         self.request = stream.request
         self.text = ""
@@ -369,7 +369,7 @@ class EngineApi:
     def __init__(
         self,
         engine: EngineLoop,
-        tokenizer: Tokenizer,
+        tokenizer: EngineTokenizer,
         settings: ServerSettings,
         metrics: EngineMetrics,
     ) -> None:
@@ -383,7 +383,7 @@ class EngineApi:
     async def completions(self, request: web.Request) -> web.StreamResponse:
         body = await _parse(request, CompletionBody)
         prompt = body.prompt
-        token_ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else prompt
+        token_ids = self.tokenizer.encode_prompt(prompt) if isinstance(prompt, str) else prompt
         return await self._generate(request, body, token_ids, body.max_tokens, COMPLETION)
 
     async def chat_completions(self, request: web.Request) -> web.StreamResponse:
@@ -398,7 +398,7 @@ class EngineApi:
         if body.messages is not None:
             tokens = self._chat_tokens(body.messages, body.add_generation_prompt)
         elif isinstance(body.prompt, str):
-            tokens = self.tokenizer.encode(body.prompt)
+            tokens = self.tokenizer.encode_prompt(body.prompt)
         else:
             tokens = list(body.prompt or [])
         return web.json_response(
@@ -460,7 +460,7 @@ class EngineApi:
         """vLLM's scale-out render: the token-in request a ``/generate`` server would take."""
         body = await _parse_render(request, self.settings, CompletionBody)
         prompt = body.prompt
-        token_ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else prompt
+        token_ids = self.tokenizer.encode_prompt(prompt) if isinstance(prompt, str) else prompt
         if not token_ids:
             raise ApiError(400, "Either prompt or prompt_embeds must be provided and non-empty.",
                            "prompt")  # fmt: skip
@@ -650,12 +650,11 @@ class EngineApi:
 
     def _chat_tokens(self, messages: list[ChatMessage], add_generation_prompt: bool) -> list[int]:
         try:
-            text = self.tokenizer.apply_chat_template(
+            return self.tokenizer.chat_prompt(
                 [message.model_dump() for message in messages], add_generation_prompt
             )
         except ValueError as error:
             raise ApiError(400, str(error), "messages") from None
-        return self.tokenizer.encode(text)
 
     def _transfer_answer(self, request: EngineRequest) -> dict[str, Any] | None:
         """What the decode instance needs (vLLM NIXL's names), for a remote-decode prefill.
@@ -729,7 +728,7 @@ async def _errors(
 
 
 def create_app(
-    engine: EngineLoop, tokenizer: Tokenizer, settings: ServerSettings, metrics: EngineMetrics
+    engine: EngineLoop, tokenizer: EngineTokenizer, settings: ServerSettings, metrics: EngineMetrics
 ) -> web.Application:
     """The aiohttp app; the engine loop's lifecycle is the caller's (``__main__``)."""
     api = EngineApi(engine, tokenizer, settings, metrics)

@@ -19,6 +19,11 @@ KV caching and routing:
   ``encode(decode(ids)) == ids``. Generated text sent back in the next chat turn thus
   re-tokenizes to the generated ids and hits the blocks the engine cached while decoding.
 - The chat special tokens (``<|im_start|>`` ...) are single tokens at the top of the vocabulary.
+
+``ModelTokenizer`` is the other choice (``--tokenizer DIR``): a model directory's HF tokenizer
+and chat template, through the router's own tokenizer (``router.tokenizer``), so the
+simulator's ids are the ones vLLM serving that model computes and the router, given the
+same directory, agrees with every engine without asking.
 """
 
 from __future__ import annotations
@@ -26,8 +31,11 @@ from __future__ import annotations
 import re
 from collections.abc import Mapping, Sequence
 from itertools import product
+from pathlib import Path
 
 import xxhash
+
+from router.tokenizer import LocalTokenizer, Unsupported
 
 DEFAULT_VOCAB_SIZE = 151_936  # Qwen2 / Qwen2.5
 SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
@@ -66,6 +74,16 @@ class Tokenizer:
         while len(_SYLLABLES) ** self._syllables_per_word < self.num_ordinary:
             self._syllables_per_word += 1
         self._piece_ids: dict[str, tuple[int, ...]] = {}
+
+    def encode_prompt(self, text: str) -> list[int]:
+        """A completion prompt's ids (the stand-in has no BOS to add)."""
+        return self.encode(text)
+
+    def chat_prompt(
+        self, messages: Sequence[Mapping[str, object]], add_generation_prompt: bool
+    ) -> list[int]:
+        """A chat's ids; raises ValueError for content it cannot render."""
+        return self.encode(self.apply_chat_template(messages, add_generation_prompt))
 
     def encode(self, text: str) -> list[int]:
         ids: list[int] = []
@@ -140,6 +158,35 @@ class Tokenizer:
         return " " + "".join(reversed(syllables))
 
 
+class ModelTokenizer:
+    """A model directory's HF tokenizer with the interface the simulator uses."""
+
+    def __init__(self, directory: Path) -> None:
+        self._model = LocalTokenizer.load(directory)  # raises ValueError
+        self.vocab_size = self._model.vocab_size
+        # generated tokens are drawn from every id: a special one decodes to its text,
+        # which encodes back to it
+        self.num_ordinary = self.vocab_size
+
+    def encode_prompt(self, text: str) -> list[int]:
+        """A completion prompt's ids, special tokens added as vLLM adds them."""
+        return self._model.encode(text, add_special_tokens=True)
+
+    def chat_prompt(
+        self, messages: Sequence[Mapping[str, object]], add_generation_prompt: bool
+    ) -> list[int]:
+        """A chat's ids as vLLM computes them; raises ValueError for what the router's
+        tokenizer does not render (vLLM would, differently or with a 400)."""
+        try:
+            text = self._model.render_chat(list(messages), add_generation_prompt)
+        except Unsupported as unsupported:
+            raise ValueError(f"the simulator cannot render this chat: {unsupported}") from None
+        return self._model.encode(text, add_special_tokens=False)
+
+    def decode(self, ids: Sequence[int]) -> str:
+        return self._model.decode(list(ids))
+
+
 def _role(message: Mapping[str, object]) -> str:
     role = message.get("role")
     if not isinstance(role, str) or not role:
@@ -161,3 +208,6 @@ def _content_text(content: object) -> str:
             texts.append(text)
         return "\n".join(texts)
     raise ValueError("message content must be a string, a list of text parts or null")
+
+
+EngineTokenizer = Tokenizer | ModelTokenizer  # what the simulator's API tokenizes with

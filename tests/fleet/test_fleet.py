@@ -17,6 +17,8 @@ import pytest
 from fleet.plan import cpu_share, make_plan
 from fleet.service import SERVICE_PORTS
 from fleet.spec import FleetSpec
+from fleet.tiny_model import write_tiny_model
+from tests.support.api import eventually, metric
 from tests.support.fleet import FleetProcess
 
 SIM_FLEET = {
@@ -293,3 +295,40 @@ def test_the_store_process_is_ready_once_the_master_counts_its_memory() -> None:
     assert segment_mounted(64 << 20, metrics.format(64 << 20))
     assert segment_mounted(64 << 20, metrics.format("6.7108864e+07"))
     assert not segment_mounted(64 << 20, "master_total_capacity_bytes_x 99999999999\n")
+
+
+def test_simulators_tokenizing_with_the_model_hand_it_to_the_router(tmp_path: Path) -> None:
+    spec = FleetSpec.model_validate(SIM_FLEET | {"model": {"sim_tokenizer": "model"}})
+    plan = make_plan(spec, tmp_path, model_dir=tmp_path / "model")
+    for engine in plan.engines:
+        assert engine.argv[engine.argv.index("--tokenizer") + 1] == str(tmp_path / "model")
+    router = json.loads((tmp_path / "router.json").read_text())
+    assert router["tokenizer"] == {"path": str(tmp_path / "model")}
+    stand_in = make_plan(FleetSpec.model_validate(SIM_FLEET), tmp_path / "b", model_dir=None)
+    assert not any("--tokenizer" in engine.argv for engine in stand_in.engines)
+    assert "tokenizer" not in json.loads((tmp_path / "b" / "router.json").read_text())
+
+
+async def test_a_sim_fleet_on_the_model_tokenizer_tokenizes_in_the_router(tmp_path: Path) -> None:
+    model = write_tiny_model(tmp_path / "model")
+    spec = SIM_FLEET | {"model": {"path": str(model), "sim_tokenizer": "model"}}
+    fleet = FleetProcess(tmp_path / "run", spec)
+    try:
+        router = fleet.wait_ready(timeout=60)["router"]["url"]
+        body = {"model": "tiny-llama", "messages": [{"role": "user", "content": PROMPT}]}
+        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=10)) as http:
+            await eventually(
+                lambda: metric(http, router, 'router_local_tokenizer_active{path="chat"}'),
+                lambda value: value == 1,
+            )
+            headers = []
+            for _ in range(2):
+                async with http.post(
+                    f"{router}/v1/chat/completions", json=body | {"max_tokens": 2}
+                ) as response:
+                    assert response.status == 200, await response.text()
+                    headers.append(response.headers)
+        assert [h["x-conductor-tokenized-by"] for h in headers] == ["local", "local"]
+        assert int(headers[1]["x-conductor-cached-tokens"]) > 0
+    finally:
+        fleet.stop()

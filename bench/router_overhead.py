@@ -1,0 +1,217 @@
+"""The router's own overhead: its ``x-conductor-overhead-ms`` (body read, tokenize, the
+conductor's answer, the choice; upstream time excluded), idle and under bursts.
+
+Starts a conductor, simulated engines that tokenize with the tiny model's HF tokenizer
+(``--tokenizer``) and one router per way of getting a prompt's ids, then sends the same
+text prompts (chat and completions, about ``--prompt-tokens`` each) to each router:
+
+- ``local``: the router tokenizes in-process (``tokenizer.path``, once an engine agreed);
+- ``engine``: the router asks an engine's ``/tokenize`` (no tokenizer configured);
+- ``ids``: the prompt is token ids already (what ``bench.router_replay`` sends).
+
+``idle``: one request at a time. ``burst``: ``--burst`` requests at once, then a pause (the
+conversation replay's bursts are 16). Also reads each router's conductor-query and loop-lag
+histograms. Run under the shared lock, on a quiet machine for figures to publish:
+
+    flock /tmp/bench.lock python -m bench.router_overhead [--requests 200] [--json FILE]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import random
+import re
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+
+from bench.stats import bucket_quantile, percentile
+from fleet.tiny_model import write_tiny_model
+from publishers.local import LocalService
+from router.tokenizer import LocalTokenizer
+
+MODEL = "tiny-llama"
+BLOCK = 16
+MODES = ("local", "engine", "ids")
+READY_TIMEOUT_S = 30.0
+
+
+def prompts(tokenizer: LocalTokenizer, count: int, tokens: int, seed: int) -> list[str]:
+    """Texts of ``tokens`` tokens (words the tokenizer holds whole, each with its leading
+    space), sharing their first half in groups of four (as conversations do)."""
+    rng = random.Random(seed)
+    words = [tokenizer.decode([i]) for i in range(tokenizer.vocab_size)]
+    vocab = [w for w in words if w.startswith(" ") and w[1:].isalpha()]
+    half = tokens // 2
+    shared = ["".join(rng.choices(vocab, k=half)) for _ in range(count // 4 + 1)]
+    return [shared[n // 4] + "".join(rng.choices(vocab, k=tokens - half)) for n in range(count)]
+
+
+def bodies(texts: list[str], mode: str, tokenizer: LocalTokenizer) -> list[tuple[str, dict]]:
+    """(path, body) per text, alternating completions and chat (ids: completions only)."""
+    out = []
+    for n, text in enumerate(texts):
+        body: dict[str, Any] = {"model": MODEL, "max_tokens": 1}
+        if mode == "ids":
+            out.append(("/v1/completions", body | {"prompt": tokenizer.encode(text, True)}))
+        elif n % 2:
+            messages = [{"role": "user", "content": text}]
+            out.append(("/v1/chat/completions", body | {"messages": messages}))
+        else:
+            out.append(("/v1/completions", body | {"prompt": text}))
+    return out
+
+
+async def send(http: aiohttp.ClientSession, url: str, path: str, body: dict) -> float:
+    async with http.post(url + path, json=body) as response:
+        await response.read()
+        if response.status != 200:
+            raise RuntimeError(f"{path}: HTTP {response.status}")
+        if response.headers.get("x-conductor-fallback"):
+            print(f"  fallback: {response.headers['x-conductor-fallback']}")
+        return float(response.headers["x-conductor-overhead-ms"])
+
+
+async def idle(http: aiohttp.ClientSession, url: str, requests: list) -> list[float]:
+    return [await send(http, url, path, body) for path, body in requests]
+
+
+async def bursts(
+    http: aiohttp.ClientSession, url: str, requests: list, size: int, pause_s: float
+) -> list[float]:
+    overheads: list[float] = []
+    for start in range(0, len(requests), size):
+        group = requests[start : start + size]
+        overheads += await asyncio.gather(*(send(http, url, p, b) for p, b in group))
+        await asyncio.sleep(pause_s)
+    return overheads
+
+
+def quantiles(values: list[float]) -> dict[str, float]:
+    ordered = sorted(values)
+    return {"p50_ms": percentile(ordered, 50), "p99_ms": percentile(ordered, 99)}
+
+
+async def histogram(http: aiohttp.ClientSession, url: str, name: str) -> dict[str, float]:
+    """p50/p99 (ms) of one of the router's histograms (Prometheus' interpolation)."""
+    async with http.get(url + "/metrics") as response:
+        text = await response.text()
+    buckets = [
+        (float(le), float(count))
+        for le, count in re.findall(rf'^{name}_bucket{{le="([^"]+)"}} (\S+)$', text, re.M)
+    ]
+    return {f"p{q}_ms": bucket_quantile(buckets, q / 100) * 1000 for q in (50, 99)}
+
+
+async def wait_local(http: aiohttp.ClientSession, url: str) -> None:
+    """Until the router trusts its tokenizer on both paths (an engine agreed)."""
+    deadline = time.monotonic() + READY_TIMEOUT_S
+    while time.monotonic() < deadline:
+        async with http.get(url + "/metrics") as response:
+            text = await response.text()
+        if len(re.findall(r"^router_local_tokenizer_active\{[^}]*\} 1\.0$", text, re.M)) == 2:
+            return
+        await asyncio.sleep(0.2)
+    raise TimeoutError("the router did not start tokenizing in-process")
+
+
+def start(run_dir: Path, model_dir: Path, engines: int) -> tuple[list[LocalService], dict]:
+    """A conductor and the engines; the routers' shared config layout."""
+    conductor_config = run_dir / "conductor.json"
+    conductor_config.write_text(json.dumps({"register_allow": ["127.0.0.0/8"]}))
+    services = [LocalService(run_dir, "conductor", "conductor", "--config", str(conductor_config))]
+    instances = []
+    for n in range(engines):
+        engine = LocalService(
+            run_dir, f"engine-{n}", "publishers.engine",
+            "--served-model-name", MODEL, "--block-size", str(BLOCK), "--tokenizer",
+            str(model_dir), "--sim-time-scale", "0.01", "--sim-instance-id", f"e{n}",
+        )  # fmt: skip
+        services.append(engine)
+        instances.append({"instance_id": f"e{n}", "http_endpoint": engine.url})
+    layout = {
+        "conductor": {"address": services[0].url},
+        "prefill": {"config": {"modelname": MODEL, "block_size": BLOCK}, "instances": instances},
+        "routing": {"policy": "ttft"},
+    }
+    return services, layout
+
+
+def router(run_dir: Path, layout: dict, mode: str, model_dir: Path) -> LocalService:
+    config = layout | ({"tokenizer": {"path": str(model_dir)}} if mode == "local" else {})
+    path = run_dir / f"router-{mode}.json"
+    path.write_text(json.dumps(config))
+    return LocalService(run_dir, f"router-{mode}", "router", "--config", str(path))
+
+
+async def measure(args: argparse.Namespace, run_dir: Path) -> dict[str, Any]:
+    model_dir = write_tiny_model(run_dir / "model")
+    tokenizer = LocalTokenizer.load(model_dir)
+    texts = prompts(tokenizer, args.requests, args.prompt_tokens, seed=1)
+    services, layout = start(run_dir, model_dir, args.engines)
+    routers = {mode: router(run_dir, layout, mode, model_dir) for mode in MODES}
+    results: dict[str, Any] = {}
+    try:
+        for service in [*services, *routers.values()]:
+            service.wait_ready()
+        timeout = aiohttp.ClientTimeout(total=60)
+        async with aiohttp.ClientSession(timeout=timeout) as http:
+            await wait_local(http, routers["local"].url)
+            for mode, service in routers.items():
+                requests = bodies(texts, mode, tokenizer)
+                await idle(http, service.url, requests[:10])  # warm: connections, caches
+                results[mode] = {
+                    "idle": quantiles(await idle(http, service.url, requests)),
+                    "burst": quantiles(
+                        await bursts(http, service.url, requests, args.burst, args.pause_s)
+                    ),
+                    "conductor_query": await histogram(
+                        http, service.url, "router_conductor_query_seconds"
+                    ),
+                    "loop_lag": await histogram(http, service.url, "router_event_loop_lag_seconds"),
+                }
+                print(f"{mode:>6}: {json.dumps(results[mode])}", flush=True)
+    finally:
+        for service in [*routers.values(), *services]:
+            service.stop()
+    return results
+
+
+def table(results: dict[str, Any], args: argparse.Namespace) -> str:
+    lines = [
+        f"router overhead (ms), {args.requests} prompts of ~{args.prompt_tokens} tokens, "
+        f"bursts of {args.burst}",
+        "| prompt ids | idle p50 | idle p99 | burst p50 | burst p99 | conductor p50 | p99 |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for mode, r in results.items():
+        cells = [r["idle"]["p50_ms"], r["idle"]["p99_ms"], r["burst"]["p50_ms"]]
+        cells += [r["burst"]["p99_ms"], *r["conductor_query"].values()]
+        lines.append(f"| {mode} | " + " | ".join(f"{c:.2f}" for c in cells) + " |")
+    return "\n".join(lines)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--requests", type=int, default=200)
+    parser.add_argument("--prompt-tokens", type=int, default=1000)
+    parser.add_argument("--engines", type=int, default=2)
+    parser.add_argument("--burst", type=int, default=16)
+    parser.add_argument("--pause-s", type=float, default=0.2)
+    parser.add_argument("--json", type=Path)
+    args = parser.parse_args()
+    with tempfile.TemporaryDirectory(prefix="router-overhead-") as run_dir:
+        results = asyncio.run(measure(args, Path(run_dir)))
+    print(table(results, args))
+    if args.json:
+        args.json.write_text(json.dumps({"setup": vars(args) | {"json": str(args.json)},
+                                         "results": results}, indent=2))  # fmt: skip
+
+
+if __name__ == "__main__":
+    main()
