@@ -48,7 +48,7 @@ class StreamLimits:
     replay_deadline_s: float = 30.0  # for the whole replay, however much its endpoint sends
     max_dp_ranks: int = 16  # DP ranks one registration's batches may create; beyond: dropped
     max_lora_contexts: int = 64  # LoRA contexts one registration may create; beyond: dropped
-    # a silent publisher is dropped after this (ZMQ heartbeats; plus one heartbeat interval)
+    # a silent publisher is dropped after this (TCP keepalive; plus one probe interval)
     publisher_timeout_s: float = 3.0
 
     def __post_init__(self) -> None:

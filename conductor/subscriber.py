@@ -12,8 +12,13 @@ network broke) the owner's blocks are cleared, because the conductor can no long
 what the engine holds; on every (re)connection the stream is read from the start of the
 publisher's replay buffer, without waiting for its next batch. A publisher whose process
 dies is noticed at once (its kernel closes the connection); one that vanished without
-closing it (a partition, a frozen host) is dropped by ZMQ heartbeats: its blocks leave the
-index within ``publisher_timeout_s`` + one heartbeat interval (``HEARTBEAT_IVL_MS``).
+closing it (a partition, a frozen host) is dropped by TCP keepalive: its blocks leave the
+index within ``publisher_timeout_s`` + one probe interval (``KEEPALIVE_S``). Not ZMTP
+heartbeats: once a stream's receive queue is full libzmq stops reading its connection, so
+it misses the heartbeat replies of a healthy publisher and drops it exactly when the
+conductor is busiest (libzmq 4.3.5 can then abort on the reconnect, zeromq/libzmq#3937);
+the kernel answers keepalive probes whatever the application reads. The cost: a publisher
+process that hangs on a live host is not noticed.
 
 Bounds: a message larger than ``max_message_bytes`` drops the connection (ZMQ MAXMSGSIZE;
 it reconnects and catches up). Live batches wait in the SUB queue while a replay runs; its
@@ -32,6 +37,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
+import math
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -61,7 +67,7 @@ log = logging.getLogger(__name__)
 
 RECONNECT_MIN_MS = 100
 RECONNECT_MAX_MS = 5000
-HEARTBEAT_IVL_MS = 1000
+KEEPALIVE_S = 1  # idle time before the first TCP keepalive probe, and between probes
 MONITOR_EVENTS = zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED | zmq.EVENT_CONNECT_RETRIED
 _monitor_ids = itertools.count()  # pyzmq names monitors by FD, which the kernel recycles
 
@@ -116,9 +122,11 @@ class StreamSubscriber:
             self._sub = self._socket(zmq.SUB)
             self._sub.setsockopt(zmq.RECONNECT_IVL, RECONNECT_MIN_MS)
             self._sub.setsockopt(zmq.RECONNECT_IVL_MAX, RECONNECT_MAX_MS)
-            self._sub.setsockopt(zmq.HEARTBEAT_IVL, HEARTBEAT_IVL_MS)
-            timeout_ms = int(self._limits.publisher_timeout_s * 1000)
-            self._sub.setsockopt(zmq.HEARTBEAT_TIMEOUT, timeout_ms)
+            self._sub.setsockopt(zmq.TCP_KEEPALIVE, 1)
+            self._sub.setsockopt(zmq.TCP_KEEPALIVE_IDLE, KEEPALIVE_S)
+            self._sub.setsockopt(zmq.TCP_KEEPALIVE_INTVL, KEEPALIVE_S)
+            probes = max(1, math.ceil(self._limits.publisher_timeout_s / KEEPALIVE_S))
+            self._sub.setsockopt(zmq.TCP_KEEPALIVE_CNT, probes)
             self._sub.setsockopt(zmq.SUBSCRIBE, b"")
             address = f"inproc://conductor-monitor-{next(_monitor_ids)}"
             self._sub.monitor(address, MONITOR_EVENTS)

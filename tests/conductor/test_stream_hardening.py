@@ -418,3 +418,34 @@ async def test_killed_publisher_leaves_the_index_within_its_timeout(manager_fact
     finally:
         process.kill()
         process.wait(5)
+
+
+async def test_a_busy_conductor_keeps_a_healthy_publisher(manager_factory):
+    """A stream whose receive queue is full is not taken for a dead publisher: with ZMTP
+    heartbeats libzmq stopped reading the full connection, missed the publisher's replies
+    and dropped it (clearing its blocks) exactly when the conductor fell behind."""
+    manager = manager_factory(publisher_timeout_s=1.0, receive_buffer_bytes=4 * 1024 * 1024)
+    publisher = KVEventPublisher("tcp://127.0.0.1:0", "tcp://127.0.0.1:0", bind=True)
+    try:
+        body = {
+            "endpoint": publisher.endpoint,
+            "replay_endpoint": publisher.replay_endpoint,
+            "type": "vLLM",
+            "modelname": "m",
+            "instance_id": "busy",
+            "block_size": 4,
+        }
+        registered = Registration.model_validate(body)
+        await manager.register(registered)
+        await until(lambda: manager.state_of(registered.key) == "connected")
+        await asyncio.sleep(0.1)  # the subscription travels after the TCP connect
+        batches = 200  # far more than the one message the receive queue holds here
+        for n in range(batches):
+            publisher.publish([BlockStored([n + 1], None, [n, n, n, n])])
+        assert publisher.flush()
+        time.sleep(2.5)  # the event loop is busy for 2.5 publisher timeouts: nothing is read
+        await until(lambda: matched(manager, [batches - 1] * 4, "busy") == 4, timeout=10)
+        assert all(matched(manager, [n] * 4, "busy") == 4 for n in range(batches))
+        assert counted(manager, "conductor_publisher_disconnects_total", stream=registered.key) == 0
+    finally:
+        publisher.close()
