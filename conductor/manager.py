@@ -17,6 +17,7 @@ from .config import Registration
 from .index import PrefixCacheTable
 from .kv_store_watch import StoreWatch
 from .metrics import ConductorMetrics
+from .runtime import LoopShare
 from .states import SubscriberState, TaskState
 from .subscriber import StreamCallbacks, StreamSubscriber
 from .wire import DecodeError, Message, decode_batch
@@ -135,6 +136,7 @@ class ServiceManager:
         self._expiring: set[asyncio.Task[None]] = set()  # marks ending (tasks kept alive)
         self.fd_limit = raise_fd_limit()
         self.context = zmq.asyncio.Context()
+        self.loop_share = LoopShare()  # every stream's batches share one slice of each round
         self.context.set(zmq.MAX_SOCKETS, self.limits.max_sockets)
         self._lock = asyncio.Lock()
 
@@ -186,6 +188,7 @@ class ServiceManager:
                 self._callbacks(registration),
                 self.limits,
                 self.metrics.stream_task_failures,
+                self.loop_share,
                 first_sequence=registration.first_sequence,
             )
             self.table.add_stream(registration.source())

@@ -1,6 +1,6 @@
 """What every command of the project starts the same way: logging, flags, the event loop,
-and the two guards every long-running service needs (loop-lag measurement and supervised
-background tasks)."""
+and the guards every long-running service needs (loop-lag measurement, supervised
+background tasks, and a share of the loop for bulk work)."""
 
 from __future__ import annotations
 
@@ -188,3 +188,35 @@ class SupervisedTask:
             else:
                 self._set_state(TaskState.STOPPED)
                 return
+
+
+class LoopShare:
+    """Bounds how much of one event-loop round bulk work (applying event batches) takes.
+
+    asyncio runs every callback that was ready when a round began: with N streams each
+    holding a backlog, a round applied one batch of every stream before a query's next
+    step, so a query waited N batches per step. Past ``budget_s`` of work in a round, the
+    next ``turn`` waits for a later round, and a query's steps run after about one budget.
+    """
+
+    def __init__(self, budget_s: float = 0.002) -> None:
+        self.budget_s = budget_s
+        self._spent = 0.0
+        self._next_round: asyncio.Event | None = None
+
+    async def turn(self) -> None:
+        """Return at once while this round's budget lasts; else from a later round."""
+        while self._spent >= self.budget_s:
+            if self._next_round is None:
+                self._next_round = asyncio.Event()
+                asyncio.get_running_loop().call_soon(self._new_round)
+            await self._next_round.wait()
+
+    def spend(self, seconds: float) -> None:
+        self._spent += seconds
+
+    def _new_round(self) -> None:
+        self._spent = 0.0
+        if self._next_round is not None:
+            self._next_round.set()
+            self._next_round = None

@@ -38,6 +38,7 @@ import asyncio
 import itertools
 import logging
 import math
+import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -47,7 +48,7 @@ import zmq.asyncio
 from prometheus_client import Counter
 from zmq.utils.monitor import parse_monitor_message
 
-from .runtime import SupervisedTask
+from .runtime import LoopShare, SupervisedTask
 from .sequence import (
     Apply,
     DropDuplicate,
@@ -94,6 +95,7 @@ class StreamSubscriber:
         callbacks: StreamCallbacks,
         limits: StreamLimits,
         failures: Counter,
+        share: LoopShare,
         first_sequence: int = 0,
     ) -> None:
         self._context = context
@@ -103,6 +105,7 @@ class StreamSubscriber:
         self._callbacks = callbacks
         self._limits = limits
         self._failures = failures
+        self._share = share  # of the loop, with every other stream: applying waits its turn
         self._sequence = SequenceTracker(first_sequence, can_replay=bool(replay_endpoint))
         self.state = SubscriberState.CONNECTING
         self._connection = SubscriberState.CONNECTING  # what ZMQ says, under down and failed
@@ -274,21 +277,24 @@ class StreamSubscriber:
                 self._callbacks.on_event("bad_frame")
                 log.warning("stream=%s dropped malformed message: %s", self.name, error)
                 continue
+            await self._share.turn()
             async with self._order:
                 if self.down:
                     self._callbacks.on_dropped(message)
                 else:
                     await self._handle_live(message)
-            # pyzmq completes a recv at once while messages are queued: yield so a burst of
-            # batches cannot hold /query and the other streams back.
-            await asyncio.sleep(0)
+
+    def _apply(self, message: Message, replayed: bool) -> None:
+        started = time.perf_counter()
+        self._callbacks.on_message(message, replayed)
+        self._share.spend(time.perf_counter() - started)
 
     async def _handle_live(self, message: Message) -> None:
         """Execute what the sequence tracker decides for a live batch."""
         for action in self._sequence.live(message.seq):
             match action:
                 case Apply():
-                    self._callbacks.on_message(message, False)
+                    self._apply(message, replayed=False)
                 case DropDuplicate():  # a catch-up replay delivered it first
                     pass
                 case Restart(seq=seq, last=last):
@@ -346,6 +352,7 @@ class StreamSubscriber:
             async with asyncio.timeout(self._limits.replay_timeout_s):
                 frames = await dealer.recv_multipart()
             await asyncio.sleep(0)  # a queued reply completes at once: let the deadline fire
+            await self._share.turn()
             try:
                 message = parse_replay(frames)
             except FrameError as error:
@@ -355,4 +362,4 @@ class StreamSubscriber:
             if message is None:
                 return
             if self._sequence.accept_replayed(message.seq, replay):
-                self._callbacks.on_message(message, True)
+                self._apply(message, replayed=True)

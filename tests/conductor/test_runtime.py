@@ -9,7 +9,7 @@ import time
 import pytest
 from prometheus_client import CollectorRegistry, Counter
 
-from conductor.runtime import LoopLagMonitor, SupervisedTask, add_common_flags, log_level
+from conductor.runtime import LoopLagMonitor, LoopShare, SupervisedTask, add_common_flags, log_level
 
 
 async def test_loop_lag_sees_a_blocking_callback() -> None:
@@ -59,3 +59,33 @@ def test_log_levels_and_version() -> None:
     assert parser.parse_args([]).log_level == "INFO"
     with pytest.raises(SystemExit):
         parser.parse_args(["--log-level", "verbose"])
+
+
+async def test_loop_share_lets_other_work_run_once_its_budget_is_spent():
+    """Bulk work within the budget goes on at once; past it, what else was ready runs first
+    (a query's next step), and the budget is fresh in the round after."""
+    share = LoopShare(budget_s=0.001)
+    order: list[str] = []
+    await share.turn()  # nothing spent: no wait
+    share.spend(0.002)
+
+    async def other_work() -> None:
+        order.append("query step")
+
+    other = asyncio.create_task(other_work())
+    await share.turn()
+    order.append("next batch")
+    await other
+    assert order == ["query step", "next batch"]
+    share.spend(0.0005)
+    await asyncio.wait_for(share.turn(), 1)  # a new round: the budget is fresh
+
+
+async def test_loop_share_wakes_every_waiter_and_survives_a_cancelled_one():
+    share = LoopShare(budget_s=0.001)
+    share.spend(0.002)
+    waiters = [asyncio.create_task(share.turn()) for _ in range(3)]
+    await asyncio.sleep(0)
+    waiters[0].cancel()
+    done, pending = await asyncio.wait(waiters[1:], timeout=1)
+    assert not pending and all(task.exception() is None for task in done)
