@@ -26,7 +26,7 @@ import logging
 import queue
 import threading
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from time import time
 from types import TracebackType
 
@@ -68,6 +68,22 @@ def binds(endpoint: str) -> bool:
         or endpoint.startswith("ipc://")
         or endpoint.startswith("inproc://")
     )
+
+
+def replay_replies(
+    request: list[bytes], buffer: Iterable[tuple[int, bytes]], topic: bytes | None
+) -> Iterator[list[bytes]]:
+    """The ROUTER's replies to ``[identity, b"", start_seq]``: every buffered batch from
+    start_seq on, then the end marker, as vLLM answers (``topic`` None: as vLLM <= 0.25,
+    without the topic frame)."""
+    identity, _, start = request
+    start_seq = int.from_bytes(start, "big")
+    topic_frame = [] if topic is None else [topic]
+    for seq, payload in buffer:
+        if seq >= start_seq:
+            yield [identity, b"", *topic_frame, seq.to_bytes(8, "big"), payload]
+    end_topic = [] if topic is None else [b""]
+    yield [identity, b"", *end_topic, END_SEQ_BYTES, b""]
 
 
 class KVEventPublisher:
@@ -229,15 +245,9 @@ class KVEventPublisher:
             if len(frames) != 3:
                 log.warning("invalid replay request ignored frames=%d", len(frames))
                 return
-            identity, _, start = frames
-            start_seq = int.from_bytes(start, "big")
-            topic = [] if self._legacy_replay else [self._topic]
-            for seq, payload in self._buffer:
-                if seq >= start_seq:
-                    reply = [identity, b"", *topic, seq.to_bytes(8, "big"), payload]
-                    self._router.send_multipart(reply)
-            end_topic = [] if self._legacy_replay else [b""]
-            self._router.send_multipart([identity, b"", *end_topic, END_SEQ_BYTES, b""])
+            topic = None if self._legacy_replay else self._topic
+            for reply in replay_replies(frames, self._buffer, topic):
+                self._router.send_multipart(reply)
         except zmq.ZMQError:
             log.exception("replay failed")
 
