@@ -135,6 +135,7 @@ class ServiceManager:
         self._capped: set[tuple[str, str]] = set()  # (stream, reason) warned about once
         self._expiring: set[asyncio.Task[None]] = set()  # marks ending (tasks kept alive)
         self.fd_limit = raise_fd_limit()
+        self._fd_baseline = psutil.Process().num_fds()  # before any stream
         self.context = zmq.asyncio.Context()
         self.loop_share = LoopShare()  # every stream's batches share one slice of each round
         self.context.set(zmq.MAX_SOCKETS, self.limits.max_sockets)
@@ -231,6 +232,12 @@ class ServiceManager:
                 "raise max_sockets or unregister streams"
             )
         fds = FDS_PER_STREAM + FDS_PER_REPLAY * replay
+        estimate = self._fd_baseline + sum(
+            FDS_PER_STREAM + FDS_PER_REPLAY * bool(r.replay_endpoint)
+            for r in self.registrations.values()
+        )
+        if estimate + fds + 2 * self.limits.reserved_fds <= self.fd_limit:
+            return  # far from the limit: listing /proc/self/fd (ms at 1,000 streams) can wait
         open_fds = psutil.Process().num_fds()
         if open_fds + fds + self.limits.reserved_fds > self.fd_limit:
             raise CapacityExceeded(

@@ -3,9 +3,12 @@ publishers' replay buffers without any new traffic."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import shutil
 
+from conductor import persistence
+from conductor.config import Registration
 from tests.support.api import eventually, get, matched, post, query, register_and_connect
 from tests.support.processes import ConductorProcess
 from tests.support.wire_publisher import stored
@@ -85,3 +88,34 @@ def test_a_corrupt_state_file_stops_start_up_naming_it(tmp_path):
     state.write_text("{half")
     result = run_conductor("--state-file", str(state), config_dir=tmp_path)
     assert result.returncode != 0 and str(state) in result.stderr, result.stderr
+
+
+async def test_registrations_made_together_share_writes_and_all_persist(tmp_path, monkeypatch):
+    """1,000 engines registering at once must not rewrite a growing file 1,000 times (it
+    made registration O(n^2)); every registration is still on disk when its call returns."""
+    writes: list[int] = []
+    real_write = persistence._write_atomically
+
+    def counting_write(path, data) -> None:
+        writes.append(len(data["registrations"]))
+        real_write(path, data)
+
+    monkeypatch.setattr(persistence, "_write_atomically", counting_write)
+    state = persistence.StateFile(tmp_path / "state.json")
+    registrations = [
+        Registration.model_validate(
+            {
+                "endpoint": f"tcp://127.0.0.1:{6000 + n}",
+                "type": "vLLM",
+                "modelname": "m",
+                "block_size": 16,
+                "instance_id": f"e{n}",
+            }
+        )
+        for n in range(200)
+    ]
+    await asyncio.gather(*(state.add(r) for r in registrations))
+    assert len(writes) < 10 and writes[-1] == 200
+    await state.remove(registrations[0].key)
+    restored = persistence.StateFile(tmp_path / "state.json").load()
+    assert sorted(restored, key=lambda r: r.key) == sorted(registrations[1:], key=lambda r: r.key)
