@@ -296,6 +296,34 @@ class PrefixContext:
         self._unset(tier, prefix_hash, slot.bit)
         return True
 
+    def release_many(self, slot: _Slot, tier: Tier, engine_hashes: Sequence[EngineHash]) -> int:
+        """``release`` each hash in turn; returns how many were held. The removal hot path:
+        an owner without copies or duplicate prefixes is handled inline."""
+        holdings = slot.holdings[tier]
+        if holdings.copies or holdings.extra_refs:
+            return sum(self.release(slot, tier, engine_hash) for engine_hash in engine_hashes)
+        pop = holdings.by_engine_hash.pop
+        shared = self._engine_refs  # engine hashes another owner or tier holds too
+        engine_prefix = self.engine_prefix
+        blocks = self.blocks[tier]
+        bit = slot.bit
+        released = 0
+        for engine_hash in engine_hashes:
+            prefix_hash = pop(engine_hash, None)
+            if prefix_hash is None:
+                continue
+            released += 1
+            if shared and engine_hash in shared:
+                self._release_engine_hash(engine_hash)
+            else:
+                del engine_prefix[engine_hash]
+            mask = blocks[prefix_hash] & ~bit
+            if mask:
+                blocks[prefix_hash] = mask
+            else:
+                del blocks[prefix_hash]
+        return released
+
     def evict(self, slot: _Slot, tier: Tier, engine_hash: EngineHash) -> None:
         """Forget every copy of a block (its one key left the store, whoever saved it)."""
         slot.holdings[tier].copies.pop(engine_hash, None)
@@ -743,10 +771,18 @@ class PrefixCacheTable:
         by_rank = self._stream_slots[source.key]
         reached = [*by_rank.get(dp_rank, ()), *by_rank.get(STORE_POOL_RANK, ())]
         owned = [
-            (self.contexts[ck], self.contexts[ck].slots[sk], tier)
+            (self.contexts[ck], slot, tier)
             for ck, sk in reached
-            for tier in self._removal_tiers(self.contexts[ck].slots[sk], dp_rank, event.tier)
+            for slot in (self.contexts[ck].slots[sk],)
+            for tier in self._removal_tiers(slot, dp_rank, event.tier)
+            if slot.holdings[tier].by_engine_hash  # nothing to release there
         ]
+        if not owned:
+            return
+        if len(owned) == 1:  # the common case: an engine's own blocks on one tier
+            context, slot, tier = owned[0]
+            stats.blocks_removed += context.release_many(slot, tier, event.block_hashes)
+            return
         for engine_hash in event.block_hashes:
             released = [context.release(slot, tier, engine_hash) for context, slot, tier in owned]
             stats.blocks_removed += any(released)

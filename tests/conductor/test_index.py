@@ -1559,3 +1559,30 @@ def test_randomized_against_reference_model(seed: int) -> None:
     for instance in list(mc.model.registered):
         mc.table.remove_stream(mc.sources[instance].key)
     assert_empty(mc.table)
+
+
+def test_removal_fast_path_and_general_path_agree(table: PrefixCacheTable) -> None:
+    """``release_many`` removes inline while the owner has no copies or duplicate prefixes,
+    else block by block; an event with a copy (an engine hash twice), blocks another owner
+    holds and a prefix this owner holds under another engine hash must end exactly as the
+    bookkeeping says (``check_invariants`` checks the rest)."""
+    table.add_stream(src("a"))
+    table.add_stream(src("b"))
+    table.apply(src("b").key, batch(stored([10, 11], prompt(2))))
+    table.apply(src("a").key, batch(stored([20], prompt(1))))  # prefix 0 under another hash
+    tokens = [*prompt(3), *toks(2), *toks(3)]
+    p = chain_hashes(salt_root(""), tokens, BS)
+    stats = table.apply(src("a").key, batch(stored([10, 11, 11, 12, 13], tokens)))
+    assert stats.blocks_stored == 5
+    context = table.contexts[ctx()]
+    gpu = context.slots[("a", 0)].holdings[Tier.GPU]
+    assert gpu.by_engine_hash == {20: p[0], 10: p[0], 11: p[1], 12: p[3], 13: p[4]}
+    assert (gpu.copies, gpu.extra_refs) == ({11: 1}, {p[0]: 1})
+    assert context._engine_refs == {10: 1, 11: 1}
+    check_invariants(table)
+    stats = table.apply(src("a").key, batch(removed([11, 13, 99, 10, 11, 12, 20])))
+    assert stats.blocks_removed == 6  # 99 was never held
+    check_invariants(table)
+    assert query(table, prompt(2)) == {"a": (0, 0, 0), "b": (2 * BS, 2 * BS, 2 * BS)}
+    assert table.apply(src("b").key, batch(removed([10, 11]))).blocks_removed == 2
+    assert context.engine_prefix == {} and context.blocks == ({}, {}, {})
