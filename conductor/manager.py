@@ -364,7 +364,7 @@ class ServiceManager:
             self.table.clear_stream(key)
 
         def on_state(state: SubscriberState) -> None:
-            metrics.subscriber_state.labels(key).state(state)
+            metrics.set_subscriber_state(key, state)
 
         def on_event(name: str) -> None:
             if name == "bad_frame":

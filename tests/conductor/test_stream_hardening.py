@@ -27,6 +27,7 @@ from conductor.kv_store_watch import StoreWatch
 from conductor.manager import CapacityExceeded, ServiceManager, StreamLimits
 from conductor.metrics import ConductorMetrics
 from conductor.security import BearerAuth, EndpointAllowlist
+from conductor.states import SubscriberState
 from conductor.wire.events import AllBlocksCleared, BlockStored, EventBatch
 from publishers.local import free_port
 from publishers.publisher import KVEventPublisher
@@ -449,3 +450,17 @@ async def test_a_busy_conductor_keeps_a_healthy_publisher(manager_factory):
         assert counted(manager, "conductor_publisher_disconnects_total", stream=registered.key) == 0
     finally:
         publisher.close()
+
+
+def test_subscriber_state_is_one_series_per_stream():
+    """A scrape renders every series while the loop waits: a stream's state is one series
+    (1 on its current state), gone when the stream is."""
+    metrics = ConductorMetrics(PrefixCacheTable())
+    value = metrics.registry.get_sample_value
+    metrics.set_subscriber_state("s", SubscriberState.CONNECTING)
+    metrics.set_subscriber_state("s", SubscriberState.CONNECTED)
+    assert value("conductor_subscriber_state", {"stream": "s", "state": "connected"}) == 1
+    assert value("conductor_subscriber_state", {"stream": "s", "state": "connecting"}) is None
+    assert value("conductor_batches_applied_created", {"stream": "s"}) is None
+    metrics.forget_stream("s")
+    assert value("conductor_subscriber_state", {"stream": "s", "state": "connected"}) is None
