@@ -35,7 +35,7 @@ import random
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
 from dataclasses import dataclass, replace
-from typing import Any
+from typing import Annotated, Any
 
 import aiohttp
 import msgspec
@@ -83,6 +83,15 @@ ERROR_TYPES = {
     503: "ServiceUnavailableError",
     504: "GatewayTimeoutError",
 }
+
+
+class _TokenizeAnswer(msgspec.Struct):
+    """An engine's ``/tokenize`` answer: the ids (its other fields are not read)."""
+
+    tokens: list[Annotated[int, msgspec.Meta(ge=0, le=MAX_TOKENS)]]
+
+
+_TOKENIZE_ANSWER = msgspec.json.Decoder(_TokenizeAnswer)
 
 
 class ApiError(Exception):
@@ -498,17 +507,11 @@ class Router:
         if response.status != 200:
             return None
         self._check_prompt_length(raw.count(b","))
-        try:
-            answer = json.loads(raw)
-        except (ValueError, RecursionError):
-            answer = None
-        tokens = answer.get("tokens") if isinstance(answer, dict) else None
-        if isinstance(tokens, list) and all(
-            type(t) is int and 0 <= t <= MAX_TOKENS for t in tokens
-        ):
-            return tokens
-        self._rejected("tokenize_answer")
-        return None
+        try:  # parsed and every id checked in C
+            return _TOKENIZE_ANSWER.decode(raw).tokens
+        except msgspec.MsgspecError:
+            self._rejected("tokenize_answer")
+            return None
 
     def _rotation(self, upstreams) -> list[Upstream]:
         healthy = [u for u in upstreams if u.healthy]
