@@ -331,15 +331,20 @@ class Publisher:
 _engine_hashes = itertools.count(1)
 
 
+def engine_hash(key: int) -> int:
+    """A unique-looking uint64 per key: an odd multiplier is a bijection mod 2**64."""
+    return (key * 0x9E3779B97F4A7C15) & MASK64
+
+
 def engine_hashes(count: int) -> list[int]:
-    """Unique uint64 engine hashes: an odd multiplier is a bijection mod 2**64.
+    """Unique uint64 engine hashes (``engine_hash`` of a running counter).
 
     Hashes below 2**32 are skipped: msgpack packs them as uint32, and the Go service
     rejects a parent hash that does not decode as a uint64.
     """
     made: list[int] = []
     while len(made) < count:
-        value = (next(_engine_hashes) * 0x9E3779B97F4A7C15) & MASK64
+        value = engine_hash(next(_engine_hashes))
         if value >> 32:
             made.append(value)
     return made

@@ -40,6 +40,7 @@ from typing import Any
 
 import zmq
 
+from bench.conductor_bench import engine_hash
 from bench.soak import CacheModel
 from bench.trace_sim import TRACE_BLOCK_SIZE, load_trace, prompt_tokens, trace_path
 from conductor.wire.events import BlockRemoved, BlockStored, Event
@@ -54,7 +55,6 @@ BATCH_EVENTS = 20
 QUERY_BLOCKS = 256  # the 4,096-token prompt the paced scenario's query client sends
 PUB_SNDHWM = 1_000_000  # a PUB at its HWM drops silently; queue instead, and measure it
 REPLAY_BUFFER_BATCHES = 10_000  # vLLM's default buffer_steps
-MASK64 = 0xFFFFFFFFFFFFFFFF
 POLL_MS = 50  # longest a replay request waits on an idle worker
 TRACE_BLOCKS = TRACE_BLOCK_SIZE // BLOCK_SIZE  # engine blocks per trace hash_id
 
@@ -115,11 +115,6 @@ class Send:
     due_s: float
     stream: int
     batch: Encoded
-
-
-def engine_hash(key: int) -> int:
-    """A unique-looking uint64 per key: an odd multiplier is a bijection mod 2**64."""
-    return (key * 0x9E3779B97F4A7C15) & MASK64
 
 
 def shake_tokens(label: str, count: int) -> list[int]:
