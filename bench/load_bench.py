@@ -375,6 +375,42 @@ def profiled(directory: Path | None, pid: int, seconds: float, name: str) -> Ite
             found["error"] = err.decode(errors="replace")[-500:]
 
 
+def registered(
+    client: Http, process: subprocess.Popen[bytes], publishers: Fleet, timeout: float
+) -> dict[str, Any]:
+    """A scenario's first results: the empty service's RSS, then the time until every
+    stream is registered and connected."""
+    result: dict[str, Any] = {"rss_empty_bytes": rss_bytes(process.pid)}
+    started = time.monotonic()
+    register_all(client, publishers.streams, timeout=timeout)
+    result["registration_s"] = time.monotonic() - started
+    return result
+
+
+def finished(
+    client: Http,
+    process: subprocess.Popen[bytes],
+    publishers: Fleet,
+    idle: Iterator[Query],
+    idle_s: float,
+) -> dict[str, Any]:
+    """Stop the publishers, wait until every batch is applied and counted exactly, then
+    time queries on the index with nothing else running."""
+    sent = publishers.stop()
+    result: dict[str, Any] = {
+        "drain_s": wait_applied(client, sent, 120),
+        "counters": verify(client, sent),
+    }
+    now = time.monotonic()
+    result["idle_queries"] = run_queries(client, idle, now, now + idle_s)
+    result.update(
+        rss_bytes=rss_bytes(process.pid),
+        sent=asdict(sent),
+        index_blocks=client.json("GET", "/health")["blocks"],
+    )
+    return result
+
+
 def paced(args: argparse.Namespace) -> dict[str, Any]:
     """64 publishers at a fixed rate; the 4,096-token query timed while they ingest."""
     duration = args.warmup_s + args.ingest_only_s + args.loaded_s
@@ -387,10 +423,7 @@ def paced(args: argparse.Namespace) -> dict[str, Any]:
         for first, count in split(args.publishers, workers)
     ]  # fmt: skip
     with running_service() as (process, client), fleet(specs) as publishers:
-        result: dict[str, Any] = {"rss_empty_bytes": rss_bytes(process.pid)}
-        started = time.monotonic()
-        register_all(client, publishers.streams, timeout=60)
-        result["registration_s"] = time.monotonic() - started
+        result = registered(client, process, publishers, timeout=60)
         clients = [os.getpid(), *publishers.pids]
         start = time.monotonic() + 0.2
         publishers.go(start)
@@ -405,21 +438,13 @@ def paced(args: argparse.Namespace) -> dict[str, Any]:
             queries = run_queries(client, load, time.monotonic(), until)
         after = Snapshot.take(client, process.pid, clients)
         time.sleep(max(0.0, start + duration - time.monotonic()))
-        sent = publishers.stop()
-        result["drain_s"] = wait_applied(client, sent, 120)
-        result["counters"] = verify(client, sent)
+        result |= finished(client, process, publishers, alternating(query_prompt(), 0), args.idle_s)
         check_query_answer(client, publishers.streams)
-        now = time.monotonic()
-        idle = alternating(query_prompt(), 0)
-        result["idle_queries"] = run_queries(client, idle, now, now + args.idle_s)
         result.update(
-            rss_bytes=rss_bytes(process.pid),
-            sent=asdict(sent),
             ingest_only=window(before, middle),
             loaded=window(middle, after),
             queries=queries,
             profile=profile,
-            index_blocks=client.json("GET", "/health")["blocks"],
         )
     return result
 
@@ -441,10 +466,7 @@ def trace(args: argparse.Namespace) -> dict[str, Any]:
         for first, count in split(args.trace_publishers, workers)
     ]
     with running_service() as (process, client), fleet(specs) as publishers:
-        result: dict[str, Any] = {"rss_empty_bytes": rss_bytes(process.pid)}
-        started = time.monotonic()
-        register_all(client, publishers.streams, timeout=300)
-        result["registration_s"] = time.monotonic() - started
+        result = registered(client, process, publishers, timeout=300)
         result["rss_registered_bytes"] = rss_bytes(process.pid)
         clients = [os.getpid(), *publishers.pids]
         idle_before = Snapshot.take(client, process.pid, clients)
@@ -462,20 +484,13 @@ def trace(args: argparse.Namespace) -> dict[str, Any]:
             )
         time.sleep(max(0.0, start + duration - time.monotonic()))
         after = Snapshot.take(client, process.pid, clients)
-        sent = publishers.stop()
-        result["drain_s"] = wait_applied(client, sent, 120)
-        result["counters"] = verify(client, sent)
-        now = time.monotonic()
         idle = (replace(q, due_s=None) for q in trace_queries(args.trace, 1, args.query_every))
-        result["idle_queries"] = run_queries(client, idle, now, now + args.idle_s)
+        result |= finished(client, process, publishers, idle, args.idle_s)
         result.update(
-            rss_bytes=rss_bytes(process.pid),
-            sent=asdict(sent),
             idle=window(idle_before, idle_after),
             loaded=window(before, after),
             queries=queries,
             profile=profile,
-            index_blocks=client.json("GET", "/health")["blocks"],
             duration_s=duration,
         )
     return result
