@@ -164,7 +164,13 @@ class Router:
         self._health_changed = asyncio.Event()  # wakes the dead-upstream reporter
         directory = config.tokenizer.directory(config.prefill.config.modelname)
         # raises TokenizerUnavailable (a ValueError) for a directory it cannot read
-        self.local = LocalTokenizer.load(directory) if directory is not None else None
+        self.local = (
+            LocalTokenizer.load(directory, config.tokenizer.chunk_cache_tokens)
+            if directory is not None
+            else None
+        )
+        if self.local is not None and self.local.chunks is not None:
+            self.metrics.watch_chunks(self.local.chunks)
         # the paths (completions, chat) the local tokenizer serves: once an engine agreed
         self.local_paths: set[bool] = set() if config.tokenizer.verify else {False, True}
         if self.local is not None and self.local.chat_unsupported:

@@ -30,6 +30,7 @@ from conductor.config import master_address
 from conductor.runtime import port_number
 
 from .policy import REGISTRY, PrefillCostModel, RoutingParams
+from .token_chunks import CHUNK_CACHE_TOKENS
 
 
 class _Section(BaseModel):
@@ -121,6 +122,8 @@ class TokenizerSection(_Section):
     path: Path | None = None
     # compare with an engine's /tokenize (a few probe prompts) before trusting it
     verify: bool = True
+    # ids of long prompts' chunks kept for the next prompt sharing them (0: encode whole)
+    chunk_cache_tokens: int = Field(default=CHUNK_CACHE_TOKENS, ge=0)
 
     def directory(self, modelname: str) -> Path | None:
         """The directory to load: ``path``, else ``modelname`` when it names one."""

@@ -3,11 +3,53 @@ far the conductor's predicted cache hits are from what the engines report."""
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from .token_chunks import ChunkedEncoder
 
 # realized − predicted cached tokens: symmetric around 0 (le=0 minus le=-1 is "exact").
 # With negative buckets no _sum is exported (OpenMetrics); the two counters give the net.
 PREDICTION_ERROR_BUCKETS = (-4096, -1024, -256, -64, -16, -1, 0, 16, 64, 256, 1024, 4096)
+
+
+class _ChunkCollector(Collector):
+    """The chunked encoder's counters, read at scrape time (it runs in worker threads)."""
+
+    def __init__(self, chunks: ChunkedEncoder) -> None:
+        self._chunks = chunks
+
+    def collect(self) -> Iterable[Metric]:
+        stats = self._chunks.stats
+        active = GaugeMetricFamily(
+            "router_tokenizer_chunks_active",
+            "1 while long prompts are encoded in chunks whose ids are reused, 0 once an "
+            "audit found chunked ids differing from whole ones (then every prompt is whole)",
+            value=int(self._chunks.active),
+        )
+        tokens = CounterMetricFamily(
+            "router_tokenizer_chunk_tokens",
+            "Token ids of chunked prompts: reused (a chunk seen before) or encoded",
+            labels=["source"],
+        )
+        tokens.add_metric(["reused"], stats.reused_tokens)
+        tokens.add_metric(["encoded"], stats.encoded_tokens)
+        audits = CounterMetricFamily(
+            "router_tokenizer_chunk_audits",
+            "Chunked encodes checked against a whole encode, by result",
+            labels=["result"],
+        )
+        audits.add_metric(["agreed"], stats.audits - stats.disagreements)
+        audits.add_metric(["differed"], stats.disagreements)
+        cached = GaugeMetricFamily(
+            "router_tokenizer_chunk_cache_tokens",
+            "Token ids the chunk cache holds (at most tokenizer.chunk_cache_tokens)",
+            value=stats.cached_tokens,
+        )
+        yield from (active, tokens, audits, cached)
 
 
 class RouterMetrics:
@@ -162,6 +204,9 @@ class RouterMetrics:
             ["instance", "stage"],
             registry=registry,
         )
+
+    def watch_chunks(self, chunks: ChunkedEncoder) -> None:
+        self.registry.register(_ChunkCollector(chunks))
 
     def record_cache_use(self, instance: str, predicted: int, realized: int | None) -> None:
         """One answered request: the conductor's prediction against the engine's report."""

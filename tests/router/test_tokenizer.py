@@ -266,6 +266,28 @@ async def test_verify_false_trusts_the_directory_at_once(serve, engine, model_di
     assert engine.tokenized == 0
 
 
+async def test_a_conversation_reuses_its_earlier_turns_ids(serve, engine, model_dir, http):
+    tokenizer = {"path": str(model_dir), "verify": False}
+    _, url = await serve(layout([engine.url], tokenizer=tokenizer))
+    history = " ".join(f"turn {n} says something rather long about item{n}" for n in range(300))
+    for turn in (history, history + " and one more question"):
+        assert await _route(http, url, "/v1/completions", {"prompt": turn}) == "local"
+    assert await metric(http, url, "router_tokenizer_chunks_active") == 1
+    reused = await metric(http, url, 'router_tokenizer_chunk_tokens_total{source="reused"}')
+    encoded = await metric(http, url, 'router_tokenizer_chunk_tokens_total{source="encoded"}')
+    assert reused > 0.8 * encoded  # the second turn came from the first one's chunks
+    assert await metric(http, url, 'router_tokenizer_chunk_audits_total{result="agreed"}') == 1
+
+
+async def test_chunk_cache_tokens_zero_encodes_every_prompt_whole(serve, engine, model_dir, http):
+    tokenizer = {"path": str(model_dir), "verify": False, "chunk_cache_tokens": 0}
+    router, url = await serve(layout([engine.url], tokenizer=tokenizer))
+    assert router.local is not None and router.local.chunks is None
+    assert await _route(http, url, "/v1/completions", {"prompt": "x " * 5000}) == "local"
+    async with http.get(f"{url}/metrics") as response:
+        assert "router_tokenizer_chunk" not in await response.text()
+
+
 def test_a_configured_directory_that_cannot_be_read_stops_the_router(tmp_path):
     with pytest.raises(SystemExit, match="tokenizer: .*no tokenizer.json"):
         router_main(["--config", str(_config_file(tmp_path, {"path": str(tmp_path)}))])
