@@ -5,15 +5,22 @@ Starts a conductor, simulated engines that tokenize with the tiny model's HF tok
 (``--tokenizer``) and one router per way of getting a prompt's ids, then sends the same
 text prompts (chat and completions, about ``--prompt-tokens`` each) to each router:
 
-- ``local``: the router tokenizes in-process (``tokenizer.path``, once an engine agreed);
+- ``local``: the router tokenizes in-process (``tokenizer.path``, once an engine agreed),
+  reusing the ids of long prompts' chunks it saw before;
+- ``local-whole``: the same with ``tokenizer.chunk_cache_tokens: 0`` (every prompt whole);
 - ``engine``: the router asks an engine's ``/tokenize`` (no tokenizer configured);
 - ``ids``: the prompt is token ids already (what ``bench.router_replay`` sends).
 
-``idle``: one request at a time. ``burst``: ``--burst`` requests at once, then a pause (the
-conversation replay's bursts are 16). Also reads each router's conductor-query and loop-lag
-histograms. Run under the shared lock, on a quiet machine for figures to publish:
+The prompts are random words sharing their first half in groups of four, or with
+``--trace conversation|synthetic`` the trace's first requests as text (``text_prompts``), in
+trace order: each conversation's turns repeat its history. Ten prompts warm each router up,
+the next half of ``--requests`` go one at a time (``idle``), the rest ``--burst`` at once
+then a pause (``burst``; the conversation replay's bursts are 16). Also reads each router's
+conductor-query and loop-lag histograms and how many prompt ids its chunk cache gave. Run
+under the shared lock, on a quiet machine for figures to publish:
 
     flock /tmp/bench.lock python -m bench.router_overhead [--requests 200] [--json FILE]
+    flock /tmp/bench.lock python -m bench.router_overhead --trace conversation
 """
 
 from __future__ import annotations
@@ -31,13 +38,16 @@ from typing import Any
 import aiohttp
 
 from bench.stats import bucket_quantile, percentile
+from bench.text_prompts import hf_words
+from bench.trace_sim import load_trace, prompt_tokens, trace_path
 from fleet.tiny_model import write_tiny_model
 from publishers.local import LocalService
 from router.tokenizer import LocalTokenizer
 
 MODEL = "tiny-llama"
 BLOCK = 16
-MODES = ("local", "engine", "ids")
+MODES = ("local", "local-whole", "engine", "ids")
+WARM_UP = 10  # prompts each router gets before measuring (connections, caches)
 READY_TIMEOUT_S = 30.0
 
 
@@ -50,6 +60,12 @@ def prompts(tokenizer: LocalTokenizer, count: int, tokens: int, seed: int) -> li
     half = tokens // 2
     shared = ["".join(rng.choices(vocab, k=half)) for _ in range(count // 4 + 1)]
     return [shared[n // 4] + "".join(rng.choices(vocab, k=tokens - half)) for n in range(count)]
+
+
+def trace_prompts(name: str, count: int, model_dir: Path) -> list[str]:
+    """The trace's first ``count`` prompts as text the tokenizer splits word by word."""
+    words = hf_words(model_dir)
+    return [words.text(prompt_tokens(request)) for request in load_trace(trace_path(name), count)]
 
 
 def bodies(texts: list[str], mode: str, tokenizer: LocalTokenizer) -> list[tuple[str, dict]]:
@@ -108,6 +124,14 @@ async def histogram(http: aiohttp.ClientSession, url: str, name: str) -> dict[st
     return {f"p{q}_ms": bucket_quantile(buckets, q / 100) * 1000 for q in (50, 99)}
 
 
+async def chunk_tokens(http: aiohttp.ClientSession, url: str) -> dict[str, float]:
+    """Prompt ids the router's chunk cache gave (reused) and its tokenizer computed."""
+    async with http.get(url + "/metrics") as response:
+        text = await response.text()
+    found = re.findall(r'^router_tokenizer_chunk_tokens_total{source="(\w+)"} (\S+)$', text, re.M)
+    return {source: float(count) for source, count in found}
+
+
 async def wait_local(http: aiohttp.ClientSession, url: str) -> None:
     """Until the router trusts its tokenizer on both paths (an engine agreed)."""
     deadline = time.monotonic() + READY_TIMEOUT_S
@@ -143,7 +167,11 @@ def start(run_dir: Path, model_dir: Path, engines: int) -> tuple[list[LocalServi
 
 
 def router(run_dir: Path, layout: dict, mode: str, model_dir: Path) -> LocalService:
-    config = layout | ({"tokenizer": {"path": str(model_dir)}} if mode == "local" else {})
+    config = dict(layout)
+    if mode.startswith("local"):
+        config["tokenizer"] = {"path": str(model_dir)}
+    if mode == "local-whole":
+        config["tokenizer"]["chunk_cache_tokens"] = 0
     path = run_dir / f"router-{mode}.json"
     path.write_text(json.dumps(config))
     return LocalService(run_dir, f"router-{mode}", "router", "--config", str(path))
@@ -152,7 +180,12 @@ def router(run_dir: Path, layout: dict, mode: str, model_dir: Path) -> LocalServ
 async def measure(args: argparse.Namespace, run_dir: Path) -> dict[str, Any]:
     model_dir = write_tiny_model(run_dir / "model")
     tokenizer = LocalTokenizer.load(model_dir)
-    texts = prompts(tokenizer, args.requests, args.prompt_tokens, seed=1)
+    count = WARM_UP + args.requests
+    if args.trace:
+        texts = trace_prompts(args.trace, count, model_dir)
+    else:
+        texts = prompts(tokenizer, count, args.prompt_tokens, seed=1)
+    half = WARM_UP + args.requests // 2
     services, layout = start(run_dir, model_dir, args.engines)
     routers = {mode: router(run_dir, layout, mode, model_dir) for mode in MODES}
     results: dict[str, Any] = {}
@@ -161,19 +194,21 @@ async def measure(args: argparse.Namespace, run_dir: Path) -> dict[str, Any]:
             service.wait_ready()
         timeout = aiohttp.ClientTimeout(total=60)
         async with aiohttp.ClientSession(timeout=timeout) as http:
-            await wait_local(http, routers["local"].url)
+            for mode in ("local", "local-whole"):
+                await wait_local(http, routers[mode].url)
             for mode, service in routers.items():
                 requests = bodies(texts, mode, tokenizer)
-                await idle(http, service.url, requests[:10])  # warm: connections, caches
+                await idle(http, service.url, requests[:WARM_UP])
                 results[mode] = {
-                    "idle": quantiles(await idle(http, service.url, requests)),
+                    "idle": quantiles(await idle(http, service.url, requests[WARM_UP:half])),
                     "burst": quantiles(
-                        await bursts(http, service.url, requests, args.burst, args.pause_s)
+                        await bursts(http, service.url, requests[half:], args.burst, args.pause_s)
                     ),
                     "conductor_query": await histogram(
                         http, service.url, "router_conductor_query_seconds"
                     ),
                     "loop_lag": await histogram(http, service.url, "router_event_loop_lag_seconds"),
+                    "chunk_tokens": await chunk_tokens(http, service.url),
                 }
                 print(f"{mode:>6}: {json.dumps(results[mode])}", flush=True)
     finally:
@@ -183,9 +218,9 @@ async def measure(args: argparse.Namespace, run_dir: Path) -> dict[str, Any]:
 
 
 def table(results: dict[str, Any], args: argparse.Namespace) -> str:
+    prompts_are = f"the {args.trace} trace's" if args.trace else f"~{args.prompt_tokens}-token"
     lines = [
-        f"router overhead (ms), {args.requests} prompts of ~{args.prompt_tokens} tokens, "
-        f"bursts of {args.burst}",
+        f"router overhead (ms), {args.requests} {prompts_are} prompts, bursts of {args.burst}",
         "| prompt ids | idle p50 | idle p99 | burst p50 | burst p99 | conductor p50 | p99 |",
         "|---|---|---|---|---|---|---|",
     ]
@@ -200,6 +235,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--requests", type=int, default=200)
     parser.add_argument("--prompt-tokens", type=int, default=1000)
+    parser.add_argument("--trace", help="conversation, synthetic or a trace file: its prompts")
     parser.add_argument("--engines", type=int, default=2)
     parser.add_argument("--burst", type=int, default=16)
     parser.add_argument("--pause-s", type=float, default=0.2)

@@ -26,6 +26,7 @@ COMPLETIONS = [
     "<|begin_of_text|>a special token's text, then <|eot_id|> another",
     documents(1, 900, seed=7)[0],  # long: over a thousand tokens
 ]
+LONG_TURN = [{"role": "user", "content": documents(1, 450, seed=9)[0]}]
 CHATS: list[dict[str, Any]] = [
     {"messages": [{"role": "user", "content": "Hi there"}]},
     {
@@ -58,6 +59,9 @@ CHATS: list[dict[str, Any]] = [
             {"role": "user", "content": "y", "name": "ann"},
         ]
     },
+    # a long conversation, then its next turn: the router reuses the first one's chunks
+    {"messages": LONG_TURN},
+    {"messages": [*LONG_TURN, {"role": "assistant", "content": "Sure."}, *LONG_TURN]},
 ]
 
 
@@ -130,6 +134,7 @@ async def test_chat_ids_equal_vllm(stack, http, model_dir):
             body | {"max_tokens": 1, "return_token_ids": True},
         )
         assert ours == served["prompt_token_ids"], chat
+    assert local.chunks is not None and local.chunks.stats.reused_tokens > 300
 
 
 async def test_the_router_tokenizes_in_process_once_the_engine_agreed(stack, http):
