@@ -33,7 +33,7 @@ import json
 import logging
 import random
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Sequence
 from dataclasses import dataclass, replace
 from typing import Annotated, Any
 
@@ -42,6 +42,7 @@ import msgspec
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
+from conductor.hashing import prefix_hashes, token_bytes
 from conductor.runtime import LoopLagMonitor, SupervisedTask
 from conductor.states import StoreState
 
@@ -51,6 +52,7 @@ from .config import LimitsSection, RouterConfig
 from .engine_metrics import IN_FLIGHT, engine_in_flight, in_range, parse_metrics
 from .metrics import RouterMetrics
 from .notices import Notices
+from .pending import GRACE_S, PendingPrefixes
 from .policy import Decision, RoutingParams, SloViolation, choose, reusable_hits
 from .pool import CostLearner, InstancePool, Ticket, Upstream
 from .store import STORE_METRICS, loads_in
@@ -127,6 +129,9 @@ class Routed:
     tokenized_by: str  # given, local, engine or none (router_tokenize_total's path)
     fallback: str | None  # why the conductor's answer is missing, if it is
     started: float
+    hashes: Sequence[int]  # the prompt's block hashes, as in-flight prefixes are matched
+    # per instance, hit tokens a prompt in flight there added to the conductor's answer
+    in_flight_hits: dict[str, int]
 
 
 class Router:
@@ -150,6 +155,7 @@ class Router:
             sorted(set(config.kv_stores().values())), StoreState.UNCHECKED
         )
         self.metrics = RouterMetrics()
+        self.pending = PendingPrefixes() if config.routing.in_flight_prefixes else None
         self._turn = itertools.count()  # rotates ties between equally good instances
         self._tokenizing = 0  # requests whose prompt is being tokenized
         self._tokenizer_turn = itertools.count()  # spreads /tokenize calls
@@ -540,6 +546,34 @@ class Router:
             self.metrics.conductor_query_seconds.observe(time.perf_counter() - asked)
         return reusable_hits(hits, len(tokens), self.params.block_size), None
 
+    def prompt_hashes(self, tokens: list[int] | None, body: dict[str, Any]) -> Sequence[int]:
+        """The prompt's block hashes when in-flight prefixes are tracked (else none)."""
+        if self.pending is None or not tokens:
+            return []
+        salt = body.get("cache_salt")
+        return prefix_hashes(
+            token_bytes(tokens), self.params.block_size, salt if isinstance(salt, str) else ""
+        )
+
+    def add_in_flight(
+        self, hits: Hits, hashes: Sequence[int], prompt_tokens: int
+    ) -> dict[str, int]:
+        """Raise each instance's GPU hit in ``hits`` to the longest prefix of the prompt
+        sent there and still pending; returns the tokens this added, per instance."""
+        if self.pending is None:
+            return {}
+        block_size = self.params.block_size
+        added: dict[str, int] = {}
+        pending_hits = {
+            name: (blocks * block_size,) * 3 for name, blocks in self.pending.match(hashes).items()
+        }
+        for name, (pending, _, _) in reusable_hits(pending_hits, prompt_tokens, block_size).items():
+            gpu, cpu, disk = hits.get(name, (0, 0, 0))
+            if pending > gpu:
+                hits[name] = (pending, max(cpu, pending), max(disk, pending))
+                added[name] = pending - gpu
+        return added
+
     def decide(
         self,
         prompt_tokens: int,
@@ -605,9 +639,13 @@ class Router:
             self._tokenizing -= 1
         self.metrics.tokenized.labels(tokenized_by).inc()
         hits, fallback = await self.hits(tokens, body)
+        hashes = self.prompt_hashes(tokens, body)
+        in_flight_hits = {} if fallback else self.add_in_flight(hits, hashes, len(tokens or ()))
         if fallback:
             self.metrics.fallbacks.labels(fallback).inc()
-        routed = Routed(body, raw, len(tokens or ()), tokenized_by, fallback, started)
+        routed = Routed(
+            body, raw, len(tokens or ()), tokenized_by, fallback, started, hashes, in_flight_hits
+        )
         self.metrics.prompt_tokens.inc(routed.prompt_tokens)
         failed: set[str] = set()
         last: UpstreamFailed | None = None
@@ -646,6 +684,13 @@ class Router:
         forwarded["Content-Type"] = "application/json"
         new_tokens = max(routed.prompt_tokens - decision.cached_tokens, 0)
         ticket = self.pool.claim(prefill, new_tokens)
+        if added := routed.in_flight_hits.get(prefill.instance_id):
+            self.metrics.in_flight_hit_tokens.inc(min(added, decision.cached_tokens))
+        pending = (
+            self.pending.add(prefill.instance_id, routed.hashes)
+            if self.pending is not None
+            else None
+        )
         queued_before = prefill.queued_prefill_tokens - new_tokens
         self.metrics.in_flight.labels(prefill.instance_id).inc()
         # without the conductor's answer there is no prediction to compare the engine's with
@@ -685,6 +730,9 @@ class Router:
         finally:
             ticket.release()
             self.metrics.in_flight.labels(prefill.instance_id).dec()
+            if pending is not None:
+                assert self.pending is not None
+                asyncio.get_running_loop().call_later(GRACE_S, self.pending.remove, pending)
 
     def _observe(self, new_tokens: int, queued_tokens: int, ttft_s: float | None) -> None:
         if ttft_s is None:

@@ -199,6 +199,8 @@ class RoutingSection(_Section):
     ttft_slo_ms: float | None = Field(default=None, gt=0)
     ttft_slack: float = Field(default=RoutingParams().ttft_slack, ge=0)
     learn_cost_model: bool = True
+    # count a prompt sent to an instance (running, or ended < 2 s ago) as cached there
+    in_flight_prefixes: bool = True
     cost: PrefillCostModel = PrefillCostModel()
 
     @field_validator("cost")

@@ -88,6 +88,12 @@ class RouterMetrics:
             "Prompt tokens the chosen instances already held (per the decision)",
             registry=registry,
         )
+        self.in_flight_hit_tokens = Counter(
+            "router_in_flight_hit_tokens",
+            "Cached tokens decisions counted beyond the conductor's answer: a prompt sharing "
+            "the prefix was sent to the chosen instance and is running (or just ended)",
+            registry=registry,
+        )
         self.prompt_tokens = Counter(
             "router_prompt_tokens_total", "Prompt tokens routed", registry=registry
         )
