@@ -136,7 +136,10 @@ async def test_router_sends_shared_prefixes_to_the_engine_holding_them(
     tokens = await _engine_tokens(http, url(real_fleet, owner), body("First question?"))
     await indexed(http, url(real_fleet, "conductor"), owner, tokens, BLOCK)
     for question in ("Second question?", "A third, rather longer question about caches?"):
-        headers, cached = await _served(http, router, path, body(question))
+        for _ in range(3):  # two real engines share the CPU: a query may miss its timeout
+            headers, cached = await _served(http, router, path, body(question))
+            if "x-conductor-fallback" not in headers:
+                break
         assert headers["x-conductor-prefill-instance"] == owner
         assert int(headers["x-conductor-cached-tokens"]) == cached > 256
 
