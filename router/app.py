@@ -532,28 +532,27 @@ class Router:
         start = next(self._tokenizer_turn) % len(healthy)
         return healthy[start:] + healthy[:start]
 
-    async def hits(self, tokens: list[int] | None, body: dict[str, Any]) -> tuple[Hits, str | None]:
-        """The conductor's answer for the prompt, or no hits and why (the fallback reason)."""
-        if tokens is None:
+    async def hits(self, packed: bytes | None, body: dict[str, Any]) -> tuple[Hits, str | None]:
+        """The conductor's answer for the prompt (its int32-packed tokens), or no hits and
+        why (the fallback reason)."""
+        if packed is None:
             return {}, "tokenize_failed"
         assert self.conductor is not None
         asked = time.perf_counter()
         try:
-            hits = await self.conductor.query(tokens, body.get("cache_salt"))
+            hits = await self.conductor.query(packed, body.get("cache_salt"))
         except ConductorUnavailable:  # logged once by the client, not per request
             return {}, "conductor_unavailable"
         finally:
             self.metrics.conductor_query_seconds.observe(time.perf_counter() - asked)
-        return reusable_hits(hits, len(tokens), self.params.block_size), None
+        return reusable_hits(hits, len(packed) // 4, self.params.block_size), None
 
-    def prompt_hashes(self, tokens: list[int] | None, body: dict[str, Any]) -> Sequence[int]:
+    def prompt_hashes(self, packed: bytes | None, body: dict[str, Any]) -> Sequence[int]:
         """The prompt's block hashes when in-flight prefixes are tracked (else none)."""
-        if self.pending is None or not tokens:
+        if self.pending is None or not packed:
             return []
         salt = body.get("cache_salt")
-        return prefix_hashes(
-            token_bytes(tokens), self.params.block_size, salt if isinstance(salt, str) else ""
-        )
+        return prefix_hashes(packed, self.params.block_size, salt if isinstance(salt, str) else "")
 
     def add_in_flight(
         self, hits: Hits, hashes: Sequence[int], prompt_tokens: int
@@ -638,8 +637,10 @@ class Router:
         finally:
             self._tokenizing -= 1
         self.metrics.tokenized.labels(tokenized_by).inc()
-        hits, fallback = await self.hits(tokens, body)
-        hashes = self.prompt_hashes(tokens, body)
+        # packed once: the conductor's query and the in-flight hashes both read the int32s
+        packed = None if tokens is None else token_bytes(tokens)
+        hits, fallback = await self.hits(packed, body)
+        hashes = self.prompt_hashes(packed, body)
         in_flight_hits = {} if fallback else self.add_in_flight(hits, hashes, len(tokens or ()))
         if fallback:
             self.metrics.fallbacks.labels(fallback).inc()

@@ -29,7 +29,6 @@ from typing import Any, TypeVar
 import aiohttp
 import msgpack
 
-from conductor.hashing import token_bytes
 from conductor.states import StoreState
 
 from .config import ConductorSection, PrefillInstance, PrefillModelConfig
@@ -267,12 +266,10 @@ class ConductorClient:
 
         return parse_store_states(await self._ask("health", health))
 
-    async def query(self, token_ids: Sequence[int], cache_salt: str | None = None) -> Hits:
-        """Cumulative (GPU, CPU, DISK) hit in tokens per instance of the model's context."""
-        try:
-            packed = token_bytes(token_ids)  # int32 wrapping as the conductor hashes them
-        except TypeError as error:
-            raise ConductorUnavailable(f"token ids are not integers: {error}") from None
+    async def query(self, packed: bytes, cache_salt: str | None = None) -> Hits:
+        """Cumulative (GPU, CPU, DISK) hit in tokens per instance of the model's context;
+        ``packed``: the prompt as ``token_bytes`` gives it (int32, wrapped as the conductor
+        hashes them)."""
         body: dict[str, Any] = {
             "model": self._model.modelname,
             "block_size": self._model.block_size,

@@ -15,6 +15,7 @@ import pytest
 from aiohttp import web
 from aiohttp.test_utils import TestServer
 
+from conductor.hashing import token_bytes
 from router import conductor_client
 from router.conductor_client import ConductorClient, ConductorUnavailable
 from router.config import ConductorSection, PrefillModelConfig
@@ -58,10 +59,10 @@ async def test_a_late_answer_keeps_its_connection_for_the_next_query(slow):
         queries = client(session, url)
         conductor.delay_s = 0.3
         with pytest.raises(ConductorUnavailable):
-            await queries.query(list(range(64)))
+            await queries.query(token_bytes(list(range(64))))
         await asyncio.sleep(0.4)  # the late answer arrives and is read
         conductor.delay_s = 0.0
-        assert await queries.query(list(range(64))) == {"e0": (32, 32, 32)}
+        assert await queries.query(token_bytes(list(range(64)))) == {"e0": (32, 32, 32)}
     assert len(conductor.connections) == 1
 
 
@@ -73,6 +74,6 @@ async def test_late_calls_are_bounded(slow, monkeypatch):
         queries = client(session, url)
         for _ in range(4):
             with pytest.raises(ConductorUnavailable):
-                await queries.query(list(range(64)))
+                await queries.query(token_bytes(list(range(64))))
         await asyncio.sleep(0)
         assert len(queries._late) == 2  # the later ones were cut
