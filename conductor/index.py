@@ -136,6 +136,15 @@ class InstanceMatch:
     ranks: dict[int, tuple[int, int, int]] = field(default_factory=dict)
 
 
+@dataclass(frozen=True, slots=True)
+class _Engines:
+    """A context's engine slots as queries see them."""
+
+    mask: int  # every engine slot's bit
+    masks: dict[str, int]  # instance id -> its slots' bits
+    zero: dict[str, InstanceMatch]  # instance id -> its answer when nothing matched (shared)
+
+
 class _Holdings:
     """The blocks one slot holds on one tier, keyed by the engine's own hash."""
 
@@ -203,6 +212,7 @@ class PrefixContext:
         # than one it has (the first holder's mapping: engine hashes of one context agree)
         self.engine_prefix: dict[EngineHash, PrefixHash] = {}
         self._engine_refs: dict[EngineHash, int] = {}
+        self._engines: _Engines | None = None  # what queries need of the slots, kept whole
 
     # -- slots ---------------------------------------------------------------------------
     def slot(self, instance_id: str, dp_rank: int, shared_pool: bool, kv_store: str = "") -> _Slot:
@@ -212,6 +222,7 @@ class PrefixContext:
             slot = _Slot(instance_id, dp_rank, shared_pool, index, kv_store)
             self.slots[(instance_id, dp_rank)] = slot
             self._by_index[index] = slot
+            self._engines = None
             if shared_pool:
                 self.pool_members[slot.bit] = 0 if kv_store else EVERY_SLOT
                 self.pool_mask |= slot.bit
@@ -233,6 +244,7 @@ class PrefixContext:
         self.clear_slot(slot)
         del self.slots[(slot.instance_id, slot.dp_rank)]
         del self._by_index[slot.index]
+        self._engines = None
         if slot.shared_pool:
             del self.pool_members[slot.bit]
             self.pool_mask &= ~slot.bit
@@ -416,17 +428,26 @@ class PrefixContext:
     def match(
         self, hashes: Sequence[PrefixHash], instance_id: str | None = None
     ) -> dict[str, InstanceMatch]:
-        """Walk the query's prefix hashes once for every engine slot."""
-        engine_slots = [
-            s
-            for s in self.slots.values()
-            if not s.shared_pool and (instance_id is None or s.instance_id == instance_id)
-        ]
-        interest = 0
-        for slot in engine_slots:
-            interest |= slot.bit
+        """Every engine instance's cumulative match (one, given ``instance_id``).
+
+        Only the slots holding the first block walk the query's hashes: in a large fleet
+        most hold none of a prompt. The others share their instance's all-zero answer, so
+        the result is read-only.
+        """
+        engines = self._engine_set()
+        if instance_id is None:
+            interest, matches = engines.mask, dict(engines.zero)
+        else:
+            zero = engines.zero.get(instance_id)
+            interest = engines.masks.get(instance_id, 0)
+            matches = {} if zero is None else {instance_id: zero}
+        if hashes:
+            interest &= self._holders(hashes[0])
+        if not interest or not hashes:
+            return matches
+        walking = self._slots_of(interest)
         blocks_needed = len(hashes)
-        lengths = {s.index: [blocks_needed, blocks_needed, blocks_needed] for s in engine_slots}
+        lengths = {s.index: [blocks_needed, blocks_needed, blocks_needed] for s in walking}
         gpu_blocks, cpu_blocks, disk_blocks = self.blocks
         if not cpu_blocks and not disk_blocks:  # GPU-only context: one walk serves all tiers
             alive = interest
@@ -440,10 +461,11 @@ class PrefixContext:
         else:
             self._walk_tiers(hashes, interest, lengths)
         size = self.key.block_size
-        matches: dict[str, InstanceMatch] = {}
-        for slot in engine_slots:
+        for slot in walking:
             gpu, cpu, disk = (n * size for n in lengths[slot.index])
-            match = matches.setdefault(slot.instance_id, InstanceMatch())
+            match = matches[slot.instance_id]
+            if match is engines.zero[slot.instance_id]:  # the first of its slots to match
+                match = matches[slot.instance_id] = InstanceMatch(ranks=dict(match.ranks))
             match.ranks[slot.dp_rank] = (gpu, cpu, disk)
             match.gpu, match.cpu, match.disk = (
                 max(match.gpu, gpu),
@@ -451,6 +473,43 @@ class PrefixContext:
                 max(match.disk, disk),
             )
         return matches
+
+    def _engine_set(self) -> _Engines:
+        """The engine slots as queries see them; rebuilt after a slot came or went."""
+        if self._engines is None:
+            masks: dict[str, int] = {}
+            zero: dict[str, InstanceMatch] = {}
+            for slot in self.slots.values():
+                if not slot.shared_pool:
+                    masks[slot.instance_id] = masks.get(slot.instance_id, 0) | slot.bit
+                    zero.setdefault(slot.instance_id, InstanceMatch()).ranks[slot.dp_rank] = (
+                        0,
+                        0,
+                        0,
+                    )
+            mask = 0
+            for bits in masks.values():
+                mask |= bits
+            self._engines = _Engines(mask, masks, zero)
+        return self._engines
+
+    def _holders(self, prefix_hash: PrefixHash) -> int:
+        """The bits of the slots that hold this block on some tier, through a pool too."""
+        held = 0
+        for tier_blocks in self.blocks:
+            held |= tier_blocks.get(prefix_hash, 0)
+        pools = held & self.pool_mask
+        if pools:
+            held |= self.pool_members.get(pools) or self._members(pools)
+        return held
+
+    def _slots_of(self, bits: int) -> list[_Slot]:
+        slots = []
+        while bits:
+            low = bits & -bits
+            slots.append(self._by_index[low.bit_length() - 1])
+            bits ^= low
+        return slots
 
     def _walk_tiers(
         self, hashes: Sequence[PrefixHash], interest: int, lengths: dict[int, list[int]]

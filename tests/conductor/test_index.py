@@ -159,6 +159,10 @@ def check_invariants(table: PrefixCacheTable) -> None:
         assert context.pool_mask == sum(members)
         assert context._by_index == {slot.index: slot for slot in context.slots.values()}
         assert set(context._free).isdisjoint(context._by_index)  # recycled bits are unused
+        cached = context._engine_set()
+        context._engines = None  # what a query sees of the slots was rebuilt when they changed
+        assert cached == context._engine_set()
+        assert all(not m.gpu and not m.cpu and not m.disk for m in cached.zero.values())
         assert context.blocks == expected
         holders: dict[int, int] = {}
         for slot in context.slots.values():
@@ -299,6 +303,31 @@ def test_instance_filter(table: PrefixCacheTable) -> None:
     assert query(table, prompt(1), instance_id="a") == {"a": (4, 4, 4)}
     assert query(table, prompt(1), instance_id="b") == {"b": (0, 0, 0)}
     assert query(table, prompt(1), instance_id="zzz") == {}
+
+
+def test_a_large_fleet_answers_for_every_instance(table: PrefixCacheTable) -> None:
+    """Only the instances holding the first block walk the prompt; every other one is listed
+    with zeros, and a rank that matched nothing still shows beside its instance's hit."""
+    register(table, *(src(f"i{n:03}") for n in range(200)), src("b"), src("b", dp_rank=1))
+    table.apply("i007|default|0", batch(stored([70, 71], prompt(2))))
+    table.apply("i150|default|0", batch(stored([50], prompt(1))))
+    table.apply("b|default|1", batch(stored([80, 81, 82], prompt(3))))
+    got = table.match_tokens(ctx(), prompt(3)) or {}
+    assert len(got) == 201  # "b" is one instance of two ranks
+    assert answer(got) == {
+        **{f"i{n:03}": (0, 0, 0) for n in range(200)},
+        "i007": (8, 8, 8),
+        "i150": (4, 4, 4),
+        "b": (12, 12, 12),
+    }
+    assert got["b"].ranks == {0: (0, 0, 0), 1: (12, 12, 12)}
+    assert got["i000"].ranks == {0: (0, 0, 0)}
+    # the answers are fresh where something matched: the zero answers stay zero
+    assert query(table, toks(9)) == {name: (0, 0, 0) for name in got}
+    table.remove_stream("i150|default|0")
+    register(table, src("new"))
+    assert query(table, prompt(3)).keys() == (got.keys() - {"i150"}) | {"new"}
+    check_invariants(table)
 
 
 # -- clears and unregistration ------------------------------------------------------------------
