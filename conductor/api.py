@@ -18,7 +18,7 @@ from typing import Any, TypeVar, cast
 import msgpack
 import msgspec
 from aiohttp import web
-from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from prometheus_client import CONTENT_TYPE_LATEST
 from pydantic import BaseModel, ValidationError
 
 from .config import (
@@ -416,7 +416,7 @@ class ConductorApi:
         )
 
     async def prometheus(self, request: web.Request) -> web.Response:
-        response = web.Response(body=generate_latest(self.metrics.registry))
+        response = web.Response(body=self.metrics.render())
         response.content_type = CONTENT_TYPE_LATEST.split(";")[0]
         return response
 

@@ -368,16 +368,16 @@ class ServiceManager:
 
         def on_event(name: str) -> None:
             if name == "bad_frame":
-                metrics.decode_errors.labels(key, "frame").inc()
+                metrics.streams.inc("decode_errors", key, label="frame")
             else:
-                getattr(metrics, _EVENT_COUNTERS[name]).labels(key).inc()
+                metrics.streams.inc(_EVENT_COUNTERS[name], key)
 
         def on_dropped(message: Message) -> None:
             try:
                 events = len(decode_batch(message.payload, message.topic).events)
             except DecodeError:
                 events = 0
-            metrics.dropped.labels(key, "instance_down").inc(events)
+            metrics.streams.inc("dropped", key, events, "instance_down")
 
         return StreamCallbacks(on_message, on_restart, on_state, on_event, on_lost, on_dropped)
 
@@ -387,16 +387,16 @@ class ServiceManager:
         try:
             batch = decode_batch(message.payload, message.topic)
         except DecodeError as error:
-            self.metrics.decode_errors.labels(key, "batch").inc()
+            self.metrics.streams.inc("decode_errors", key, label="batch")
             log.warning("stream=%s seq=%d undecodable batch: %s", key, message.seq, error)
             return
         if batch.rejected:
-            self.metrics.decode_errors.labels(key, "event").inc(len(batch.rejected))
+            self.metrics.streams.inc("decode_errors", key, len(batch.rejected), "event")
             log.warning("stream=%s seq=%d skipped %s", key, message.seq, "; ".join(batch.rejected))
         try:
             stats = self.table.apply(key, batch)
         except Exception:  # a bug must cost one batch, never the stream's reader task
-            self.metrics.decode_errors.labels(key, "apply").inc()
+            self.metrics.streams.inc("decode_errors", key, label="apply")
             log.exception("stream=%s seq=%d batch could not be applied", key, message.seq)
             return
         self.metrics.record_apply(key, stats, replayed)

@@ -61,7 +61,7 @@ def matched(manager: ServiceManager, tokens: list[int], instance_id: str) -> int
 
 
 def counted(manager: ServiceManager, name: str, **labels: str) -> float:
-    return manager.metrics.registry.get_sample_value(name, labels) or 0.0
+    return manager.metrics.sample(name, labels) or 0.0
 
 
 async def until(check: Callable[[], Any], timeout: float = 5.0) -> Any:
@@ -456,7 +456,7 @@ def test_subscriber_state_is_one_series_per_stream():
     """A scrape renders every series while the loop waits: a stream's state is one series
     (1 on its current state), gone when the stream is."""
     metrics = ConductorMetrics(PrefixCacheTable())
-    value = metrics.registry.get_sample_value
+    value = metrics.sample
     metrics.set_subscriber_state("s", SubscriberState.CONNECTING)
     metrics.set_subscriber_state("s", SubscriberState.CONNECTED)
     assert value("conductor_subscriber_state", {"stream": "s", "state": "connected"}) == 1
