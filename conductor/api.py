@@ -7,7 +7,6 @@ request body is validated by a pydantic model from ``config``.
 from __future__ import annotations
 
 import asyncio
-import functools
 import logging
 import time
 from collections.abc import Awaitable, Callable
@@ -166,8 +165,6 @@ def _at_most(count: int, limit: int, field: str) -> None:
 
 
 def _go_match(match: InstanceMatch) -> dict[str, Any]:
-    if not match.disk:  # nothing on any tier (GPU <= CPU <= DISK): most of a large fleet
-        return _go_miss(tuple(sorted(match.ranks)))
     return {
         "longest_matched": match.disk,
         "DP": {str(rank): disk for rank, (_, _, disk) in sorted(match.ranks.items())},
@@ -177,16 +174,17 @@ def _go_match(match: InstanceMatch) -> dict[str, Any]:
     }
 
 
-@functools.lru_cache(maxsize=256)
-def _go_miss(ranks: tuple[int, ...]) -> dict[str, Any]:
-    """The answer of an instance that matched nothing; shared, so never changed."""
-    return {
-        "longest_matched": 0,
-        "DP": {str(rank): 0 for rank in ranks},
-        "GPU": 0,
-        "CPU": 0,
-        "DISK": 0,
-    }
+def _go_matches(matches: dict[str, InstanceMatch]) -> dict[str, dict[str, Any]]:
+    """Each instance's Go answer, by name; written once per distinct match object (the index
+    shares equal answers: in a large fleet most instances have one of a few)."""
+    written: dict[int, dict[str, Any]] = {}
+    answers = {}
+    for name, match in sorted(matches.items()):
+        answer = written.get(id(match))
+        if answer is None:
+            answer = written[id(match)] = _go_match(match)
+        answers[name] = answer
+    return answers
 
 
 @dataclass
@@ -231,7 +229,7 @@ class ConductorApi:
             return {tenant: {instance_id: _go_match(match)}}
         if matches is None and tenant not in self.table.tenants():
             return {}
-        return {tenant: {name: _go_match(m) for name, m in sorted((matches or {}).items())}}
+        return {tenant: _go_matches(matches or {})}
 
     async def query(self, request: web.Request) -> web.Response:
         started = time.perf_counter()
