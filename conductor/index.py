@@ -757,11 +757,12 @@ class PrefixCacheTable:
         return {self._sources[k].kv_store for k in slot.streams} - {""}
 
     # -- ingestion -----------------------------------------------------------------------
-    def apply(self, key: str, batch: EventBatch) -> ApplyStats:
-        """Apply one decoded batch of the stream ``key`` in order, in one step."""
+    def apply(self, key: str, batch: EventBatch, stats: ApplyStats | None = None) -> ApplyStats:
+        """Apply one decoded batch (or part of one) of the stream ``key`` in order, in one
+        step; what it did is added to ``stats`` when given."""
         source = self._sources[key]
         dp_rank = source.dp_rank if batch.dp_rank is None else batch.dp_rank
-        stats = ApplyStats()
+        stats = ApplyStats() if stats is None else stats
         for event in batch.events:
             stats.events += 1
             if isinstance(event, BlockStored):

@@ -6,7 +6,8 @@ import asyncio
 import logging
 import resource
 import time
-from dataclasses import dataclass, field
+from collections.abc import Iterator
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import psutil
@@ -14,7 +15,7 @@ import zmq
 import zmq.asyncio
 
 from .config import Registration
-from .index import PrefixCacheTable
+from .index import ApplyStats, PrefixCacheTable
 from .kv_store_watch import StoreWatch
 from .metrics import ConductorMetrics
 from .runtime import LoopShare
@@ -111,6 +112,7 @@ _EVENT_COUNTERS = {
     "lost": "publishers_lost",
 }
 CAPPED_REASONS = ("dp_rank_limit", "lora_limit")
+EVENTS_PER_CLOCK_READ = 4  # events applied between two looks at a step's time
 
 
 class ServiceManager:
@@ -137,7 +139,7 @@ class ServiceManager:
         self.fd_limit = raise_fd_limit()
         self._fd_baseline = psutil.Process().num_fds()  # before any stream
         self.context = zmq.asyncio.Context()
-        self.loop_share = LoopShare()  # every stream's batches share one slice of each round
+        self.loop_share = LoopShare()  # every stream's batches take turns, one step per round
         self.context.set(zmq.MAX_SOCKETS, self.limits.max_sockets)
         self._lock = asyncio.Lock()
 
@@ -353,8 +355,8 @@ class ServiceManager:
         metrics = self.metrics
         key = registration.key
 
-        def on_message(message: Message, replayed: bool) -> None:
-            self._ingest(registration, message, replayed)
+        def on_message(message: Message, replayed: bool) -> Iterator[None]:
+            return self._ingest(registration, message, replayed)
 
         def on_restart() -> None:
             self.table.clear_stream(key)
@@ -381,8 +383,13 @@ class ServiceManager:
 
         return StreamCallbacks(on_message, on_restart, on_state, on_event, on_lost, on_dropped)
 
-    def _ingest(self, registration: Registration, message: Message, replayed: bool) -> None:
-        """Decode and apply one batch synchronously: no await between its events."""
+    def _ingest(
+        self, registration: Registration, message: Message, replayed: bool
+    ) -> Iterator[None]:
+        """Decode one batch and apply it in steps of about ``loop_share.step_s``, yielding
+        between them: a query waits for one step, not for a whole batch of hundreds of
+        blocks (and may see part of a batch, as if it had come a moment earlier). The
+        stream's batches stay in order: its reader awaits every step."""
         key = registration.key
         try:
             batch = decode_batch(message.payload, message.topic)
@@ -393,12 +400,20 @@ class ServiceManager:
         if batch.rejected:
             self.metrics.streams.inc("decode_errors", key, len(batch.rejected), "event")
             log.warning("stream=%s seq=%d skipped %s", key, message.seq, "; ".join(batch.rejected))
-        try:
-            stats = self.table.apply(key, batch)
-        except Exception:  # a bug must cost one batch, never the stream's reader task
-            self.metrics.streams.inc("decode_errors", key, label="apply")
-            log.exception("stream=%s seq=%d batch could not be applied", key, message.seq)
-            return
+        stats = ApplyStats()
+        events = batch.events
+        step_began = time.perf_counter()
+        for start in range(0, len(events), EVENTS_PER_CLOCK_READ):
+            if start and time.perf_counter() - step_began >= self.loop_share.step_s:
+                yield
+                step_began = time.perf_counter()
+            part = replace(batch, events=events[start : start + EVENTS_PER_CLOCK_READ])
+            try:
+                self.table.apply(key, part, stats)
+            except Exception:  # a bug must cost one batch, never the stream's reader task
+                self.metrics.streams.inc("decode_errors", key, label="apply")
+                log.exception("stream=%s seq=%d batch could not be applied", key, message.seq)
+                return
         self.metrics.record_apply(key, stats, replayed)
         if stats.foreign_block_size is not None:
             self._flag_block_size(registration, stats.foreign_block_size)

@@ -9,6 +9,7 @@ import asyncio
 import logging
 import os
 import time
+from collections import deque
 from collections.abc import Awaitable, Callable, Coroutine
 from importlib.metadata import PackageNotFoundError, version
 from typing import Any, TypeVar
@@ -191,32 +192,37 @@ class SupervisedTask:
 
 
 class LoopShare:
-    """Bounds how much of one event-loop round bulk work (applying event batches) takes.
+    """Bulk work (applying event batches) takes turns: one step per event-loop round.
 
     asyncio runs every callback that was ready when a round began: with N streams each
-    holding a backlog, a round applied one batch of every stream before a query's next
-    step, so a query waited N batches per step. Past ``budget_s`` of work in a round, the
-    next ``turn`` waits for a later round, and a query's steps run after about one budget.
+    holding a backlog, a round would apply a batch of every stream before a query's next
+    step. Here a stream queues for its ``turn``, and one queued stream goes per round, so a
+    query waits about one step per round whatever the number of busy streams. Whoever takes
+    a turn keeps its step to about ``step_s`` (``ServiceManager`` applies a batch in steps).
     """
 
-    def __init__(self, budget_s: float = 0.002) -> None:
-        self.budget_s = budget_s
-        self._spent = 0.0
-        self._next_round: asyncio.Event | None = None
+    def __init__(self, step_s: float = 0.0005) -> None:
+        self.step_s = step_s
+        self._waiting: deque[asyncio.Future[None]] = deque()
+        self._releasing = False
 
     async def turn(self) -> None:
-        """Return at once while this round's budget lasts; else from a later round."""
-        while self._spent >= self.budget_s:
-            if self._next_round is None:
-                self._next_round = asyncio.Event()
-                asyncio.get_running_loop().call_soon(self._new_round)
-            await self._next_round.wait()
+        """Return in a later round, after the streams queued before this one."""
+        loop = asyncio.get_running_loop()
+        turn = loop.create_future()
+        self._waiting.append(turn)
+        if not self._releasing:
+            self._releasing = True
+            loop.call_soon(self._release_one)
+        await turn  # cancelled: the release skips it
 
-    def spend(self, seconds: float) -> None:
-        self._spent += seconds
-
-    def _new_round(self) -> None:
-        self._spent = 0.0
-        if self._next_round is not None:
-            self._next_round.set()
-            self._next_round = None
+    def _release_one(self) -> None:
+        while self._waiting:
+            turn = self._waiting.popleft()
+            if not turn.done():
+                turn.set_result(None)
+                break
+        if self._waiting:
+            asyncio.get_running_loop().call_soon(self._release_one)
+        else:
+            self._releasing = False

@@ -38,8 +38,7 @@ import asyncio
 import itertools
 import logging
 import math
-import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -77,7 +76,8 @@ _monitor_ids = itertools.count()  # pyzmq names monitors by FD, which the kernel
 class StreamCallbacks:
     """What the subscriber reports; the manager decodes, applies and counts."""
 
-    on_message: Callable[[Message, bool], None]  # (message, replayed)
+    # (message, replayed): decode and apply, one step per iteration (see ServiceManager)
+    on_message: Callable[[Message, bool], Iterator[None]]
     on_restart: Callable[[], None]  # a new publisher: clear the owner's blocks
     on_state: Callable[[SubscriberState], None]
     on_event: Callable[[str], None]  # gap, gap_unrepaired, replay_*, bad_frame, restart, lost
@@ -284,17 +284,18 @@ class StreamSubscriber:
                 else:
                     await self._handle_live(message)
 
-    def _apply(self, message: Message, replayed: bool) -> None:
-        started = time.perf_counter()
-        self._callbacks.on_message(message, replayed)
-        self._share.spend(time.perf_counter() - started)
+    async def _apply(self, message: Message, replayed: bool) -> None:
+        """Apply a batch in the steps the manager cuts it into, a turn before each but the
+        first (the caller took that one)."""
+        for _ in self._callbacks.on_message(message, replayed):
+            await self._share.turn()
 
     async def _handle_live(self, message: Message) -> None:
         """Execute what the sequence tracker decides for a live batch."""
         for action in self._sequence.live(message.seq):
             match action:
                 case Apply():
-                    self._apply(message, replayed=False)
+                    await self._apply(message, replayed=False)
                 case DropDuplicate():  # a catch-up replay delivered it first
                     pass
                 case Restart(seq=seq, last=last):
@@ -362,4 +363,4 @@ class StreamSubscriber:
             if message is None:
                 return
             if self._sequence.accept_replayed(message.seq, replay):
-                self._apply(message, replayed=True)
+                await self._apply(message, replayed=True)

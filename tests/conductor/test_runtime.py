@@ -61,29 +61,32 @@ def test_log_levels_and_version() -> None:
         parser.parse_args(["--log-level", "verbose"])
 
 
-async def test_loop_share_lets_other_work_run_once_its_budget_is_spent():
-    """Bulk work within the budget goes on at once; past it, what else was ready runs first
-    (a query's next step), and the budget is fresh in the round after."""
-    share = LoopShare(budget_s=0.001)
+async def test_loop_share_lets_one_step_go_per_round_in_turn():
+    """Busy streams take turns, one step per event-loop round, so work that became ready
+    meanwhile (a query's next step) runs after at most one of their steps."""
+    share = LoopShare()
     order: list[str] = []
-    await share.turn()  # nothing spent: no wait
-    share.spend(0.002)
 
-    async def other_work() -> None:
-        order.append("query step")
+    async def stream(name: str) -> None:
+        for step in range(3):
+            await share.turn()
+            order.append(f"{name}{step}")
 
-    other = asyncio.create_task(other_work())
-    await share.turn()
-    order.append("next batch")
-    await other
-    assert order == ["query step", "next batch"]
-    share.spend(0.0005)
-    await asyncio.wait_for(share.turn(), 1)  # a new round: the budget is fresh
+    async def query() -> None:
+        for step in range(3):
+            order.append(f"q{step}")
+            await asyncio.sleep(0)  # one round per step, as an HTTP request's steps take
+
+    await asyncio.wait_for(asyncio.gather(stream("a"), stream("b"), stream("c"), query()), 5)
+    streams = [step for step in order if not step.startswith("q")]
+    assert streams == ["a0", "b0", "c0", "a1", "b1", "c1", "a2", "b2", "c2"]  # round robin
+    for q in ("q1", "q2"):  # one stream step at most between two steps of the query
+        before = order[order.index(q) - 2 : order.index(q)]
+        assert sum(not step.startswith("q") for step in before) <= 1, order
 
 
-async def test_loop_share_wakes_every_waiter_and_survives_a_cancelled_one():
-    share = LoopShare(budget_s=0.001)
-    share.spend(0.002)
+async def test_loop_share_survives_a_cancelled_waiter():
+    share = LoopShare()
     waiters = [asyncio.create_task(share.turn()) for _ in range(3)]
     await asyncio.sleep(0)
     waiters[0].cancel()

@@ -452,6 +452,47 @@ async def test_a_busy_conductor_keeps_a_healthy_publisher(manager_factory):
         publisher.close()
 
 
+async def test_a_large_batch_is_applied_in_steps_that_let_queries_in(manager_factory):
+    """A batch of hundreds of blocks is applied in steps of about ``loop_share.step_s``
+    (here the smallest: 4 events), with a loop round between two steps, so a query waits
+    for one step, not the whole batch; the batch is still applied whole and counted once."""
+    manager = manager_factory()
+    manager.loop_share.step_s = 0.0
+    publisher = KVEventPublisher("tcp://127.0.0.1:0", "tcp://127.0.0.1:0", bind=True)
+    try:
+        registered = Registration.model_validate(
+            {
+                "endpoint": publisher.endpoint,
+                "replay_endpoint": publisher.replay_endpoint,
+                "type": "vLLM",
+                "modelname": "m",
+                "instance_id": "big",
+                "block_size": 4,
+            }
+        )
+        await manager.register(registered)
+        await until(lambda: manager.state_of(registered.key) == "connected")
+        await asyncio.sleep(0.1)  # the subscription travels after the TCP connect
+        seen: set[int] = set()
+
+        async def watch() -> None:  # what a query running meanwhile would see
+            while True:
+                seen.add(manager.table.block_count())
+                await asyncio.sleep(0)
+
+        watcher = asyncio.create_task(watch())
+        publisher.publish([BlockStored([n + 1], None, [n] * 4) for n in range(40)])
+        await until(lambda: manager.table.block_count() == 40)
+        watcher.cancel()
+        assert {4, 8, 36} <= seen, sorted(seen)  # one step of 4 events per round
+        assert all(matched(manager, [n] * 4, "big") == 4 for n in range(40))
+        key = registered.key
+        assert counted(manager, "conductor_batches_applied_total", stream=key) == 1
+        assert counted(manager, "conductor_events_applied_total", stream=key) == 40
+    finally:
+        publisher.close()
+
+
 def test_subscriber_state_is_one_series_per_stream():
     """A scrape renders every series while the loop waits: a stream's state is one series
     (1 on its current state), gone when the stream is."""

@@ -1,5 +1,6 @@
 """Two real vLLM engines behind ``mooncake-fleet up``: the index equals vLLM's own prefix
-cache, the router follows it, a late conductor learns it from the replay buffers."""
+cache, the router follows it, a late conductor learns it from the replay buffers, and the
+router's own tokenizer makes vLLM's ids (one fleet for all: an engine start is ~1 min)."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ import aiohttp
 import pytest
 
 from publishers.engine.block_hash import BlockHasher, event_hash
+from router.tokenizer import LocalTokenizer
 from tests.real.checks import (
     MODEL,
     assert_hits_match_vllm,
@@ -21,6 +23,7 @@ from tests.real.checks import (
     sharing_prompts,
     tokenizer,
 )
+from tests.real.tokenizer_cases import CHATS, COMPLETIONS
 from tests.support.api import eventually, metric
 from tests.support.processes import ConductorProcess
 from tests.support.vllm_shapes import NOT_COMPARED, ROUTES, answer, assert_answers_like_vllm
@@ -250,3 +253,64 @@ async def test_the_captured_vllm_answers_still_hold(real_fleet, http, case):
         # fewer chunks than the capture (the tiny model's random weights sample it at times)
         case = {**case, "body": {**body, "temperature": 0, "ignore_eos": True}}
     assert_answers_like_vllm(await answer(http, engine, case, model=MODEL), case)
+
+
+# -- the router's own tokenizer --------------------------------------------------------------
+async def _post(http: aiohttp.ClientSession, url: str, body: dict[str, Any]) -> Any:
+    async with http.post(url, json=body) as response:
+        assert response.status == 200, await response.text()
+        return await response.json()
+
+
+# For every prompt its ids equal vLLM's ``/tokenize`` and the ids vLLM's serving path computed
+# (``return_token_ids``), for completions and chat; the fleet's router, given the model
+# directory, tokenizes in-process once the engine agreed. (The simulator's ``--tokenizer``
+# runs this same code.)
+async def test_completion_ids_equal_vllm(real_fleet, http, model_dir):
+    engine = url(real_fleet, "vllm-a")
+    local = LocalTokenizer.load(model_dir)
+    for prompt in COMPLETIONS:
+        for add_special_tokens in (True, False):
+            body = {"model": MODEL, "prompt": prompt, "add_special_tokens": add_special_tokens}
+            ours = local.prompt_ids(False, body)
+            assert ours == (await _post(http, f"{engine}/tokenize", body))["tokens"]
+            served = await _post(
+                http,
+                f"{engine}/v1/completions",
+                body | {"max_tokens": 1, "return_token_ids": True},
+            )
+            assert ours == served["choices"][0]["prompt_token_ids"], prompt[:40]
+
+
+async def test_chat_ids_equal_vllm(real_fleet, http, model_dir):
+    engine = url(real_fleet, "vllm-a")
+    local = LocalTokenizer.load(model_dir)
+    for chat in CHATS:
+        body = {"model": MODEL, **chat}
+        ours = local.prompt_ids(True, body)
+        assert ours == (await _post(http, f"{engine}/tokenize", body))["tokens"], chat
+        served = await _post(
+            http,
+            f"{engine}/v1/chat/completions",
+            body | {"max_tokens": 1, "return_token_ids": True},
+        )
+        assert ours == served["prompt_token_ids"], chat
+    assert local.chunks is not None and local.chunks.stats.reused_tokens > 300
+
+
+async def test_the_router_tokenizes_in_process_once_the_engine_agreed(real_fleet, http):
+    router = url(real_fleet, "router")
+    for path in ("completions", "chat"):
+        gauge = f'router_local_tokenizer_active{{path="{path}"}}'
+        await eventually(lambda g=gauge: metric(http, router, g), lambda v: v == 1)
+    requests = [
+        ("/v1/completions", {"prompt": COMPLETIONS[2]}),
+        ("/v1/chat/completions", CHATS[1]),
+    ]
+    for path, body in requests:
+        async with http.post(
+            f"{router}{path}", json={"model": MODEL, "max_tokens": 1, **body}
+        ) as response:
+            assert response.status == 200, await response.text()
+            assert response.headers["x-conductor-tokenized-by"] == "local"
+            assert "x-conductor-fallback" not in response.headers

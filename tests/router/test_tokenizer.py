@@ -1,5 +1,5 @@
 """The router's own tokenizer (``router.tokenizer``) on the tiny model: ids recorded from real
-vLLM 0.32 serving it (``tests/real/test_real_tokenizer.py`` checks the same against a live
+vLLM 0.32 serving it (``tests/real/test_real_fleet.py`` checks the same against a live
 engine), what it leaves to an engine, and how the router and the simulator use it."""
 
 from __future__ import annotations
