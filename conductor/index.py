@@ -1,7 +1,7 @@
 """The global prefix index: which owner holds which prefix block, on which tier.
 
-Pure and synchronous: the subscriber applies a decoded batch in one call, queries walk it
-in one call, nothing awaits in between. Its invariants and its place in the data flow:
+Pure and synchronous: every call applies events or walks a query whole, nothing awaits
+inside one (the service applies a large batch in a few calls, between which queries run). Its invariants and its place in the data flow:
 docs/architecture.md.
 
 Layout, chosen for memory (one dict entry per block and tier in the common case) and for
