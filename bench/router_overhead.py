@@ -2,14 +2,17 @@
 conductor's answer, the choice; upstream time excluded), idle and under bursts.
 
 Starts a conductor, simulated engines that tokenize with the tiny model's HF tokenizer
-(``--tokenizer``) and one router per way of getting a prompt's ids, then sends the same
+(``--tokenizer``) and publish their KV events (every router registers them, so each query
+hashes and walks a live index) and one router per way of getting a prompt's ids, then sends the same
 text prompts (chat and completions, about ``--prompt-tokens`` each) to each router:
 
 - ``local``: the router tokenizes in-process (``tokenizer.path``, once an engine agreed),
   reusing the ids of long prompts' chunks it saw before;
 - ``local-whole``: the same with ``tokenizer.chunk_cache_tokens: 0`` (every prompt whole);
 - ``engine``: the router asks an engine's ``/tokenize`` (no tokenizer configured);
-- ``ids``: the prompt is token ids already (what ``bench.router_replay`` sends).
+- ``ids``: the prompt is token ids already (what ``bench.router_replay`` sends);
+- ``ids-embedded``: the same with the index inside the router (``conductor.embedded``): no
+  HTTP hop to a conductor.
 
 The prompts are random words sharing their first half in groups of four, or with
 ``--trace conversation|synthetic`` the trace's first requests as text (``text_prompts``), in
@@ -41,12 +44,12 @@ from bench.stats import bucket_quantile, percentile
 from bench.text_prompts import hf_words
 from bench.trace_sim import load_trace, prompt_tokens, trace_path
 from fleet.tiny_model import write_tiny_model
-from publishers.local import LocalService
+from publishers.local import LocalService, free_port
 from router.tokenizer import LocalTokenizer
 
 MODEL = "tiny-llama"
 BLOCK = 16
-MODES = ("local", "local-whole", "engine", "ids")
+MODES = ("local", "local-whole", "engine", "ids", "ids-embedded")
 WARM_UP = 10  # prompts each router gets before measuring (connections, caches)
 READY_TIMEOUT_S = 30.0
 
@@ -73,7 +76,7 @@ def bodies(texts: list[str], mode: str, tokenizer: LocalTokenizer) -> list[tuple
     out = []
     for n, text in enumerate(texts):
         body: dict[str, Any] = {"model": MODEL, "max_tokens": 1}
-        if mode == "ids":
+        if mode.startswith("ids"):
             out.append(("/v1/completions", body | {"prompt": tokenizer.encode(text, True)}))
         elif n % 2:
             messages = [{"role": "user", "content": text}]
@@ -151,13 +154,20 @@ def start(run_dir: Path, model_dir: Path, engines: int) -> tuple[list[LocalServi
     services = [LocalService(run_dir, "conductor", "conductor", "--config", str(conductor_config))]
     instances = []
     for n in range(engines):
+        # its KV events, so that every query hashes and walks a live index
+        events = {"endpoint": f"tcp://127.0.0.1:{free_port()}"}
+        events["replay_endpoint"] = f"tcp://127.0.0.1:{free_port()}"
         engine = LocalService(
             run_dir, f"engine-{n}", "publishers.engine",
             "--served-model-name", MODEL, "--block-size", str(BLOCK), "--tokenizer",
             str(model_dir), "--sim-time-scale", "0.01", "--sim-instance-id", f"e{n}",
+            "--kv-events-config", json.dumps({"enable_kv_cache_events": True, **events}),
+            "--sim-kv-bind",
         )  # fmt: skip
         services.append(engine)
-        instances.append({"instance_id": f"e{n}", "http_endpoint": engine.url})
+        instances.append(
+            {"instance_id": f"e{n}", "http_endpoint": engine.url, "registrations": [events]}
+        )
     layout = {
         "conductor": {"address": services[0].url},
         "prefill": {"config": {"modelname": MODEL, "block_size": BLOCK}, "instances": instances},
@@ -172,6 +182,8 @@ def router(run_dir: Path, layout: dict, mode: str, model_dir: Path) -> LocalServ
         config["tokenizer"] = {"path": str(model_dir)}
     if mode == "local-whole":
         config["tokenizer"]["chunk_cache_tokens"] = 0
+    if mode == "ids-embedded":  # the index inside the router: no conductor hop
+        config["conductor"] = {**config["conductor"], "embedded": True}
     path = run_dir / f"router-{mode}.json"
     path.write_text(json.dumps(config))
     return LocalService(run_dir, f"router-{mode}", "router", "--config", str(path))

@@ -1,8 +1,8 @@
 """The global prefix index: which owner holds which prefix block, on which tier.
 
 Pure and synchronous: every call applies events or walks a query whole, nothing awaits
-inside one (the service applies a large batch in a few calls, between which queries run). Its invariants and its place in the data flow:
-docs/architecture.md.
+inside one (the service applies a large batch in a few calls, between which queries run).
+Its invariants and its place in the data flow: docs/architecture.md.
 
 Layout, chosen for memory (one dict entry per block and tier in the common case) and for
 a fast /query walk:

@@ -49,6 +49,7 @@ from conductor.states import StoreState
 from . import disagg
 from .conductor_client import MAX_TOKENS, ConductorClient, ConductorUnavailable, Hits
 from .config import LimitsSection, RouterConfig
+from .embedded import EmbeddedConductor
 from .engine_metrics import IN_FLIGHT, engine_in_flight, in_range, parse_metrics
 from .metrics import RouterMetrics
 from .notices import Notices
@@ -163,7 +164,7 @@ class Router:
         self._sessions: dict[str, aiohttp.ClientSession] = {}
         self._control: aiohttp.ClientSession | None = None
         self._conductor_session: aiohttp.ClientSession | None = None
-        self.conductor: ConductorClient | None = None
+        self.conductor: ConductorClient | EmbeddedConductor | None = None
         self.notices = Notices(log)
         self.lag = LoopLagMonitor(self.metrics.registry, "router")
         self.tasks: dict[str, SupervisedTask] = {}
@@ -205,11 +206,15 @@ class Router:
         self._conductor_session = aiohttp.ClientSession(
             connector=aiohttp.TCPConnector(limit=0, keepalive_timeout=60)
         )
-        self.conductor = ConductorClient(
-            self._conductor_session,
-            self.config.conductor,
-            self.config.prefill.config,
-            self.notices,
+        self.conductor = (
+            EmbeddedConductor(self.config.prefill.config)
+            if self.config.conductor.embedded
+            else ConductorClient(
+                self._conductor_session,
+                self.config.conductor,
+                self.config.prefill.config,
+                self.notices,
+            )
         )
         background: dict[str, Callable[[], Awaitable[None]]] = {
             "learn_models": self._learn_models,  # meanwhile, not after registering
@@ -231,6 +236,8 @@ class Router:
 
     async def stop(self) -> None:
         await asyncio.gather(*(task.stop() for task in self.tasks.values()), self.lag.stop())
+        if isinstance(self.conductor, EmbeddedConductor):
+            await self.conductor.close()
         for session in [*self._sessions.values(), self._control, self._conductor_session]:
             if session is not None:
                 await session.close()
@@ -912,7 +919,10 @@ class Router:
         return web.json_response(body, status=200 if healthy else 503)
 
     async def prometheus(self, request: web.Request) -> web.Response:
-        response = web.Response(body=generate_latest(self.metrics.registry))
+        body = generate_latest(self.metrics.registry)
+        if isinstance(self.conductor, EmbeddedConductor):  # its index's series, conductor_*
+            body += self.conductor.metrics.render()
+        response = web.Response(body=body)
         response.content_type = CONTENT_TYPE_LATEST.split(";")[0]
         return response
 

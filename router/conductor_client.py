@@ -127,32 +127,12 @@ class ConductorClient:
         self._notices.recovered(url, "conductor %s answers again", url)
 
     # -- registrations -------------------------------------------------------------------
-    def _registrations(self, instances: Sequence[PrefillInstance]) -> list[dict[str, Any]]:
-        bodies = []
-        for instance in instances:
-            for stream in instance.registrations:
-                body = {
-                    "endpoint": stream.endpoint,
-                    "replay_endpoint": stream.replay_endpoint,
-                    "type": "vLLM",
-                    "modelname": self._model.modelname,
-                    "lora_name": self._model.lora_name,
-                    "tenant_id": self._model.tenant_id,
-                    "instance_id": instance.instance_id,
-                    "block_size": self._model.block_size,
-                    "dp_rank": stream.dp_rank,
-                }
-                if instance.kv_store:  # our extension: absent for the Go conductor's sake
-                    body["kv_store"] = instance.kv_store
-                bodies.append(body)
-        return bodies
-
     async def register(self, instances: Sequence[PrefillInstance]) -> bool:
         """Register every stream with every conductor (idempotent: a repeat answers 200),
         each retrying until it is up or the registration timeout ends. Logged at INFO when
         it changed something (a conductor registered anew), else at DEBUG; a failure once.
         True when every conductor has every stream."""
-        bodies = self._registrations(instances)
+        bodies = registration_bodies(self._model, instances)
         results = await asyncio.gather(*(self._register_all(url, bodies) for url in self.urls))
         return all(results)
 
@@ -292,6 +272,30 @@ class ConductorClient:
             return parse_hits(answer, self._model.tenant_id)
 
         return await self._ask("query", ask)
+
+
+def registration_bodies(
+    model: PrefillModelConfig, instances: Sequence[PrefillInstance]
+) -> list[dict[str, Any]]:
+    """The ``/register`` body of every event stream of the prefill instances."""
+    bodies = []
+    for instance in instances:
+        for stream in instance.registrations:
+            body = {
+                "endpoint": stream.endpoint,
+                "replay_endpoint": stream.replay_endpoint,
+                "type": "vLLM",
+                "modelname": model.modelname,
+                "lora_name": model.lora_name,
+                "tenant_id": model.tenant_id,
+                "instance_id": instance.instance_id,
+                "block_size": model.block_size,
+                "dp_rank": stream.dp_rank,
+            }
+            if instance.kv_store:  # our extension: absent for the Go conductor's sake
+                body["kv_store"] = instance.kv_store
+            bodies.append(body)
+    return bodies
 
 
 def _tokens(entry: dict[str, Any], *keys: str) -> int:

@@ -72,6 +72,9 @@ class ConductorSection(_Section):
     # ours, with a store configured: how often to ask the conductor's /health whether the
     # store is up (a load from a store that is down is a recomputation)
     store_check_interval_seconds: float = Field(default=1.0, gt=0)
+    # ours: index the engines' events inside the router (router/embedded.py) instead of
+    # asking a conductor service; the addresses are then unused
+    embedded: bool = False
 
     def urls(self) -> list[str]:
         """Every conductor, in failover order, each once."""

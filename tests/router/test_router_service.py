@@ -246,6 +246,35 @@ async def test_routing_follows_the_cache(fleet, http):
     assert int(headers["x-conductor-cached-tokens"]) >= len(SHARED) // 8
 
 
+async def test_an_embedded_index_routes_by_the_cache_without_a_conductor(fleet, http):
+    """``conductor.embedded``: the router subscribes to the engines' KV events itself and
+    asks its own index; no conductor service runs (the fleet's is stopped)."""
+    fleet.conductor.stop()
+    for name in ("a", "b", "c"):
+        fleet.engine(name)
+    config = fleet.config(["a", "b", "c"], in_flight_prefixes=False)  # the index alone
+    config["conductor"] |= {"embedded": True}
+    router = fleet.start_router(config)
+
+    async def connected() -> float:
+        return await metric(http, router, "conductor_subscriber_state")  # 1 per stream
+
+    await eventually(connected, lambda streams: streams == 3)
+    async with http.get(f"{router.url}/health") as response:
+        assert (await response.json())["conductors"] == {"embedded": "up"}
+    status, headers, _ = await complete(http, router, SHARED + "First question?")
+    assert status == 200 and "x-conductor-fallback" not in headers
+    owner = headers["x-conductor-prefill-instance"]
+
+    async def second() -> dict[str, str]:
+        return (await complete(http, router, SHARED + "Second question?"))[1]
+
+    headers = await eventually(second, lambda h: int(h["x-conductor-cached-tokens"]) > 0)
+    assert headers["x-conductor-prefill-instance"] == owner
+    assert "x-conductor-fallback" not in headers
+    assert await metric(http, router, "conductor_blocks_stored_total") > 0
+
+
 async def test_a_burst_spreads_over_instances(fleet, http):
     for name in ("a", "b"):
         fleet.engine(name, time_scale=1.0)

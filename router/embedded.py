@@ -1,0 +1,77 @@
+"""The conductor's index inside the router (``conductor.embedded: true``).
+
+The router subscribes to the prefill instances' KV-event streams itself, with the
+conductor's own subscribers, sequence tracking, replays and ``PrefixCacheTable``, and asks
+the table in-process: no HTTP hop per request (about 1 ms of the router's overhead, and the
+conductor's CPU to parse the query), one process less to run. The price: the router's event
+loop also applies the events (in steps of ~0.5 ms, as the service does), and other routers
+or tools cannot share this index. It has the same interface as ``ConductorClient``.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+
+from conductor.config import DEFAULT_STORE_ADMIN_PORT, DEFAULT_STORE_CHECK_INTERVAL_S, Registration
+from conductor.index import ContextKey, PrefixCacheTable
+from conductor.kv_store_watch import StoreWatch
+from conductor.manager import RegistrationConflict, RegistrationFailed, ServiceManager, StreamLimits
+from conductor.metrics import ConductorMetrics
+from conductor.states import StoreState
+
+from .conductor_client import ConductorState, Hits, registration_bodies
+from .config import PrefillInstance, PrefillModelConfig
+
+log = logging.getLogger(__name__)
+EMBEDDED = "embedded"  # its name where the router lists its conductors
+
+
+class EmbeddedConductor:
+    def __init__(self, model: PrefillModelConfig) -> None:
+        self._model = model
+        self._context = ContextKey(
+            model.tenant_id or "default", model.modelname, model.lora_name, model.block_size
+        )
+        self.table = PrefixCacheTable()
+        self.metrics = ConductorMetrics(self.table)
+        self._stores = StoreWatch(
+            self.table,
+            self.metrics,
+            lambda kv_store: f"http://{kv_store.rpartition(':')[0]}:{DEFAULT_STORE_ADMIN_PORT}",
+            DEFAULT_STORE_CHECK_INTERVAL_S,
+        )
+        self.manager = ServiceManager(self.table, self.metrics, self._stores, StreamLimits())
+
+    def states(self) -> dict[str, ConductorState]:
+        return {EMBEDDED: ConductorState.UP}
+
+    async def register(self, instances: Sequence[PrefillInstance]) -> bool:
+        """Subscribe to every stream once (a repeat changes nothing); True when all are."""
+        ok = True
+        for body in registration_bodies(self._model, instances):
+            try:
+                await self.manager.register(Registration.model_validate(body))
+            except (RegistrationConflict, RegistrationFailed) as error:
+                log.error("embedded index: cannot subscribe to %s: %s", body["endpoint"], error)
+                ok = False
+        return ok
+
+    async def report_instance(
+        self, instance_id: str, down: bool, ttl_s: float, reason: str
+    ) -> None:
+        tenant = self._context.tenant_id
+        if down:
+            await self.manager.instance_down(instance_id, tenant, reason, ttl_s)
+        else:
+            await self.manager.instance_up(instance_id, tenant)
+
+    async def store_states(self, timeout: float) -> dict[str, StoreState]:
+        return {kv_store: view["state"] for kv_store, view in self._stores.view().items()}
+
+    async def query(self, packed: bytes, cache_salt: str | None = None) -> Hits:
+        matches = self.table.match_tokens(self._context, packed, cache_salt or "") or {}
+        return {name: (m.gpu, m.cpu, m.disk) for name, m in matches.items()}
+
+    async def close(self) -> None:
+        await self.manager.close()
