@@ -13,7 +13,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Sequence
 
-from conductor.config import DEFAULT_STORE_ADMIN_PORT, DEFAULT_STORE_CHECK_INTERVAL_S, Registration
+from conductor.config import ConductorConfig, Registration
 from conductor.index import ContextKey, PrefixCacheTable
 from conductor.kv_store_watch import StoreWatch
 from conductor.manager import RegistrationConflict, RegistrationFailed, ServiceManager, StreamLimits
@@ -35,11 +35,9 @@ class EmbeddedConductor:
         )
         self.table = PrefixCacheTable()
         self.metrics = ConductorMetrics(self.table)
+        defaults = ConductorConfig()  # each store's admin server on its master's host
         self._stores = StoreWatch(
-            self.table,
-            self.metrics,
-            lambda kv_store: f"http://{kv_store.rpartition(':')[0]}:{DEFAULT_STORE_ADMIN_PORT}",
-            DEFAULT_STORE_CHECK_INTERVAL_S,
+            self.table, self.metrics, defaults.store_admin_url, defaults.kv_store_check_interval_s
         )
         self.manager = ServiceManager(self.table, self.metrics, self._stores, StreamLimits())
 
