@@ -977,9 +977,20 @@ async def read_json_body(
     for key, kind in (("model", str), ("stream", bool), ("max_tokens", int), ("cache_salt", str)):
         if key in body and body[key] is not None and not isinstance(body[key], kind):
             raise ApiError(400, f"`{key}` must be a {kind.__name__}", param=key)
+    if not _utf8(body.get("cache_salt") or ""):  # the salt is hashed as UTF-8
+        raise ApiError(400, "`cache_salt` must be valid Unicode text", param="cache_salt")
     if "model" not in body:
         raise ApiError(400, "`model` is required", param="model")
     return body, raw
+
+
+def _utf8(text: str) -> bool:
+    """Whether ``text`` encodes as UTF-8 (JSON escapes allow lone surrogates; UTF-8 does not)."""
+    try:
+        text.encode()
+    except UnicodeEncodeError:
+        return False
+    return True
 
 
 def _loads(raw: bytes) -> Any:

@@ -531,6 +531,8 @@ BAD_REQUESTS = [
     (json.dumps({"model": MODEL, "prompt": ""}).encode(), 400, "cannot be empty"),
     (json.dumps({"model": MODEL, "prompt": [2**40, 1, 2]}).encode(), 400, "out of vocabulary"),
     (json.dumps({"model": MODEL, "prompt": "x", "cache_salt": 5}).encode(), 400, "cache_salt"),
+    # a lone surrogate: JSON allows its escape, UTF-8 (which the salt is hashed as) does not
+    (b'{"model": "' + MODEL.encode() + b'", "prompt": "x", "cache_salt": "\\ud800"}', 400, "salt"),
 ]
 
 
