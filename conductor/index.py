@@ -890,10 +890,18 @@ class PrefixCacheTable:
         instance_id: str | None = None,
     ) -> dict[str, InstanceMatch] | None:
         """Per-instance cumulative matches of a prompt; None when the context is unknown."""
+        hashes = prefix_hashes(token_ids, context_key.block_size, salt)
+        return self.match_prefix_hashes(context_key, hashes, instance_id)
+
+    def match_prefix_hashes(
+        self,
+        context_key: ContextKey,
+        hashes: Sequence[PrefixHash],
+        instance_id: str | None = None,
+    ) -> dict[str, InstanceMatch] | None:
+        """The same answer for a prompt its caller hashed already (``prefix_hashes``)."""
         context = self.contexts.get(context_key)
-        if context is None:
-            return None
-        return context.match(prefix_hashes(token_ids, context_key.block_size, salt), instance_id)
+        return None if context is None else context.match(hashes, instance_id)
 
     def match_engine_hashes(
         self,

@@ -42,14 +42,21 @@ def state_path(settings: Settings, config_path: str) -> Path | None:
     return config_dir / f"conductor_state.{settings.http_server_port}.json"
 
 
+def index_manager(config: ConductorConfig, limits: StreamLimits) -> ServiceManager:
+    """The index and what feeds it: the streams' subscribers, the store checks, metrics.
+    The service serves it over HTTP; a router with ``conductor.embedded`` asks it itself."""
+    table = PrefixCacheTable()
+    metrics = ConductorMetrics(table)
+    stores = StoreWatch(table, metrics, config.store_admin_url, config.kv_store_check_interval_s)
+    return ServiceManager(table, metrics, stores, limits)
+
+
 def create_app(
     settings: Settings, limits: StreamLimits, config: ConductorConfig, state: Path | None
 ) -> web.Application:
     """The service, ready to run (``state``: the registrations file, None to keep none)."""
-    table = PrefixCacheTable()
-    metrics = ConductorMetrics(table)
-    stores = StoreWatch(table, metrics, config.store_admin_url, config.kv_store_check_interval_s)
-    manager = ServiceManager(table, metrics, stores, limits)
+    manager = index_manager(config, limits)
+    metrics = manager.metrics
     allowlist = _allowlist(settings, config.registrations())
     state_file = StateFile(state) if state is not None else None
     guard = ConnectionGuard(settings.header_timeout_s, settings.max_connections, metrics.registry)

@@ -202,20 +202,19 @@ class Router:
         for store in self.store_states:
             self.metrics.store_up.labels(store).set(1)
         self._publish_cost_model()
-        # its own pool, uncapped: a query never queues behind other calls for a connection
-        self._conductor_session = aiohttp.ClientSession(
-            connector=aiohttp.TCPConnector(limit=0, keepalive_timeout=60)
-        )
-        self.conductor = (
-            EmbeddedConductor(self.config.prefill.config)
-            if self.config.conductor.embedded
-            else ConductorClient(
+        if self.config.conductor.embedded:
+            self.conductor = EmbeddedConductor(self.config.prefill.config)
+        else:
+            # its own pool, uncapped: a query never queues behind other calls for a connection
+            self._conductor_session = aiohttp.ClientSession(
+                connector=aiohttp.TCPConnector(limit=0, keepalive_timeout=60)
+            )
+            self.conductor = ConductorClient(
                 self._conductor_session,
                 self.config.conductor,
                 self.config.prefill.config,
                 self.notices,
             )
-        )
         background: dict[str, Callable[[], Awaitable[None]]] = {
             "learn_models": self._learn_models,  # meanwhile, not after registering
             "probe_unhealthy": self._probe_unhealthy,
@@ -539,15 +538,20 @@ class Router:
         start = next(self._tokenizer_turn) % len(healthy)
         return healthy[start:] + healthy[:start]
 
-    async def hits(self, packed: bytes | None, body: dict[str, Any]) -> tuple[Hits, str | None]:
-        """The conductor's answer for the prompt (its int32-packed tokens), or no hits and
-        why (the fallback reason)."""
+    async def hits(
+        self, packed: bytes | None, hashes: Sequence[int], body: dict[str, Any]
+    ) -> tuple[Hits, str | None]:
+        """The conductor's answer for the prompt (its int32-packed tokens; its block hashes
+        for the embedded index), or no hits and why (the fallback reason)."""
         if packed is None:
             return {}, "tokenize_failed"
         assert self.conductor is not None
         asked = time.perf_counter()
         try:
-            hits = await self.conductor.query(packed, body.get("cache_salt"))
+            if isinstance(self.conductor, EmbeddedConductor):
+                hits = self.conductor.query_hashes(hashes)
+            else:
+                hits = await self.conductor.query(packed, body.get("cache_salt"))
         except ConductorUnavailable:  # logged once by the client, not per request
             return {}, "conductor_unavailable"
         finally:
@@ -555,11 +559,12 @@ class Router:
         return reusable_hits(hits, len(packed) // 4, self.params.block_size), None
 
     def prompt_hashes(self, packed: bytes | None, body: dict[str, Any]) -> Sequence[int]:
-        """The prompt's block hashes when in-flight prefixes are tracked (else none)."""
-        if self.pending is None or not packed:
+        """The prompt's block hashes, hashed once for whatever in the router reads them (the
+        prompts in flight, the embedded index); none else (a conductor hashes them itself)."""
+        embedded = isinstance(self.conductor, EmbeddedConductor)
+        if not packed or (self.pending is None and not embedded):
             return []
-        salt = body.get("cache_salt")
-        return prefix_hashes(packed, self.params.block_size, salt if isinstance(salt, str) else "")
+        return prefix_hashes(packed, self.params.block_size, body.get("cache_salt") or "")
 
     def add_in_flight(
         self, hits: Hits, hashes: Sequence[int], prompt_tokens: int
@@ -646,8 +651,8 @@ class Router:
         self.metrics.tokenized.labels(tokenized_by).inc()
         # packed once: the conductor's query and the in-flight hashes both read the int32s
         packed = None if tokens is None else token_bytes(tokens)
-        hits, fallback = await self.hits(packed, body)
         hashes = self.prompt_hashes(packed, body)
+        hits, fallback = await self.hits(packed, hashes, body)
         in_flight_hits = {} if fallback else self.add_in_flight(hits, hashes, len(tokens or ()))
         if fallback:
             self.metrics.fallbacks.labels(fallback).inc()

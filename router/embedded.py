@@ -5,19 +5,21 @@ conductor's own subscribers, sequence tracking, replays and ``PrefixCacheTable``
 the table in-process: no HTTP hop per request (about 1 ms of the router's overhead, and the
 conductor's CPU to parse the query), one process less to run. The price: the router's event
 loop also applies the events (in steps of ~0.5 ms, as the service does), and other routers
-or tools cannot share this index. It has the same interface as ``ConductorClient``.
+or tools cannot share this index. It has ``ConductorClient``'s interface, but is asked with
+the prompt's block hashes.
 """
 
 from __future__ import annotations
 
 import logging
 from collections.abc import Sequence
+from typing import cast
 
 from conductor.config import ConductorConfig, Registration
-from conductor.index import ContextKey, PrefixCacheTable
-from conductor.kv_store_watch import StoreWatch
-from conductor.manager import RegistrationConflict, RegistrationFailed, ServiceManager, StreamLimits
-from conductor.metrics import ConductorMetrics
+from conductor.hashing import PrefixHash
+from conductor.index import ContextKey
+from conductor.manager import RegistrationConflict, RegistrationFailed, StreamLimits
+from conductor.service import index_manager
 from conductor.states import StoreState
 
 from .conductor_client import ConductorState, Hits, registration_bodies
@@ -33,13 +35,9 @@ class EmbeddedConductor:
         self._context = ContextKey(
             model.tenant_id or "default", model.modelname, model.lora_name, model.block_size
         )
-        self.table = PrefixCacheTable()
-        self.metrics = ConductorMetrics(self.table)
-        defaults = ConductorConfig()  # each store's admin server on its master's host
-        self._stores = StoreWatch(
-            self.table, self.metrics, defaults.store_admin_url, defaults.kv_store_check_interval_s
-        )
-        self.manager = ServiceManager(self.table, self.metrics, self._stores, StreamLimits())
+        # the conductor's defaults: each store's admin server on its master's host
+        self.manager = index_manager(ConductorConfig(), StreamLimits())
+        self.table, self.metrics = self.manager.table, self.manager.metrics
 
     def states(self) -> dict[str, ConductorState]:
         return {EMBEDDED: ConductorState.UP}
@@ -65,11 +63,13 @@ class EmbeddedConductor:
             await self.manager.instance_up(instance_id, tenant)
 
     async def store_states(self, timeout: float) -> dict[str, StoreState]:
-        return {kv_store: view["state"] for kv_store, view in self._stores.view().items()}
+        return {kv_store: view["state"] for kv_store, view in self.manager.stores.view().items()}
 
-    async def query(self, packed: bytes, cache_salt: str | None = None) -> Hits:
-        matches = self.table.match_tokens(self._context, packed, cache_salt or "") or {}
-        return {name: (m.gpu, m.cpu, m.disk) for name, m in matches.items()}
+    def query_hashes(self, hashes: Sequence[int]) -> Hits:
+        """The hits of a prompt the router hashed already (``prefix_hashes``, salted with
+        its ``cache_salt``): it needs the hashes for its prompts in flight too."""
+        matches = self.table.match_prefix_hashes(self._context, cast(Sequence[PrefixHash], hashes))
+        return {name: (m.gpu, m.cpu, m.disk) for name, m in (matches or {}).items()}
 
     async def close(self) -> None:
         await self.manager.close()
