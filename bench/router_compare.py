@@ -138,7 +138,8 @@ def versions_line(described: dict[str, Any]) -> str:
     )  # fmt: skip
     return (
         f"{described['requests']} requests, {described['engines']} engines, speedup "
-        f"{described['speedup']:g}, prompts {described['prompts']}; peers: {peers or 'none'}; "
+        f"{described['speedup']:g}, prompts {described['prompts']}, our conductor "
+        f"{described['conductor']}; peers: {peers or 'none'}; "
         f"ideal hit {described['ideal_hit_ratio']:.1%}, "
         f"pooled-LRU {described['pooled_hit_ratio']:.1%}\n"
     )

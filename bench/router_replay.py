@@ -53,6 +53,7 @@ from typing import Any
 
 import aiohttp
 import psutil
+from prometheus_client.parser import text_string_to_metric_families
 
 from bench.peer_routers import PEERS, TEXT_ONLY, PeerEngine, find_binary, installed_version
 from bench.peer_routers import wait_http_ready as wait_peer_ready
@@ -124,6 +125,7 @@ class ReplaySetup:
     peers: dict[str, Path] = field(default_factory=dict)  # peer router -> its binary
     words: WordTable | None = None  # text prompts (None: token ids)
     tokenizer: Path | None = None  # the engines' HF tokenizer directory (None: stand-in)
+    embedded: bool = False  # ours indexes the events itself (conductor.embedded), no service
 
     @property
     def routers(self) -> tuple[str, ...]:
@@ -167,6 +169,7 @@ def build_setup(args: argparse.Namespace) -> ReplaySetup:
         peers=args.peer_binaries,
         words=prompt_words(args.prompts, args.tokenizer),
         tokenizer=args.tokenizer,
+        embedded=args.conductor == "embedded",
     )
 
 
@@ -195,6 +198,7 @@ def describe(setup: ReplaySetup) -> dict[str, Any]:
         "engines": setup.engines,
         "engine_speed": setup.engine_speed,
         "policies": list(setup.policies),
+        "conductor": "embedded" if setup.embedded else "service",
         "peers": {
             name: {
                 "binary": str(binary),
@@ -310,7 +314,7 @@ class Fleet:
         if self.store is not None:
             with STOPPING.deferred():
                 self.store.start()
-        if self.peer is None:
+        if self.peer is None and not self.setup.embedded:
             conductor_config = self.log_dir / f"conductor-{self.label}.json"
             conductor_config.write_text(json.dumps(self.conductor_config(), indent=2))
             self.conductor = self._spawn(
@@ -401,12 +405,13 @@ class Fleet:
 
     def router_config(self) -> dict[str, Any]:
         """The router's config file: the engines and their event streams, one policy."""
-        assert self.conductor is not None
         routing: dict[str, Any] = {"policy": self.policy}
         if self.setup.reject_slo_ms is not None:
             routing["ttft_slo_ms"] = self.setup.reject_slo_ms
         return {
-            "conductor": {"address": self.conductor.url},
+            "conductor": (
+                {"embedded": True} if self.conductor is None else {"address": self.conductor.url}
+            ),
             "prefill": {
                 "config": {"modelname": MODEL, "block_size": self.setup.block_size},
                 "instances": [
@@ -590,7 +595,8 @@ async def warm_up(fleet: Fleet, request: TraceRequest) -> None:
     conductor reports it cached on each: proof that every event stream is subscribed.
     With a store, each engine's turn waits until the store holds what the one before saved,
     so the later engines load the prompt from the store, as they would in service. A peer
-    router has no conductor to ask: the fleet waits ``PEER_SETTLE_S`` instead. The engines
+    router has no conductor to ask: the fleet waits ``PEER_SETTLE_S`` instead; ours with the
+    index embedded counts the blocks each stream stored on its ``/metrics``. The engines
     get the same prompt whatever the router, so every run starts from the same caches (a
     peer whose tree learns from the requests it routes starts knowing none of them).
 
@@ -603,7 +609,7 @@ async def warm_up(fleet: Fleet, request: TraceRequest) -> None:
     conductor = fleet.conductor
 
     async def indexed_everywhere(session: aiohttp.ClientSession, which: int) -> None:
-        if conductor is None:
+        if fleet.peer is not None:
             await asyncio.sleep(PEER_SETTLE_S)
             return
         tokens = await engine_tokens(session, fleet.engines[0], body["prompt"])
@@ -611,12 +617,21 @@ async def warm_up(fleet: Fleet, request: TraceRequest) -> None:
         query = {"model": MODEL, "block_size": size, "token_ids": tokens}
         deadline = time.monotonic() + WARM_UP_TIMEOUT_S
         while time.monotonic() < deadline:
-            async with session.post(f"{conductor.url}/query", json=query) as answer:
-                hits = parse_hits(await answer.json(), "default")
-            if all(hits.get(e.instance_id, (0, 0, 0))[which] >= expected for e in fleet.engines):
-                return
+            if conductor is None:  # embedded: every stream stored the prompt's blocks
+                assert fleet.router is not None
+                stored = await blocks_stored(session, fleet.router.url)
+                hits = {stream: (blocks * size, 0, 0) for stream, blocks in stored.items()}
+                if len(stored) == len(fleet.engines) and min(stored.values()) * size >= expected:
+                    return
+            else:
+                async with session.post(f"{conductor.url}/query", json=query) as answer:
+                    hits = parse_hits(await answer.json(), "default")
+                if all(
+                    hits.get(e.instance_id, (0, 0, 0))[which] >= expected for e in fleet.engines
+                ):
+                    return
             await asyncio.sleep(0.1)
-        raise TimeoutError(f"the conductor did not index the warm-up on every engine: {hits}")
+        raise TimeoutError(f"the warm-up is not indexed on every engine: {hits}")
 
     async with aiohttp.ClientSession(timeout=timeout) as session:
         for engine in fleet.engines:
@@ -626,6 +641,18 @@ async def warm_up(fleet: Fleet, request: TraceRequest) -> None:
             if fleet.store is not None:  # the store's pool is every engine's CPU tier
                 await indexed_everywhere(session, 1)
         await indexed_everywhere(session, 0)
+
+
+async def blocks_stored(session: aiohttp.ClientSession, router_url: str) -> dict[str, float]:
+    """Blocks each event stream stored, per the router's embedded index's metrics."""
+    async with session.get(f"{router_url}/metrics") as answer:
+        text = await answer.text()
+    return {
+        sample.labels["stream"]: sample.value
+        for family in text_string_to_metric_families(text)
+        for sample in family.samples
+        if sample.name == "conductor_blocks_stored_total"
+    }
 
 
 async def engine_tokens(
@@ -886,6 +913,12 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         help="run each policy without a Mooncake store, with one, or both (needs the [store] "
         "extra; run inside scripts/isolated-net.sh)",
     )
+    add(
+        "--conductor",
+        choices=("service", "embedded"),
+        default="service",
+        help="ours asks a conductor service, or holds the index itself (conductor.embedded)",
+    )
     add("--store-mb", type=int, default=STORE_SEGMENT_MB, help="the store's memory")
     add("--log-dir", type=Path, help="keep the processes' logs and configs here")
     add("--json", type=Path, default=RESULTS_DIR / "router_replay.json")
@@ -898,6 +931,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         args.prompts = "text" if args.peer_binaries or args.tokenizer else "ids"
     if args.prompts == "ids" and (args.tokenizer or TEXT_ONLY & set(args.peer_binaries)):
         parser.error("--tokenizer and sglang-router need --prompts text")
+    if args.conductor == "embedded" and args.store != "off":
+        parser.error("--conductor embedded runs without a store (--store off)")
     if args.quick:
         defaults = {k: parser.get_default(k) for k in QUICK}
         for key, value in QUICK.items():

@@ -61,6 +61,18 @@ def test_quick_replay_completes_without_errors(tmp_path: Path) -> None:
         assert served == run["served"], policy  # every answer named a configured engine
 
 
+def test_a_replay_with_the_index_in_the_router_runs_no_conductor(tmp_path: Path) -> None:
+    """``--conductor embedded``: the router indexes the engines' events itself; the warm-up
+    waits on its metrics, and every request is routed with the index's answer."""
+    report = run_replay(tmp_path, "--quick", "--policies", "ttft", "--conductor", "embedded")
+    assert report["setup"]["conductor"] == "embedded"
+    run = report["runs"]["ttft"]
+    assert run["errors"] == 0, run["error_samples"]
+    assert run["served"] == run["requests"] == report["setup"]["requests"]
+    assert sum(run["fallbacks"].values()) == 0
+    assert run["hit_ratio"] > 0
+
+
 @pytest.mark.skipif(store_skip_reason() is not None, reason=str(store_skip_reason()))
 def test_a_replay_with_the_store_loads_what_another_engine_saved(tmp_path: Path) -> None:
     """With ``--store both`` the same slice runs without and with a real store. With it, the
