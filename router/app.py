@@ -486,6 +486,16 @@ class Router:
             return self.local.prompt_ids(chat, body)
         return await asyncio.to_thread(self.local.prompt_ids, chat, body)
 
+    def _forwards_ids(self, path: str, body: dict[str, Any], tokenized_by: str) -> bool:
+        """Whether the engine gets the router's ids instead of the prompt's text: saves it
+        tokenizing the prompt again (~2 µs a token) where the ids are surely its own."""
+        return (
+            tokenized_by == "local"
+            and self.config.tokenizer.forward_token_ids
+            and not path.endswith("chat/completions")  # vLLM's chat takes no ids
+            and not body.get("echo")
+        )
+
     def _check_prompt_length(self, tokens: int) -> None:
         limit = self.limits.max_json_items
         if tokens >= limit:
@@ -649,6 +659,8 @@ class Router:
         finally:
             self._tokenizing -= 1
         self.metrics.tokenized.labels(tokenized_by).inc()
+        if tokens is not None and self._forwards_ids(request.path, body, tokenized_by):
+            body, raw = {**body, "prompt": tokens}, with_prompt_ids(body, tokens)
         # packed once: the conductor's query and the in-flight hashes both read the int32s
         packed = None if tokens is None else token_bytes(tokens)
         hashes = self.prompt_hashes(packed, body)
@@ -996,6 +1008,15 @@ def _utf8(text: str) -> bool:
     except UnicodeEncodeError:
         return False
     return True
+
+
+def with_prompt_ids(body: dict[str, Any], tokens: list[int]) -> bytes:
+    """``body`` as JSON with ``prompt`` replaced by ``tokens``: the ids through msgspec
+    (~20× faster than json on 10k ids), the other fields as ``json`` writes them (a NaN the
+    client sent stays a NaN, where msgspec would write null)."""
+    rest = json.dumps({k: v for k, v in body.items() if k != "prompt"}, separators=(",", ":"))
+    ids = b'{"prompt":' + msgspec.json.encode(tokens)
+    return ids + b"}" if rest == "{}" else ids + b"," + rest[1:].encode()
 
 
 def _loads(raw: bytes) -> Any:

@@ -127,6 +127,10 @@ class TokenizerSection(_Section):
     verify: bool = True
     # ids of long prompts' chunks kept for the next prompt sharing them (0: encode whole)
     chunk_cache_tokens: int = Field(default=CHUNK_CACHE_TOKENS, ge=0)
+    # send a completion's text prompt on as the ids the router computed (vLLM takes a
+    # prompt of ids), so the engine does not tokenize it again; a request with ``echo``
+    # keeps its text (the engine would echo the ids' decoding)
+    forward_token_ids: bool = True
 
     def directory(self, modelname: str) -> Path | None:
         """The directory to load: ``path``, else ``modelname`` when it names one."""

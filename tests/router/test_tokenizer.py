@@ -8,7 +8,7 @@ import asyncio
 import json
 import shutil
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import aiohttp
@@ -192,6 +192,7 @@ class Engine:
     url: str = ""
     disagree: bool = False
     tokenized: int = 0  # /tokenize calls
+    received: list[dict] = field(default_factory=list)  # completion bodies, as they came
 
     async def _tokenize(self, request: web.Request) -> web.Response:
         self.tokenized += 1
@@ -200,6 +201,7 @@ class Engine:
         return web.json_response({"tokens": [t + 1 for t in tokens] if self.disagree else tokens})
 
     async def _complete(self, request: web.Request) -> web.Response:
+        self.received.append(await request.json())
         return web.json_response({"choices": [{"text": "ok"}]})
 
     async def _metrics(self, request: web.Request) -> web.Response:
@@ -247,6 +249,28 @@ async def test_the_router_tokenizes_itself_once_an_engine_agreed(serve, engine, 
     skipped = 'router_tokenize_local_skipped_total{reason="field_tools"}'
     assert await metric(http, url, skipped) == 1
     assert await metric(http, url, 'router_tokenize_total{path="local"}') == 2
+
+
+async def test_a_completion_goes_on_as_the_routers_ids(serve, engine, model_dir, http):
+    """The engine gets the ids the router computed, so it does not tokenize the prompt
+    again; with ``echo`` (the engine would echo the ids' decoding), in a chat (vLLM takes no
+    ids there), or with ``forward_token_ids`` off, it gets the request as sent."""
+    local = LocalTokenizer.load(model_dir)
+    prompt = {"prompt": "Hello, world!", "temperature": 0.5, "add_special_tokens": False}
+    for forward in (True, False):
+        tokenizer = {"path": str(model_dir), "verify": False, "forward_token_ids": forward}
+        _, url = await serve(layout([engine.url], tokenizer=tokenizer))
+        engine.received.clear()
+        for path, body in [
+            ("/v1/completions", prompt),
+            ("/v1/completions", prompt | {"echo": True}),
+            ("/v1/chat/completions", CHAT),
+        ]:
+            assert await _route(http, url, path, body) == "local"
+        ids = local.prompt_ids(False, prompt)
+        as_sent = [{"model": MODEL, **body} for body in (prompt, prompt | {"echo": True}, CHAT)]
+        assert engine.received[0] == (as_sent[0] | {"prompt": ids} if forward else as_sent[0])
+        assert engine.received[1:] == as_sent[1:]
 
 
 async def test_an_engine_that_disagrees_keeps_tokenizing(serve, engine, model_dir, http, caplog):
