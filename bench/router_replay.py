@@ -643,16 +643,31 @@ async def warm_up(fleet: Fleet, request: TraceRequest) -> None:
         await indexed_everywhere(session, 0)
 
 
-async def blocks_stored(session: aiohttp.ClientSession, router_url: str) -> dict[str, float]:
-    """Blocks each event stream stored, per the router's embedded index's metrics."""
-    async with session.get(f"{router_url}/metrics") as answer:
+async def metric_samples(
+    session: aiohttp.ClientSession, url: str, name: str
+) -> list[tuple[dict[str, str], float]]:
+    """Every series of metric ``name`` on ``url``'s ``/metrics``: (labels, value)."""
+    async with session.get(f"{url}/metrics") as answer:
         text = await answer.text()
-    return {
-        sample.labels["stream"]: sample.value
+    return [
+        (sample.labels, sample.value)
         for family in text_string_to_metric_families(text)
         for sample in family.samples
-        if sample.name == "conductor_blocks_stored_total"
-    }
+        if sample.name == name
+    ]
+
+
+async def blocks_stored(session: aiohttp.ClientSession, router_url: str) -> dict[str, float]:
+    """Blocks each event stream stored, per the router's embedded index's metrics."""
+    samples = await metric_samples(session, router_url, "conductor_blocks_stored_total")
+    return {labels["stream"]: value for labels, value in samples}
+
+
+async def forgone_tokens(router_url: str) -> float:
+    """Prompt tokens our router saw cached on another instance than the one it chose."""
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=10)) as session:
+        samples = await metric_samples(session, router_url, "router_cache_forgone_tokens_total")
+    return sum(value for _, value in samples)
 
 
 async def engine_tokens(
@@ -767,7 +782,7 @@ def summarize(
 def format_table(setup: dict[str, Any], runs: Sequence[dict[str, Any]]) -> str:
     """A markdown table: paste it into the README as is."""
     slos = [f"{slo:g}" for slo in setup["slos_s"]]
-    head = ["policy", "hit", "TTFT mean", "p50", "p90", "p99", "client p50", "p99",
+    head = ["policy", "hit", "forgone", "TTFT mean", "p50", "p90", "p99", "client p50", "p99",
             *(f"≤{s} s" for s in slos), "imb req", "imb tok", "err", "rej", "router p50 ms",
             "p99 ms", "path p50 ms", "p99 ms", "CPU ms/req", "fallb", "wall s"]  # fmt: skip
     rows = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
@@ -779,6 +794,7 @@ def format_table(setup: dict[str, Any], runs: Sequence[dict[str, Any]]) -> str:
         cells = [
             run["policy"],
             f"{run['hit_ratio']:.1%}",
+            num(run.get("forgone_hit_ratio"), ".1%"),
             *(num(run[f"ttft_{k}_s"], ".2f") for k in ("mean", "p50", "p90", "p99")),
             *(num(run[f"client_ttft_{k}_s"], ".2f") for k in ("p50", "p99")),
             *(f"{run['slo_attainment'][s]:.0%}" for s in slos),
@@ -821,6 +837,9 @@ def run_policy(
         summary["routing_cpu_s"] = cpu_s
         summary["routing_cpu_ms_per_request"] = cpu_s * 1000 / len(outcomes)
         summary["store_loaded_tokens"] = asyncio.run(store_loaded_tokens(fleet))
+        if fleet.peer is None and summary["prompt_tokens"]:
+            forgone = asyncio.run(forgone_tokens(fleet.router.url))
+            summary["forgone_hit_ratio"] = forgone / summary["prompt_tokens"]
         if summary["errors"]:
             summary["logs"] = fleet.logs()
     summary["replay_wall_s"] = replay_s

@@ -623,6 +623,9 @@ class Router:
             params = replace(params, policy="least_loaded")
         decision = choose(params, candidates, next(self._turn), prompt_tokens, self._rng)
         self.metrics.decisions.labels(decision.policy, decision.instance_id).inc()
+        longest = min(max(c.disk_tokens for c in candidates), prompt_tokens)  # cumulative tiers
+        if longest > decision.cached_tokens:
+            self.metrics.forgone_tokens.inc(longest - decision.cached_tokens)
         return decision
 
     def _failed(self, upstream: Upstream, reason: str) -> None:

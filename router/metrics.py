@@ -88,6 +88,12 @@ class RouterMetrics:
             "Prompt tokens the chosen instances already held (per the decision)",
             registry=registry,
         )
+        self.forgone_tokens = Counter(
+            "router_cache_forgone_tokens_total",
+            "Prompt tokens another instance held (on any tier) beyond the chosen one's hit: "
+            "recomputed because the policy weighed load or cost over the longer prefix",
+            registry=registry,
+        )
         self.in_flight_hit_tokens = Counter(
             "router_in_flight_hit_tokens",
             "Cached tokens decisions counted beyond the conductor's answer: a prompt sharing "

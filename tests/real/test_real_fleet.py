@@ -314,3 +314,21 @@ async def test_the_router_tokenizes_in_process_once_the_engine_agreed(real_fleet
             assert response.status == 200, await response.text()
             assert response.headers["x-conductor-tokenized-by"] == "local"
             assert "x-conductor-fallback" not in response.headers
+
+
+async def test_vllm_serves_the_routers_ids_as_it_serves_the_text(real_fleet, http):
+    """``tokenizer.forward_token_ids``: a completion reaches vLLM as the router's ids, and
+    vLLM sees the same prompt it makes of the text (ids, usage); with ``echo`` the text goes
+    on as sent and comes back as sent."""
+    router, engine = url(real_fleet, "router"), url(real_fleet, "vllm-a")
+    gauge = 'router_local_tokenizer_active{path="completions"}'
+    await eventually(lambda: metric(http, router, gauge), lambda v: v == 1)
+    for prompt in (COMPLETIONS[3], COMPLETIONS[4]):
+        body = {"model": MODEL, "prompt": prompt, "max_tokens": 1, "return_token_ids": True}
+        routed = await _post(http, f"{router}/v1/completions", body)
+        direct = await _post(http, f"{engine}/v1/completions", body)
+        assert routed["choices"][0]["prompt_token_ids"] == direct["choices"][0]["prompt_token_ids"]
+        assert routed["usage"]["prompt_tokens"] == direct["usage"]["prompt_tokens"]
+    body = {"model": MODEL, "prompt": COMPLETIONS[1], "max_tokens": 1, "echo": True}
+    echoed = await _post(http, f"{router}/v1/completions", body)
+    assert echoed["choices"][0]["text"].startswith(COMPLETIONS[1])

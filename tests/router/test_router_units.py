@@ -12,13 +12,14 @@ from pydantic import ValidationError
 from conductor.config import load_config
 from router import config as router_config
 from router import disagg
-from router.app import served_models
+from router.app import Router, served_models
 from router.conductor_client import parse_hits, parse_store_states
 from router.engine_metrics import engine_in_flight, parse_metrics
 from router.policy import POLICIES, REGISTRY, PrefillCostModel
 from router.pool import CostLearner, InstancePool
 from router.store import StoreLoads, store_loads
 from tests.conftest import REPO
+from tests.router.inprocess import layout
 from tests.router.vllm_metrics import VllmStoreMetrics
 
 
@@ -368,3 +369,17 @@ def test_store_states_from_the_conductors_health():
         "127.0.0.1:5": "unchecked",
     }
     assert parse_store_states({"status": "ok"}) == parse_store_states([]) == {}
+
+
+@pytest.mark.parametrize(("policy", "forgone"), [("max_prefix", 0), ("round_robin", 32 + 64 + 32)])
+def test_a_longer_prefix_left_elsewhere_is_counted_as_forgone(policy, forgone):
+    """``router_cache_forgone_tokens_total``: the tokens by which the longest hit on any
+    tier (capped at the prompt) exceeds the chosen instance's hit, per decision."""
+    config = layout(["http://127.0.0.1:9", "http://127.0.0.1:10"], routing={"policy": policy})
+    router = Router(router_config.RouterConfig.model_validate(config))
+    hits = {"e0": (32, 64, 64), "e1": (0, 0, 0)}
+    chosen = [router.decide(100, hits, None, set()).instance_id for _ in range(3)]
+    assert chosen == (["e0"] * 3 if policy == "max_prefix" else ["e0", "e1", "e0"])
+    # round robin takes e0's GPU hit alone (32 of its 64), and e1's nothing
+    registry = router.metrics.registry
+    assert registry.get_sample_value("router_cache_forgone_tokens_total") == forgone
