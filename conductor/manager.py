@@ -132,6 +132,8 @@ class ServiceManager:
         self.registrations: dict[str, Registration] = {}
         # service key -> why its stream is not indexed as registered (shown by /health)
         self.degraded: dict[str, str] = {}
+        # stream -> the publish time of the latest batch applied from it (engine clock)
+        self._applied_until: dict[str, float] = {}
         self._subscribers: dict[str, StreamSubscriber] = {}
         self._down: dict[tuple[str, str], DownMark] = {}  # (instance, tenant) -> mark
         self._capped: set[tuple[str, str]] = set()  # (stream, reason) warned about once
@@ -257,6 +259,7 @@ class ServiceManager:
             subscriber = self._subscribers.pop(key)
             kv_store = self.registrations.pop(key).kv_store
             self.degraded.pop(key, None)
+            self._applied_until.pop(key, None)
             self._capped -= {(key, reason) for reason in CAPPED_REASONS}
             await subscriber.stop()
             dropped = self.table.remove_stream(key)
@@ -266,6 +269,20 @@ class ServiceManager:
             self.metrics.services.set(len(self.registrations))
             log.info("unregistered stream=%s blocks_dropped=%d", key, dropped)
             return dropped
+
+    def indexed_until(self, instance_id: str, tenant_id: str) -> float | None:
+        """The index holds everything the instance published up to this time (its engine's
+        clock): the publish time of the latest batch applied from each of its streams, the
+        oldest of them (events of a stream are applied in order). None: some stream has
+        applied nothing yet, or the instance has none."""
+        try:
+            keys = self._instance_streams(instance_id, tenant_id)
+        except ServiceNotFound:
+            return None
+        times = [self._applied_until.get(key) for key in keys]
+        if None in times:
+            return None
+        return min(t for t in times if t is not None)
 
     # -- dead instances ------------------------------------------------------------------
     def _instance_streams(self, instance_id: str, tenant_id: str) -> list[str]:
@@ -415,6 +432,8 @@ class ServiceManager:
                 log.exception("stream=%s seq=%d batch could not be applied", key, message.seq)
                 return
         self.metrics.record_apply(key, stats, replayed)
+        if batch.timestamp > self._applied_until.get(key, 0.0):
+            self._applied_until[key] = batch.timestamp
         if stats.foreign_block_size is not None:
             self._flag_block_size(registration, stats.foreign_block_size)
         for reason in CAPPED_REASONS:

@@ -71,5 +71,10 @@ class EmbeddedConductor:
         matches = self.table.match_prefix_hashes(self._context, cast(Sequence[PrefixHash], hashes))
         return {name: (m.gpu, m.cpu, m.disk) for name, m in (matches or {}).items()}
 
+    def indexed_until(self, instance_id: str) -> float | None:
+        """The index holds every event the instance published up to this time (its clock;
+        None: not known yet)."""
+        return self.manager.indexed_until(instance_id, self._context.tenant_id)
+
     async def close(self) -> None:
         await self.manager.close()

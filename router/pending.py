@@ -6,8 +6,10 @@ arrive meanwhile (a burst of requests behind one system prompt, the next turn of
 whose last answer is still streaming) would find it cached nowhere and be spread by load,
 and every instance would compute the same prefix again. So the router remembers which
 prompt it sent where, while the request runs (its blocks are then pinned in the engine's
-cache) and for a grace period after (for the engine's events to reach the conductor), and
-counts the longest such prompt prefix as a GPU hit on that instance.
+cache) and until the index has its blocks (a conductor service: for a grace period after
+the end; an index in the router: until it has applied the instance's events published
+after the end, which may take longer on a loaded machine), and counts the longest such
+prompt prefix as a GPU hit on that instance.
 
 Prompts are compared by the conductor's chained block hashes (salted with the model and
 the request's ``cache_salt``, so neither crosses), one list per request: nothing is stored
@@ -19,6 +21,10 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 GRACE_S = 2.0  # after a request ends, for its engine's KV events to reach the conductor
+# with the index in the router, whose progress it sees: kept until the index has the
+# instance's events published after the end (checked this often), at most this long
+RECHECK_S = 0.1
+MAX_PENDING_S = 30.0
 MAX_PER_FIRST_BLOCK = 64  # requests compared per first block: the most recent ones
 
 

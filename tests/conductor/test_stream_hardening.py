@@ -505,3 +505,28 @@ def test_subscriber_state_is_one_series_per_stream():
     assert value("conductor_batches_applied_created", {"stream": "s"}) is None
     metrics.forget_stream("s")
     assert value("conductor_subscriber_state", {"stream": "s", "state": "connected"}) is None
+
+
+async def test_indexed_until_is_the_publish_time_of_the_latest_batch_applied(
+    manager_factory, publisher_factory
+):
+    """What lets the router's embedded index say when a finished request's blocks are in:
+    per instance, the oldest of its streams' latest applied batch times."""
+    manager = manager_factory()
+    assert manager.indexed_until("a", "default") is None  # no such instance
+    ranks = [publisher_factory(), publisher_factory()]
+    for rank, publisher in enumerate(ranks):
+        await register(manager, publisher, "a", dp_rank=rank)
+    assert manager.indexed_until("a", "default") is None  # nothing applied yet
+    before = time.time()
+    await ranks[0].publish([stored([1], [1, 2, 3, 4])])
+    await until(lambda: matched(manager, [1, 2, 3, 4], "a") == 4)
+    assert manager.indexed_until("a", "default") is None  # rank 1 has applied nothing
+    await ranks[1].publish([stored([2], [5, 6, 7, 8])], dp_rank=1)
+    await until(lambda: manager.indexed_until("a", "default") is not None)
+    first = manager.indexed_until("a", "default")
+    assert first is not None and before <= first <= time.time()
+    await ranks[1].publish([stored([3], [9, 9, 9, 9])], dp_rank=1)
+    await asyncio.sleep(0.2)
+    assert manager.indexed_until("a", "default") == first  # rank 0 is the older
+    assert manager.indexed_until("a", "other-tenant") is None

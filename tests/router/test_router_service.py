@@ -21,7 +21,10 @@ from aiohttp import web
 from aiohttp.test_utils import TestServer
 from multidict import CIMultiDict
 
+from conductor.hashing import token_bytes
 from publishers.local import LocalService
+from router.embedded import EmbeddedConductor
+from router.pending import GRACE_S
 from tests.router.inprocess import ServedRouter, layout
 from tests.support.api import eventually, matched
 from tests.support.processes import ConductorProcess, EngineSim, RouterProcess, free_port
@@ -274,6 +277,37 @@ async def test_an_embedded_index_routes_by_the_cache_without_a_conductor(fleet, 
     assert headers["x-conductor-prefill-instance"] == owner
     assert "x-conductor-fallback" not in headers
     assert await metric(http, router, "conductor_blocks_stored_total") > 0
+
+
+async def test_an_embedded_index_keeps_a_finished_prompt_until_it_has_its_blocks(
+    fleet, serve, http
+):
+    """With the index in the router, a finished request's prompt counts as in flight until
+    the index has applied its engine's events published after it ended, however late (a
+    conductor service is given a fixed 2 s): an idle engine publishes nothing more, so the
+    prompt stays; the next request's events release it."""
+    fleet.engine("a")
+    config = fleet.config(["a"])
+    config["conductor"] |= {"embedded": True}
+    served = await serve(config)
+    router, pending = served.router, served.router.pending
+    assert isinstance(router.conductor, EmbeddedConductor) and pending is not None
+    first, second = "First " * 40, "Second, unrelated " * 40
+
+    async def in_flight(prompt: str) -> dict[str, int]:
+        request = {"model": MODEL, "prompt": prompt}
+        async with http.post(f"{fleet.engines['a'].url}/tokenize", json=request) as response:
+            ids = (await response.json())["tokens"]
+        return pending.match(router.prompt_hashes(token_bytes(ids), {}))
+
+    assert (await complete(http, served, first))[0] == 200
+    await asyncio.sleep(GRACE_S + 0.5)
+    assert (await in_flight(first)).get("a", 0) > 0  # kept past a service's grace
+    assert (await complete(http, served, second))[0] == 200
+    await eventually(lambda: in_flight(first), lambda match: match == {})
+    assert (await in_flight(second))["a"] > 0  # nothing published after it ended
+    until = router.conductor.indexed_until("a")
+    assert until is not None and until <= time.time()
 
 
 async def test_a_burst_spreads_over_instances(fleet, http):
