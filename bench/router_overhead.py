@@ -12,7 +12,8 @@ text prompts (chat and completions, about ``--prompt-tokens`` each) to each rout
 - ``engine``: the router asks an engine's ``/tokenize`` (no tokenizer configured);
 - ``ids``: the prompt is token ids already (what ``bench.router_replay`` sends);
 - ``ids-embedded``: the same with the index inside the router (``conductor.embedded``): no
-  HTTP hop to a conductor.
+  HTTP hop to a conductor;
+- ``local-embedded``: text tokenized in-process, the index inside the router.
 
 The prompts are random words sharing their first half in groups of four, or with
 ``--trace conversation|synthetic`` the trace's first requests as text (``text_prompts``), in
@@ -49,7 +50,7 @@ from router.tokenizer import LocalTokenizer
 
 MODEL = "tiny-llama"
 BLOCK = 16
-MODES = ("local", "local-whole", "engine", "ids", "ids-embedded")
+MODES = ("local", "local-whole", "engine", "ids", "ids-embedded", "local-embedded")
 WARM_UP = 10  # prompts each router gets before measuring (connections, caches)
 READY_TIMEOUT_S = 30.0
 
@@ -182,7 +183,7 @@ def router(run_dir: Path, layout: dict, mode: str, model_dir: Path) -> LocalServ
         config["tokenizer"] = {"path": str(model_dir)}
     if mode == "local-whole":
         config["tokenizer"]["chunk_cache_tokens"] = 0
-    if mode == "ids-embedded":  # the index inside the router: no conductor hop
+    if mode.endswith("-embedded"):  # the index inside the router: no conductor hop
         config["conductor"] = {**config["conductor"], "embedded": True}
     path = run_dir / f"router-{mode}.json"
     path.write_text(json.dumps(config))
@@ -206,8 +207,9 @@ async def measure(args: argparse.Namespace, run_dir: Path) -> dict[str, Any]:
             service.wait_ready()
         timeout = aiohttp.ClientTimeout(total=60)
         async with aiohttp.ClientSession(timeout=timeout) as http:
-            for mode in ("local", "local-whole"):
-                await wait_local(http, routers[mode].url)
+            for mode in MODES:
+                if mode.startswith("local"):
+                    await wait_local(http, routers[mode].url)
             for mode, service in routers.items():
                 requests = bodies(texts, mode, tokenizer)
                 await idle(http, service.url, requests[:WARM_UP])
