@@ -53,7 +53,7 @@ from .embedded import EmbeddedConductor
 from .engine_metrics import IN_FLIGHT, engine_in_flight, in_range, parse_metrics
 from .metrics import RouterMetrics
 from .notices import Notices
-from .pending import GRACE_S, MAX_PENDING_S, RECHECK_S, PendingPrefixes, PendingPrompt
+from .pending import MAX_PENDING_S, RECHECK_S, PendingPrefixes, PendingPrompt
 from .policy import Decision, RoutingParams, SloViolation, choose, reusable_hits
 from .pool import CostLearner, InstancePool, Ticket, Upstream
 from .store import STORE_METRICS, loads_in
@@ -764,11 +764,13 @@ class Router:
     def _release_when_indexed(self, prompt: PendingPrompt, ended_at: float) -> None:
         """Forget a finished request's prompt once the index has its blocks: the embedded
         index says when it has applied the instance's events published after ``ended_at``
-        (at most ``MAX_PENDING_S``); a conductor service is given ``GRACE_S``."""
+        (at most ``MAX_PENDING_S``); a conductor service is given
+        ``routing.in_flight_grace_seconds``."""
         assert self.pending is not None
         loop = asyncio.get_running_loop()
         if not isinstance(self.conductor, EmbeddedConductor):
-            loop.call_later(GRACE_S, self.pending.remove, prompt)
+            grace_s = self.config.routing.in_flight_grace_seconds
+            loop.call_later(grace_s, self.pending.remove, prompt)
             return
         indexed_until = self.conductor.indexed_until(prompt.instance_id)
         caught_up = indexed_until is not None and indexed_until >= ended_at

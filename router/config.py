@@ -29,6 +29,7 @@ from pydantic import (
 from conductor.config import master_address
 from conductor.runtime import port_number
 
+from .pending import GRACE_S, MAX_PENDING_S
 from .policy import REGISTRY, PrefillCostModel, RoutingParams
 from .token_chunks import CHUNK_CACHE_TOKENS
 
@@ -206,8 +207,11 @@ class RoutingSection(_Section):
     ttft_slo_ms: float | None = Field(default=None, gt=0)
     ttft_slack: float = Field(default=RoutingParams().ttft_slack, ge=0)
     learn_cost_model: bool = True
-    # count a prompt sent to an instance (running, or ended < 2 s ago) as cached there
+    # count a prompt sent to an instance as cached there while it runs and after it ends
+    # until the index has it: with a conductor service, this long after the end (the index
+    # in the router says when it has it, and this is unused)
     in_flight_prefixes: bool = True
+    in_flight_grace_seconds: float = Field(default=GRACE_S, gt=0, le=MAX_PENDING_S)
     cost: PrefillCostModel = PrefillCostModel()
 
     @field_validator("cost")

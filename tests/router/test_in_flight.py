@@ -10,7 +10,9 @@ from pathlib import Path
 
 import aiohttp
 import pytest
+from pydantic import ValidationError
 
+from router.config import RouterConfig
 from router.pending import MAX_PER_FIRST_BLOCK, PendingPrefixes, common_prefix
 from tests.router.inprocess import MODEL, layout
 from tests.support.api import eventually, metric
@@ -111,3 +113,18 @@ async def test_in_flight_prefixes_false_counts_the_conductor_alone(serve, engine
     first, second, _ = await _first_then_second(http, url)
     assert second["x-conductor-cached-tokens"] == "0"
     assert second["x-conductor-prefill-instance"] != first["x-conductor-prefill-instance"]
+
+
+async def test_the_grace_after_the_end_is_configurable(serve, engines, conductor, http):
+    """``routing.in_flight_grace_seconds`` (a conductor service; default 2 s): how long a
+    finished prompt still counts; bounded, so a typo cannot pin stale prefixes."""
+    config = layout([e.url for e in engines], conductor={"address": conductor.url})
+    routing = {"policy": "ttft", "in_flight_grace_seconds": 0.2}
+    router, url = await serve(config | {"routing": routing})
+    assert router.pending is not None
+    await _send(http, url, PREFIX)
+    assert len(router.pending) == 1
+    await eventually(lambda: asyncio.sleep(0, len(router.pending)), lambda n: n == 0, timeout=1.5)
+    for bad in (0, 31):
+        with pytest.raises(ValidationError, match="in_flight_grace_seconds"):
+            RouterConfig.model_validate(config | {"routing": {"in_flight_grace_seconds": bad}})
