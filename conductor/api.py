@@ -7,6 +7,7 @@ request body is validated by a pydantic model from ``config``.
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import time
 from collections.abc import Awaitable, Callable
@@ -51,6 +52,12 @@ JSON_BYTES_PER_TOKEN = 12  # "-2147483648,"
 JSON_BYTES_PER_HASH = 21  # "18446744073709551615,"
 CAPACITY_RETRY_AFTER_S = 5
 CONFLICT_LOG_INTERVAL_S = 60.0
+# ours, on /query: a client names instances (a JSON list) and the answer says, per instance,
+# up to when (the engine's publish time) the index holds everything it published, or null
+PROGRESS_HEADER = "X-Conductor-Progress"
+INDEXED_UNTIL_HEADER = "X-Conductor-Indexed-Until"
+MAX_PROGRESS_INSTANCES = 256
+_progress_decoder = msgspec.json.Decoder(list[str])
 Body = TypeVar("Body", bound=BaseModel)
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
@@ -239,8 +246,27 @@ class ConductorApi:
             body.context_key(), body.token_ids, body.cache_salt or "", body.instance_id
         )
         response = reply(request, self._answer(body.tenant_id, body.instance_id, matches))
+        if PROGRESS_HEADER in request.headers:
+            response.headers[INDEXED_UNTIL_HEADER] = self._progress(request, body.tenant_id)
         self.metrics.query_seconds.labels("/query").observe(time.perf_counter() - started)
         return response
+
+    def _progress(self, request: web.Request, tenant: str) -> str:
+        """The indexing progress of the instances the progress header names, as JSON (what
+        lets a router count a finished request as in flight until its blocks are in)."""
+        try:
+            instances = _progress_decoder.decode(request.headers[PROGRESS_HEADER])
+        except msgspec.DecodeError:
+            instances = None
+        if instances is None or len(instances) > MAX_PROGRESS_INSTANCES:
+            raise ApiError(
+                400,
+                f"{PROGRESS_HEADER}: expected a JSON list of at most "
+                f"{MAX_PROGRESS_INSTANCES} instance ids",
+                field=PROGRESS_HEADER,
+            )
+        progress = {i: self.manager.indexed_until(i, tenant) for i in instances}
+        return json.dumps(progress, separators=(",", ":"))  # ASCII: a header's value
 
     async def query_by_hash(self, request: web.Request) -> web.Response:
         started = time.perf_counter()

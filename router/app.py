@@ -561,7 +561,8 @@ class Router:
             if isinstance(self.conductor, EmbeddedConductor):
                 hits = self.conductor.query_hashes(hashes)
             else:
-                hits = await self.conductor.query(packed, body.get("cache_salt"))
+                in_flight = () if self.pending is None else self.pending.instances()
+                hits = await self.conductor.query(packed, body.get("cache_salt"), in_flight)
         except ConductorUnavailable:  # logged once by the client, not per request
             return {}, "conductor_unavailable"
         finally:
@@ -762,22 +763,24 @@ class Router:
                 self._release_when_indexed(pending, time.time())
 
     def _release_when_indexed(self, prompt: PendingPrompt, ended_at: float) -> None:
-        """Forget a finished request's prompt once the index has its blocks: the embedded
-        index says when it has applied the instance's events published after ``ended_at``
-        (at most ``MAX_PENDING_S``); a conductor service is given
-        ``routing.in_flight_grace_seconds``."""
-        assert self.pending is not None
-        loop = asyncio.get_running_loop()
-        if not isinstance(self.conductor, EmbeddedConductor):
-            grace_s = self.config.routing.in_flight_grace_seconds
-            loop.call_later(grace_s, self.pending.remove, prompt)
-            return
+        """Forget the prompt once the index holds what its instance published after
+        ``ended_at``, as the conductor says (the embedded index, or ours in each query's
+        answer), at most ``MAX_PENDING_S`` after it; while the conductor cannot say (the
+        Go service, a stream with nothing applied yet), ``routing.in_flight_grace_seconds``
+        after it. Until then, look again shortly."""
+        assert self.pending is not None and self.conductor is not None
+        age = time.time() - ended_at
+        grace_s = self.config.routing.in_flight_grace_seconds
         indexed_until = self.conductor.indexed_until(prompt.instance_id)
-        caught_up = indexed_until is not None and indexed_until >= ended_at
-        if caught_up or time.time() - ended_at >= MAX_PENDING_S:
+        if indexed_until is None:
+            done, again = age >= grace_s, grace_s - age
+        else:
+            done, again = indexed_until >= ended_at or age >= MAX_PENDING_S, RECHECK_S
+        if done:
             self.pending.remove(prompt)
         else:
-            loop.call_later(RECHECK_S, self._release_when_indexed, prompt, ended_at)
+            loop = asyncio.get_running_loop()
+            loop.call_later(again, self._release_when_indexed, prompt, ended_at)
 
     def _observe(self, new_tokens: int, queued_tokens: int, ttft_s: float | None) -> None:
         if ttft_s is None:

@@ -15,20 +15,26 @@ A query past its timeout is not cut: the router routes without it, and the answe
 read (within the control timeout) so that its keep-alive connection serves the next query.
 Cutting it closed the connection, and under load every timeout then cost a new TCP
 connection on both sides, which made the next query later still.
+
+A query may name instances (``progress_of``) whose indexing progress the router wants to
+know: our conductor answers, in a header, up to when it holds everything each published
+(the Go service does not: ``indexed_until`` stays None).
 """
 
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import time
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Collection, Sequence
 from enum import StrEnum
 from typing import Any, TypeVar
 
 import aiohttp
 import msgpack
 
+from conductor.api import INDEXED_UNTIL_HEADER, PROGRESS_HEADER
 from conductor.states import StoreState
 
 from .config import ConductorSection, PrefillInstance, PrefillModelConfig
@@ -40,6 +46,7 @@ MSGPACK = "application/msgpack"
 Hits = dict[str, tuple[int, int, int]]
 MAX_TOKENS = 2**31 - 1  # the Go API's int32: a larger hit is no hit this router believes
 MAX_LATE_CALLS = 32  # late answers still read in the background; past it, calls are cut
+MAX_PROGRESS_OF = 64  # instances a query asks the indexing progress of
 T = TypeVar("T")
 
 
@@ -77,6 +84,25 @@ class ConductorClient:
         self._headers = {"Content-Type": MSGPACK, "Accept": MSGPACK, **self._auth}
         self._registered: set[str] = set()  # conductors whose last registration round worked
         self._late: set[asyncio.Future[Any]] = set()  # calls past their timeout, still read
+        self._indexed_until: dict[str, float] = {}  # instance -> as the conductor last said
+
+    def indexed_until(self, instance_id: str) -> float | None:
+        """The conductor held everything the instance published up to this time (the
+        engine's clock), as of its last answer; None: not known."""
+        return self._indexed_until.get(instance_id)
+
+    def _learn_progress(self, header: str | None) -> None:
+        if header is None:
+            return
+        try:
+            progress = json.loads(header)
+        except ValueError:
+            return
+        if not isinstance(progress, dict):
+            return
+        for instance, until in progress.items():
+            if isinstance(until, float | int) and not isinstance(until, bool):
+                self._indexed_until[instance] = float(until)
 
     def states(self) -> dict[str, ConductorState]:
         """Each conductor: ``down`` while its calls fail, else ``up``."""
@@ -86,14 +112,20 @@ class ConductorClient:
         }
 
     async def _post(
-        self, url: str, path: str, body: dict[str, Any], timeout: float
+        self,
+        url: str,
+        path: str,
+        body: dict[str, Any],
+        timeout: float,
+        headers: dict[str, str] | None = None,
     ) -> tuple[int, Any]:
         async with self._session.post(
             url + path,
             data=msgpack.packb(body),
-            headers=self._headers,
+            headers=self._headers if headers is None else self._headers | headers,
             timeout=aiohttp.ClientTimeout(total=timeout),
         ) as response:
+            self._learn_progress(response.headers.get(INDEXED_UNTIL_HEADER))
             raw = await response.read()
             try:
                 return response.status, msgpack.unpackb(raw)
@@ -204,13 +236,18 @@ class ConductorClient:
         return max(self._section.query_timeout_seconds, 1.0)
 
     async def _post_within(
-        self, url: str, path: str, body: dict[str, Any], timeout: float
+        self,
+        url: str,
+        path: str,
+        body: dict[str, Any],
+        timeout: float,
+        headers: dict[str, str] | None = None,
     ) -> tuple[int, Any]:
         """``_post`` awaited for ``timeout``; past it TimeoutError, while the call goes on
         in the background (within the control timeout) and keeps its connection. A
         conductor that answers nothing at all would pile such calls up: past
         ``MAX_LATE_CALLS`` they are cut."""
-        call = asyncio.ensure_future(self._post(url, path, body, self._control_timeout()))
+        call = asyncio.ensure_future(self._post(url, path, body, self._control_timeout(), headers))
         try:
             async with asyncio.timeout(timeout):
                 return await asyncio.shield(call)
@@ -246,10 +283,12 @@ class ConductorClient:
 
         return parse_store_states(await self._ask("health", health))
 
-    async def query(self, packed: bytes, cache_salt: str | None = None) -> Hits:
+    async def query(
+        self, packed: bytes, cache_salt: str | None = None, progress_of: Collection[str] = ()
+    ) -> Hits:
         """Cumulative (GPU, CPU, DISK) hit in tokens per instance of the model's context;
         ``packed``: the prompt as ``token_bytes`` gives it (int32, wrapped as the conductor
-        hashes them)."""
+        hashes them); ``progress_of``: instances whose indexing progress to learn too."""
         body: dict[str, Any] = {
             "model": self._model.modelname,
             "block_size": self._model.block_size,
@@ -259,11 +298,13 @@ class ConductorClient:
         }
         if cache_salt:
             body["cache_salt"] = cache_salt
+        asked = list(progress_of)[:MAX_PROGRESS_OF]
+        headers = {PROGRESS_HEADER: json.dumps(asked)} if asked else None
 
         async def ask(url: str) -> Hits:
             try:
                 status, answer = await self._post_within(
-                    url, "/query", body, self._section.query_timeout_seconds
+                    url, "/query", body, self._section.query_timeout_seconds, headers
                 )
             except (aiohttp.ClientError, TimeoutError) as error:
                 raise ConductorUnavailable(f"query failed: {error!r}") from None

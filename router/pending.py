@@ -18,7 +18,8 @@ per block, and a match looks only at requests sharing the prompt's first block.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections import Counter
+from collections.abc import Collection, Sequence
 
 GRACE_S = 2.0  # after a request ends, for its engine's KV events to reach the conductor
 # with the index in the router, whose progress it sees: kept until the index has the
@@ -43,6 +44,11 @@ class PendingPrefixes:
 
     def __init__(self) -> None:
         self._by_first_block: dict[int, list[PendingPrompt]] = {}
+        self._per_instance: Counter[str] = Counter()
+
+    def instances(self) -> Collection[str]:
+        """The instances some pending prompt was sent to."""
+        return self._per_instance.keys()
 
     def __len__(self) -> int:
         return sum(len(prompts) for prompts in self._by_first_block.values())
@@ -54,8 +60,9 @@ class PendingPrefixes:
         prompt = PendingPrompt(instance_id, hashes)
         prompts = self._by_first_block.setdefault(hashes[0], [])
         prompts.append(prompt)
+        self._per_instance[instance_id] += 1
         if len(prompts) > MAX_PER_FIRST_BLOCK:
-            del prompts[0]
+            self._forget(prompts.pop(0))
         return prompt
 
     def remove(self, prompt: PendingPrompt) -> None:
@@ -63,9 +70,15 @@ class PendingPrefixes:
         for position, held in enumerate(prompts):
             if held is prompt:
                 del prompts[position]
+                self._forget(prompt)
                 break
         if not prompts:
             self._by_first_block.pop(prompt.hashes[0], None)
+
+    def _forget(self, prompt: PendingPrompt) -> None:
+        self._per_instance[prompt.instance_id] -= 1
+        if not self._per_instance[prompt.instance_id]:
+            del self._per_instance[prompt.instance_id]
 
     def match(self, hashes: Sequence[int]) -> dict[str, int]:
         """Per instance, how many leading blocks of ``hashes`` a pending prompt there has."""

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import json
 import random
 import signal
 import subprocess
@@ -530,3 +531,35 @@ async def test_indexed_until_is_the_publish_time_of_the_latest_batch_applied(
     await asyncio.sleep(0.2)
     assert manager.indexed_until("a", "default") == first  # rank 0 is the older
     assert manager.indexed_until("a", "other-tenant") is None
+
+
+async def test_a_query_reports_the_progress_of_the_instances_it_names(
+    served, http, publisher_factory
+):
+    """Ours: ``X-Conductor-Progress`` (a JSON list of instance ids) on ``/query`` is answered
+    with ``X-Conductor-Indexed-Until`` ({id: publish time or null}); a malformed list is a
+    400 naming the header; without it the answer has no such header (the Go shape)."""
+    from tests.support.api import register_and_connect
+
+    publisher = publisher_factory()
+    await register_and_connect(http, served.url, publisher, "a")
+    before = time.time()
+    await publisher.publish([stored([1], [1, 2, 3, 4])])
+    query = {"model": "m", "block_size": 4, "token_ids": [1, 2, 3, 4]}
+
+    async def progress() -> dict[str, Any]:
+        headers = {"X-Conductor-Progress": '["a", "nobody", "\\u00e9"]'}
+        async with http.post(f"{served.url}/query", json=query, headers=headers) as response:
+            assert response.status == 200
+            return json.loads(response.headers["X-Conductor-Indexed-Until"])
+
+    answer = await eventually(progress, lambda p: p["a"] is not None)
+    assert answer["nobody"] is None and answer["é"] is None
+    assert before <= answer["a"] <= time.time()
+    async with http.post(f"{served.url}/query", json=query) as response:
+        assert "X-Conductor-Indexed-Until" not in response.headers
+    for bad in ("a", '{"a": 1}', "[1]", json.dumps(["x"] * 257)):
+        headers = {"X-Conductor-Progress": bad}
+        async with http.post(f"{served.url}/query", json=query, headers=headers) as response:
+            assert response.status == 400
+            assert (await response.json())["field"] == "X-Conductor-Progress"

@@ -39,9 +39,11 @@ def test_pending_prompts_match_by_their_longest_shared_prefix():
     assert pending.match([1, 2, 3, 4, 5]) == {"a": 4, "b": 3}
     assert pending.match([9, 2, 3]) == {} and pending.match([]) == {}
     assert first is not None
+    assert set(pending.instances()) == {"a", "b"}
     pending.remove(first)
+    pending.remove(first)  # once only
     assert pending.match([1, 2, 3, 4, 5]) == {"b": 3}
-    assert len(pending) == 2
+    assert len(pending) == 2 and set(pending.instances()) == {"b"}
 
 
 def test_only_the_latest_prompts_of_a_first_block_are_kept():
@@ -49,6 +51,7 @@ def test_only_the_latest_prompts_of_a_first_block_are_kept():
     for n in range(MAX_PER_FIRST_BLOCK + 10):
         pending.add(f"i{n}", [1, n + 2])
     assert len(pending) == MAX_PER_FIRST_BLOCK
+    assert len(pending.instances()) == MAX_PER_FIRST_BLOCK  # the oldest left with theirs
     matches = pending.match([1, 12])
     assert matches["i10"] == 2 and "i9" not in matches and len(matches) == MAX_PER_FIRST_BLOCK
 
