@@ -18,12 +18,14 @@ connection on both sides, which made the next query later still.
 
 A query may name instances (``progress_of``) whose indexing progress the router wants to
 know: our conductor answers, in a header, up to when it holds everything each published
-(the Go service does not: ``indexed_until`` stays None).
+(the Go service does not: ``indexed_until`` stays None). Past ``MAX_PROGRESS_OF`` instances
+each query names the next ones in turn.
 """
 
 from __future__ import annotations
 
 import asyncio
+import itertools
 import json
 import logging
 import time
@@ -85,11 +87,19 @@ class ConductorClient:
         self._registered: set[str] = set()  # conductors whose last registration round worked
         self._late: set[asyncio.Future[Any]] = set()  # calls past their timeout, still read
         self._indexed_until: dict[str, float] = {}  # instance -> as the conductor last said
+        self._progress_turns = itertools.count()
 
     def indexed_until(self, instance_id: str) -> float | None:
         """The conductor held everything the instance published up to this time (the
         engine's clock), as of its last answer; None: not known."""
         return self._indexed_until.get(instance_id)
+
+    def _progress_turn(self, instances: list[str]) -> list[str]:
+        """At most ``MAX_PROGRESS_OF`` of ``instances``, the next ones each time."""
+        if len(instances) <= MAX_PROGRESS_OF:
+            return instances
+        start = next(self._progress_turns) * MAX_PROGRESS_OF % len(instances)
+        return (instances[start:] + instances[:start])[:MAX_PROGRESS_OF]
 
     def _learn_progress(self, header: str | None) -> None:
         if header is None:
@@ -298,7 +308,7 @@ class ConductorClient:
         }
         if cache_salt:
             body["cache_salt"] = cache_salt
-        asked = list(progress_of)[:MAX_PROGRESS_OF]
+        asked = self._progress_turn(list(progress_of))
         headers = {PROGRESS_HEADER: json.dumps(asked)} if asked else None
 
         async def ask(url: str) -> Hits:

@@ -5,6 +5,7 @@ timeout closed its connection and the next query paid a new one on both sides)."
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
@@ -28,12 +29,19 @@ ANSWER = {"default": {"e0": {"GPU": 32, "CPU": 32, "DISK": 32}}}
 class SlowConductor:
     delay_s: float = 0.0
     connections: set[int] = field(default_factory=set)  # distinct client connections
+    progress_asked: list[list[str]] = field(default_factory=list)
+    indexed_until: str | None = None  # the X-Conductor-Indexed-Until header it answers
 
     async def query(self, request: web.Request) -> web.Response:
         self.connections.add(id(request.transport))
+        if (asked := request.headers.get("X-Conductor-Progress")) is not None:
+            self.progress_asked.append(json.loads(asked))
         await request.read()
         await asyncio.sleep(self.delay_s)
-        return web.Response(body=msgpack.packb(ANSWER), content_type="application/msgpack")
+        response = web.Response(body=msgpack.packb(ANSWER), content_type="application/msgpack")
+        if self.indexed_until is not None:
+            response.headers["X-Conductor-Indexed-Until"] = self.indexed_until
+        return response
 
 
 @pytest.fixture
@@ -77,3 +85,25 @@ async def test_late_calls_are_bounded(slow, monkeypatch):
                 await queries.query(token_bytes(list(range(64))))
         await asyncio.sleep(0)
         assert len(queries._late) == 2  # the later ones were cut
+
+
+async def test_progress_is_asked_in_turns_and_odd_answers_are_ignored(slow, monkeypatch):
+    """The instances with prompts in flight go in ``X-Conductor-Progress``, at most
+    ``MAX_PROGRESS_OF`` a query, the next ones each time; the answer's numbers are kept per
+    instance, and anything else in it (null, text, booleans, not JSON) changes nothing."""
+    conductor, url = slow
+    monkeypatch.setattr(conductor_client, "MAX_PROGRESS_OF", 2)
+    prompt = token_bytes(list(range(64)))
+    async with aiohttp.ClientSession() as session:
+        queries = client(session, url)
+        await queries.query(prompt)  # nothing in flight: no header
+        for _ in range(3):
+            await queries.query(prompt, progress_of=["a", "b", "c"])
+        assert conductor.progress_asked == [["a", "b"], ["c", "a"], ["b", "c"]]
+        conductor.indexed_until = '{"a": 12.5, "b": null, "c": "soon", "d": true, "e": 3}'
+        await queries.query(prompt, progress_of=["a"])
+        assert [queries.indexed_until(i) for i in "abcde"] == [12.5, None, None, None, 3.0]
+        for odd in ("not json", "[1, 2]", '{"a": [1]}'):
+            conductor.indexed_until = odd
+            await queries.query(prompt, progress_of=["a"])
+            assert queries.indexed_until("a") == 12.5
