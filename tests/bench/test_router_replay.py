@@ -10,17 +10,14 @@ from __future__ import annotations
 
 import json
 import os
-import signal
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
 from bench.peer_routers import PEERS, find_binary
+from tests.support.bench_run import run_bench
 from tests.support.store import store_skip_reason
 
-REPO = Path(__file__).resolve().parents[2]
 BUDGET_S = 60.0
 PEER_BIN_ENV = "MOONCAKE_PEER_BIN_DIR"  # a venv's bin with the routers extra; else PATH
 STORE_BUDGET_S = 180.0  # two fleets, one with a store to start and fill
@@ -30,21 +27,7 @@ def run_replay(tmp_path: Path, *flags: str, budget_s: float = BUDGET_S) -> dict:
     """``python -m bench.router_replay`` as a user runs it, within the budget; its JSON
     report."""
     report_path = tmp_path / "router_replay.json"
-    replay = subprocess.Popen(
-        [sys.executable, "-m", "bench.router_replay", *flags, "--json", str(report_path)],
-        cwd=REPO,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        start_new_session=True,  # its conductor, engines and router share its process group
-    )
-    try:
-        output, _ = replay.communicate(timeout=budget_s)
-    except subprocess.TimeoutExpired:
-        os.killpg(replay.pid, signal.SIGTERM)  # the bench stops every process it started
-        output, _ = replay.communicate(timeout=15)
-        pytest.fail(f"the replay took over {budget_s:.0f} s:\n{output[-3000:]}")
-    assert replay.returncode == 0, output
+    run_bench("bench.router_replay", *flags, "--json", str(report_path), budget_s=budget_s)
     return json.loads(report_path.read_text())
 
 
