@@ -125,9 +125,15 @@ class Http:
         self.conn = http.client.HTTPConnection("127.0.0.1", port, timeout=timeout)
 
     def raw(
-        self, method: str, path: str, body: bytes | None = None, content_type: str = JSON_TYPE
+        self,
+        method: str,
+        path: str,
+        body: bytes | None = None,
+        content_type: str = JSON_TYPE,
+        extra_headers: dict[str, str] | None = None,
     ) -> tuple[int, bytes]:
         headers = {"Content-Type": content_type} if body is not None else {}
+        headers |= extra_headers or {}
         try:
             self.conn.request(method, path, body=body, headers=headers)
             response = self.conn.getresponse()

@@ -5,7 +5,8 @@ interfaces (``bench.load_streams`` has the publishers, run in worker processes):
 
 * ``paced``: 64 publishers send vLLM batches at a fixed aggregate rate (200,000 blocks/s by
   default) and evict as full caches do, while this process times a 4,096-token ``/query``
-  (sequential keep-alive requests alternating JSON and msgpack with int32-packed tokens).
+  (sequential keep-alive requests alternating JSON and msgpack with int32-packed tokens;
+  msgpack ones, as the router's, ask for the instances with a hit alone).
   Reported: the ingest rate the conductor achieved, query percentiles (loaded, then idle
   for comparison), its loop lag, CPU seconds per 1,000 blocks ingested (from a window
   without queries), RSS.
@@ -68,6 +69,7 @@ from bench.load_streams import (
 from bench.soak import lag_buckets, worst_bucket
 from bench.stats import bucket_quantile, rss_bytes
 from bench.trace_sim import load_trace, prompt_tokens, trace_path
+from conductor.api import HITS_ONLY_HEADER
 from conductor.hashing import token_bytes
 
 DEFAULT_JSON = Path(__file__).resolve().parent / "results" / "load.json"
@@ -270,13 +272,17 @@ def json_query(tokens: list[int]) -> bytes:
 
 
 def msgpack_query(tokens: list[int]) -> bytes:
-    """As the router sends it: msgpack, tokens packed as little-endian int32."""
+    """As the router sends it: msgpack, tokens packed as little-endian int32 (and with
+    ``QUERY_HEADERS``)."""
     return msgpack.packb(
         {"model": MODEL, "block_size": BLOCK_SIZE, "token_ids": token_bytes(tokens)}
     )
 
 
 ENCODINGS = {"json": (json_query, JSON_TYPE), "msgpack": (msgpack_query, MSGPACK_TYPE)}
+# what each encoding's queries add: msgpack ones ask, as the router does, for the
+# instances with a hit alone (JSON ones get the Go shape, every instance listed)
+QUERY_HEADERS = {"json": {}, "msgpack": {HITS_ONLY_HEADER: "1"}}
 
 
 @dataclass(frozen=True)
@@ -303,7 +309,8 @@ def run_queries(
             time.sleep(max(0.0, wait))
             lag_max = max(lag_max, -wait)
         t0 = clock()
-        status, _ = client.raw("POST", "/query", query.body, ENCODINGS[query.encoding][1])
+        content_type, headers = ENCODINGS[query.encoding][1], QUERY_HEADERS[query.encoding]
+        status, _ = client.raw("POST", "/query", query.body, content_type, headers)
         samples[query.encoding].append(clock() - t0)
         errors += status != 200
     elapsed = time.perf_counter() - began

@@ -16,6 +16,8 @@ read (within the control timeout) so that its keep-alive connection serves the n
 Cutting it closed the connection, and under load every timeout then cost a new TCP
 connection on both sides, which made the next query later still.
 
+Queries ask our conductor to list only the instances with a hit (``X-Conductor-Hits-Only``;
+the Go shape lists every instance, which at 1,000 instances is most of an answer's bytes).
 A query may name instances (``progress_of``) whose indexing progress the router wants to
 know: our conductor answers, in a header, up to when it holds everything each published
 (the Go service does not: ``indexed_until`` stays None). Past ``MAX_PROGRESS_OF`` instances
@@ -36,7 +38,7 @@ from typing import Any, TypeVar
 import aiohttp
 import msgpack
 
-from conductor.api import INDEXED_UNTIL_HEADER, PROGRESS_HEADER
+from conductor.api import HITS_ONLY_HEADER, INDEXED_UNTIL_HEADER, PROGRESS_HEADER
 from conductor.states import StoreState
 
 from .config import ConductorSection, PrefillInstance, PrefillModelConfig
@@ -308,8 +310,9 @@ class ConductorClient:
         }
         if cache_salt:
             body["cache_salt"] = cache_salt
-        asked = self._progress_turn(list(progress_of))
-        headers = {PROGRESS_HEADER: json.dumps(asked)} if asked else None
+        headers = {HITS_ONLY_HEADER: "1"}  # instances left out have no hit (Go: all listed)
+        if asked := self._progress_turn(list(progress_of)):
+            headers[PROGRESS_HEADER] = json.dumps(asked)
 
         async def ask(url: str) -> Hits:
             try:

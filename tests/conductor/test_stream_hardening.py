@@ -563,3 +563,27 @@ async def test_a_query_reports_the_progress_of_the_instances_it_names(
         async with http.post(f"{served.url}/query", json=query, headers=headers) as response:
             assert response.status == 400
             assert (await response.json())["field"] == "X-Conductor-Progress"
+
+
+async def test_hits_only_lists_the_instances_with_a_hit(served, http, publisher_factory):
+    """Ours: ``X-Conductor-Hits-Only: 1`` leaves out the instances with no hit (the Go shape,
+    without it, lists every instance of the tenant); a query for one instance is unchanged."""
+    from tests.support.api import register_and_connect
+
+    holder = publisher_factory()
+    for publisher, name in ((holder, "a"), (publisher_factory(), "b")):
+        await register_and_connect(http, served.url, publisher, name)
+    await holder.publish([stored([1], [1, 2, 3, 4])])
+    query = {"model": "m", "block_size": 4, "token_ids": [1, 2, 3, 4]}
+    hits_only = {"X-Conductor-Hits-Only": "1"}
+
+    async def answer(body: dict[str, Any], headers: dict[str, str]) -> dict[str, Any]:
+        async with http.post(f"{served.url}/query", json=body, headers=headers) as response:
+            assert response.status == 200
+            return (await response.json())["default"]
+
+    listed = await eventually(lambda: answer(query, hits_only), lambda a: "a" in a)
+    assert list(listed) == ["a"] and listed["a"]["longest_matched"] == 4
+    everyone = await answer(query, {})
+    assert sorted(everyone) == ["a", "b"] and everyone["b"]["longest_matched"] == 0
+    assert list(await answer(query | {"instance_id": "b"}, hits_only)) == ["b"]

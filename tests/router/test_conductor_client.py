@@ -30,10 +30,12 @@ class SlowConductor:
     delay_s: float = 0.0
     connections: set[int] = field(default_factory=set)  # distinct client connections
     progress_asked: list[list[str]] = field(default_factory=list)
+    hits_only: list[str | None] = field(default_factory=list)  # each query's header
     indexed_until: str | None = None  # the X-Conductor-Indexed-Until header it answers
 
     async def query(self, request: web.Request) -> web.Response:
         self.connections.add(id(request.transport))
+        self.hits_only.append(request.headers.get("X-Conductor-Hits-Only"))
         if (asked := request.headers.get("X-Conductor-Progress")) is not None:
             self.progress_asked.append(json.loads(asked))
         await request.read()
@@ -100,6 +102,7 @@ async def test_progress_is_asked_in_turns_and_odd_answers_are_ignored(slow, monk
         for _ in range(3):
             await queries.query(prompt, progress_of=["a", "b", "c"])
         assert conductor.progress_asked == [["a", "b"], ["c", "a"], ["b", "c"]]
+        assert set(conductor.hits_only) == {"1"}  # the router needs the hits alone
         conductor.indexed_until = '{"a": 12.5, "b": null, "c": "soon", "d": true, "e": 3}'
         await queries.query(prompt, progress_of=["a"])
         assert [queries.indexed_until(i) for i in "abcde"] == [12.5, None, None, None, 3.0]
