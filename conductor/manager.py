@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import resource
 import time
 from collections.abc import Iterator
@@ -432,7 +433,8 @@ class ServiceManager:
                 log.exception("stream=%s seq=%d batch could not be applied", key, message.seq)
                 return
         self.metrics.record_apply(key, stats, replayed)
-        if batch.timestamp > self._applied_until.get(key, 0.0):
+        # a publisher's clock, not ours: an infinite or NaN time says nothing of progress
+        if math.isfinite(batch.timestamp) and batch.timestamp > self._applied_until.get(key, 0):
             self._applied_until[key] = batch.timestamp
         if stats.foreign_block_size is not None:
             self._flag_block_size(registration, stats.foreign_block_size)

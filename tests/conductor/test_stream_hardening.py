@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import json
+import math
 import random
 import signal
 import subprocess
@@ -16,6 +17,7 @@ from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 import aiohttp
+import msgpack
 import pytest
 import zmq
 import zmq.asyncio
@@ -531,6 +533,12 @@ async def test_indexed_until_is_the_publish_time_of_the_latest_batch_applied(
     await asyncio.sleep(0.2)
     assert manager.indexed_until("a", "default") == first  # rank 0 is the older
     assert manager.indexed_until("a", "other-tenant") is None
+    for odd_time in (math.inf, math.nan):  # applied, but no word on progress
+        payload = msgpack.packb([odd_time, [stored([4], [7, 7, 7, 7])], 0])
+        await ranks[0].send_raw([ranks[0].topic, ranks[0].next_seq.to_bytes(8, "big"), payload])
+        ranks[0].next_seq += 1
+    await until(lambda: matched(manager, [7, 7, 7, 7], "a") == 4)
+    assert manager.indexed_until("a", "default") == first
 
 
 async def test_a_query_reports_the_progress_of_the_instances_it_names(
