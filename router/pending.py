@@ -93,11 +93,13 @@ class PendingPrefixes:
 
 
 def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
-    """How many leading items ``a`` and ``b`` share, comparing halving slices (in C)."""
+    """How many leading hashes ``a`` and ``b`` share. They are chained block hashes (each
+    covers every block before it), so two lists that agree at a position agree before it:
+    a binary search compares one hash per step."""
     low, high = 0, min(len(a), len(b))
     while low < high:
         middle = (low + high + 1) // 2
-        if a[low:middle] == b[low:middle]:
+        if a[middle - 1] == b[middle - 1]:
             low = middle
         else:
             high = middle - 1

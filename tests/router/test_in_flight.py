@@ -12,6 +12,7 @@ import aiohttp
 import pytest
 from pydantic import ValidationError
 
+from conductor.hashing import prefix_hashes, token_bytes
 from router.config import RouterConfig
 from router.pending import MAX_PER_FIRST_BLOCK, PendingPrefixes, common_prefix
 from tests.router.inprocess import MODEL, layout
@@ -21,13 +22,18 @@ from tests.support.processes import ConductorProcess, EngineSim
 PREFIX = list(range(1000, 1400))  # 100 blocks of 4
 
 
-def test_common_prefix_is_the_shared_leading_run():
-    assert common_prefix([1, 2, 3, 4], [1, 2, 9]) == 2
-    assert common_prefix([1, 2, 3], [1, 2, 3, 4]) == 3
-    assert common_prefix([], [1]) == 0 and common_prefix([5], [6]) == 0
-    long = list(range(10_000))
-    for cut in (0, 1, 4_999, 9_999):
-        assert common_prefix(long, [*long[:cut], -1]) == cut
+def test_common_prefix_is_the_shared_leading_run_of_chained_hashes():
+    def chain(tokens: list[int]) -> list[int]:  # as the router hashes prompts: chained
+        return list(prefix_hashes(token_bytes(tokens), 1, ""))
+
+    assert common_prefix(chain([1, 2, 3, 4]), chain([1, 2, 9])) == 2
+    assert common_prefix(chain([1, 2, 3]), chain([1, 2, 3, 4])) == 3
+    assert common_prefix([], chain([1])) == 0 and common_prefix(chain([5]), chain([6])) == 0
+    assert common_prefix(chain([5, 2, 3]), chain([6, 2, 3])) == 0  # a chain never re-agrees
+    long = chain(list(range(10_000)))
+    for cut in (0, 1, 4_999, 9_999, 10_000):
+        other = chain([*range(cut), -1])
+        assert common_prefix(long, other) == cut == common_prefix(other, long)
 
 
 def test_pending_prompts_match_by_their_longest_shared_prefix():
