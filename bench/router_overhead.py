@@ -52,7 +52,7 @@ MODEL = "tiny-llama"
 BLOCK = 16
 MODES = ("local", "local-whole", "engine", "ids", "ids-embedded", "local-embedded")
 WARM_UP = 10  # prompts each router gets before measuring (connections, caches)
-READY_TIMEOUT_S = 30.0
+READY_TIMEOUT_S = 60.0
 
 
 def prompts(tokenizer: LocalTokenizer, count: int, tokens: int, seed: int) -> list[str]:
@@ -136,16 +136,19 @@ async def chunk_tokens(http: aiohttp.ClientSession, url: str) -> dict[str, float
     return {source: float(count) for source, count in found}
 
 
-async def wait_local(http: aiohttp.ClientSession, url: str) -> None:
+async def wait_local(http: aiohttp.ClientSession, router: LocalService) -> None:
     """Until the router trusts its tokenizer on both paths (an engine agreed)."""
     deadline = time.monotonic() + READY_TIMEOUT_S
     while time.monotonic() < deadline:
-        async with http.get(url + "/metrics") as response:
+        async with http.get(router.url + "/metrics") as response:
             text = await response.text()
         if len(re.findall(r"^router_local_tokenizer_active\{[^}]*\} 1\.0$", text, re.M)) == 2:
             return
         await asyncio.sleep(0.2)
-    raise TimeoutError("the router did not start tokenizing in-process")
+    active = re.findall(r"^router_local_tokenizer_active.*$", text, re.M)
+    raise TimeoutError(
+        f"{router.name} did not start tokenizing in-process: {active}\n{router.log_tail()}"
+    )
 
 
 def start(run_dir: Path, model_dir: Path, engines: int) -> tuple[list[LocalService], dict]:
@@ -200,16 +203,19 @@ async def measure(args: argparse.Namespace, run_dir: Path) -> dict[str, Any]:
         texts = prompts(tokenizer, count, args.prompt_tokens, seed=1)
     half = WARM_UP + args.requests // 2
     services, layout = start(run_dir, model_dir, args.engines)
-    routers = {mode: router(run_dir, layout, mode, model_dir) for mode in MODES}
+    routers: dict[str, LocalService] = {}
     results: dict[str, Any] = {}
     try:
-        for service in [*services, *routers.values()]:
+        for service in services:  # the engines answer before a router asks them
+            service.wait_ready()
+        routers.update((mode, router(run_dir, layout, mode, model_dir)) for mode in MODES)
+        for service in routers.values():
             service.wait_ready()
         timeout = aiohttp.ClientTimeout(total=60)
         async with aiohttp.ClientSession(timeout=timeout) as http:
             for mode in MODES:
                 if mode.startswith("local"):
-                    await wait_local(http, routers[mode].url)
+                    await wait_local(http, routers[mode])
             for mode, service in routers.items():
                 requests = bodies(texts, mode, tokenizer)
                 await idle(http, service.url, requests[:WARM_UP])
