@@ -272,17 +272,18 @@ def json_query(tokens: list[int]) -> bytes:
 
 
 def msgpack_query(tokens: list[int]) -> bytes:
-    """As the router sends it: msgpack, tokens packed as little-endian int32 (and with
-    ``QUERY_HEADERS``)."""
+    """As the router sends it: msgpack, tokens packed as little-endian int32."""
     return msgpack.packb(
         {"model": MODEL, "block_size": BLOCK_SIZE, "token_ids": token_bytes(tokens)}
     )
 
 
-ENCODINGS = {"json": (json_query, JSON_TYPE), "msgpack": (msgpack_query, MSGPACK_TYPE)}
-# what each encoding's queries add: msgpack ones ask, as the router does, for the
-# instances with a hit alone (JSON ones get the Go shape, every instance listed)
-QUERY_HEADERS = {"json": {}, "msgpack": {HITS_ONLY_HEADER: "1"}}
+# name -> (body encoder, content type, other headers): msgpack queries ask, as the router
+# does, for the instances with a hit alone (JSON ones get the Go shape, every instance)
+ENCODINGS = {
+    "json": (json_query, JSON_TYPE, {}),
+    "msgpack": (msgpack_query, MSGPACK_TYPE, {HITS_ONLY_HEADER: "1"}),
+}
 
 
 @dataclass(frozen=True)
@@ -309,7 +310,7 @@ def run_queries(
             time.sleep(max(0.0, wait))
             lag_max = max(lag_max, -wait)
         t0 = clock()
-        content_type, headers = ENCODINGS[query.encoding][1], QUERY_HEADERS[query.encoding]
+        _, content_type, headers = ENCODINGS[query.encoding]
         status, _ = client.raw("POST", "/query", query.body, content_type, headers)
         samples[query.encoding].append(clock() - t0)
         errors += status != 200
@@ -325,7 +326,7 @@ def run_queries(
 
 def alternating(tokens: list[int], rate: float) -> Iterator[Query]:
     """The same prompt forever, JSON and msgpack in turn, ``rate`` a second (0: no pause)."""
-    bodies = [(name, encode(tokens)) for name, (encode, _) in ENCODINGS.items()]
+    bodies = [(name, encode(tokens)) for name, (encode, _, _) in ENCODINGS.items()]
     number = 0
     while True:
         name, body = bodies[number % len(bodies)]

@@ -617,21 +617,21 @@ async def warm_up(fleet: Fleet, request: TraceRequest) -> None:
         query = {"model": MODEL, "block_size": size, "token_ids": tokens}
         deadline = time.monotonic() + WARM_UP_TIMEOUT_S
         while time.monotonic() < deadline:
+            seen: dict[str, Any]
             if conductor is None:  # embedded: every stream stored the prompt's blocks
                 assert fleet.router is not None
-                stored = await blocks_stored(session, fleet.router.url)
-                hits = {stream: (blocks * size, 0, 0) for stream, blocks in stored.items()}
-                if len(stored) == len(fleet.engines) and min(stored.values()) * size >= expected:
+                seen = await blocks_stored(session, fleet.router.url)
+                if len(seen) == len(fleet.engines) and min(seen.values()) * size >= expected:
                     return
             else:
                 async with session.post(f"{conductor.url}/query", json=query) as answer:
-                    hits = parse_hits(await answer.json(), "default")
+                    seen = parse_hits(await answer.json(), "default")
                 if all(
-                    hits.get(e.instance_id, (0, 0, 0))[which] >= expected for e in fleet.engines
+                    seen.get(e.instance_id, (0, 0, 0))[which] >= expected for e in fleet.engines
                 ):
                     return
             await asyncio.sleep(0.1)
-        raise TimeoutError(f"the warm-up is not indexed on every engine: {hits}")
+        raise TimeoutError(f"the warm-up is not indexed on every engine: {seen}")
 
     async with aiohttp.ClientSession(timeout=timeout) as session:
         for engine in fleet.engines:
@@ -687,14 +687,11 @@ async def engine_tokens(
 async def store_loaded_tokens(fleet: Fleet) -> int:
     """Prompt tokens the engines loaded from the store rather than computed (the warm-up
     included): the sum of their ``vllm:external_prefix_cache_hits_total``."""
-    total = 0.0
-    timeout = aiohttp.ClientTimeout(total=10)
-    async with aiohttp.ClientSession(timeout=timeout) as session:
+    name, total = "vllm:external_prefix_cache_hits_total", 0.0
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=10)) as session:
         for engine in fleet.engines:
-            async with session.get(f"{engine.service.url}/metrics") as answer:
-                for line in (await answer.text()).splitlines():
-                    if line.startswith("vllm:external_prefix_cache_hits_total"):
-                        total += float(line.rsplit(" ", 1)[1])
+            samples = await metric_samples(session, engine.service.url, name)
+            total += sum(value for _, value in samples)
     return int(total)
 
 

@@ -237,15 +237,16 @@ class ConductorApi:
         tenant: str,
         instance_id: str | None,
         matches: dict[str, InstanceMatch] | None,
-    ) -> dict[str, Any]:
+    ) -> web.Response:
+        """The Go shape of ``matches`` (only the instances with a hit when asked so)."""
         if instance_id is not None:
             match = (matches or {}).get(instance_id, InstanceMatch())
-            return {tenant: {instance_id: _go_match(match)}}
+            return reply(request, {tenant: {instance_id: _go_match(match)}})
         if matches is None and tenant not in self.table.tenants():
-            return {}
+            return reply(request, {})
         if matches and request.headers.get(HITS_ONLY_HEADER) == "1":
             matches = {name: match for name, match in matches.items() if match.disk}
-        return {tenant: _go_matches(matches or {})}
+        return reply(request, {tenant: _go_matches(matches or {})})
 
     async def query(self, request: web.Request) -> web.Response:
         started = time.perf_counter()
@@ -254,7 +255,7 @@ class ConductorApi:
         matches = self.table.match_tokens(
             body.context_key(), body.token_ids, body.cache_salt or "", body.instance_id
         )
-        response = reply(request, self._answer(request, body.tenant_id, body.instance_id, matches))
+        response = self._answer(request, body.tenant_id, body.instance_id, matches)
         if PROGRESS_HEADER in request.headers:
             response.headers[INDEXED_UNTIL_HEADER] = self._progress(request, body.tenant_id)
         self.metrics.query_seconds.labels("/query").observe(time.perf_counter() - started)
@@ -283,7 +284,7 @@ class ConductorApi:
         _at_most(len(body.seq_hashes), self.options.limits.max_query_hashes, "seq_hashes")
         hashes = cast(list[EngineHash], [h & MASK64 for h in body.seq_hashes])
         matches = self.table.match_engine_hashes(body.context_key(), hashes, body.instance_id)
-        response = reply(request, self._answer(request, body.tenant_id, body.instance_id, matches))
+        response = self._answer(request, body.tenant_id, body.instance_id, matches)
         self.metrics.query_seconds.labels("/query_by_hash").observe(time.perf_counter() - started)
         return response
 

@@ -7,6 +7,7 @@ import logging
 import math
 import resource
 import time
+from bisect import insort
 from collections.abc import Iterator
 from dataclasses import dataclass, field, replace
 from typing import Any
@@ -25,6 +26,12 @@ from .subscriber import StreamCallbacks, StreamSubscriber
 from .wire import DecodeError, Message, decode_batch
 
 log = logging.getLogger(__name__)
+
+
+def _owner(registration: Registration) -> tuple[str, str]:
+    """The (instance, tenant) a stream belongs to, as /instance_down names it."""
+    return registration.source().instance_id, registration.tenant_id
+
 
 MIB = 1024 * 1024
 # a stream's ZMQ sockets: SUB, the monitor's PAIR pair (libzmq opens one of them), a DEALER
@@ -133,6 +140,8 @@ class ServiceManager:
         self.registrations: dict[str, Registration] = {}
         # service key -> why its stream is not indexed as registered (shown by /health)
         self.degraded: dict[str, str] = {}
+        # (instance, tenant) -> its stream keys, sorted (a query may ask about dozens)
+        self._streams_of: dict[tuple[str, str], list[str]] = {}
         # stream -> the publish time of the latest batch applied from it (engine clock)
         self._applied_until: dict[str, float] = {}
         self._subscribers: dict[str, StreamSubscriber] = {}
@@ -163,7 +172,7 @@ class ServiceManager:
             "last_error": next((t.last_error for t in tasks if t.state is TaskState.FAILED), ""),
         }
         registration = self.registrations[key]
-        mark = self._down.get((registration.source().instance_id, registration.tenant_id))
+        mark = self._down.get(_owner(registration))
         if mark is not None:
             view["down_until"] = mark.until
             view["down_reason"] = mark.reason
@@ -205,8 +214,9 @@ class ServiceManager:
                 self.metrics.forget_stream(key)
                 raise RegistrationFailed(f"cannot subscribe to {key}: {error}") from None
             self.registrations[key] = registration
+            insort(self._streams_of.setdefault(_owner(registration), []), key)
             self._subscribers[key] = subscriber
-            if (registration.source().instance_id, registration.tenant_id) in self._down:
+            if _owner(registration) in self._down:
                 await subscriber.mark_down()
             if registration.kv_store:
                 self.stores.watch(registration.kv_store)
@@ -258,7 +268,12 @@ class ServiceManager:
             if key not in self.registrations:
                 raise ServiceNotFound(key)
             subscriber = self._subscribers.pop(key)
-            kv_store = self.registrations.pop(key).kv_store
+            registration = self.registrations.pop(key)
+            kv_store = registration.kv_store
+            streams = self._streams_of[_owner(registration)]
+            streams.remove(key)
+            if not streams:
+                del self._streams_of[_owner(registration)]
             self.degraded.pop(key, None)
             self._applied_until.pop(key, None)
             self._capped -= {(key, reason) for reason in CAPPED_REASONS}
@@ -276,26 +291,19 @@ class ServiceManager:
         clock): the publish time of the latest batch applied from each of its streams, the
         oldest of them (events of a stream are applied in order). None: some stream has
         applied nothing yet, or the instance has none."""
-        try:
-            keys = self._instance_streams(instance_id, tenant_id)
-        except ServiceNotFound:
-            return None
-        times = [self._applied_until.get(key) for key in keys]
-        if None in times:
+        times = [
+            self._applied_until.get(k) for k in self._streams_of.get((instance_id, tenant_id), ())
+        ]
+        if not times or None in times:
             return None
         return min(t for t in times if t is not None)
 
     # -- dead instances ------------------------------------------------------------------
     def _instance_streams(self, instance_id: str, tenant_id: str) -> list[str]:
-        streams = [
-            key
-            for key, registration in sorted(self.registrations.items())
-            if registration.source().instance_id == instance_id
-            and registration.tenant_id == tenant_id
-        ]
+        streams = self._streams_of.get((instance_id, tenant_id))
         if not streams:
             raise ServiceNotFound(instance_id)
-        return streams
+        return list(streams)  # a copy: the caller awaits while registrations may change
 
     async def instance_down(
         self, instance_id: str, tenant_id: str = "default", reason: str = "", ttl_s: float = 60.0

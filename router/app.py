@@ -53,7 +53,7 @@ from .embedded import EmbeddedConductor
 from .engine_metrics import IN_FLIGHT, engine_in_flight, in_range, parse_metrics
 from .metrics import RouterMetrics
 from .notices import Notices
-from .pending import MAX_PENDING_S, RECHECK_S, PendingPrefixes, PendingPrompt
+from .pending import RECHECK_S, PendingPrefixes, PendingPrompt
 from .policy import Decision, RoutingParams, SloViolation, choose, reusable_hits
 from .pool import CostLearner, InstancePool, Ticket, Upstream
 from .store import STORE_METRICS, loads_in
@@ -157,6 +157,7 @@ class Router:
         )
         self.metrics = RouterMetrics()
         self.pending = PendingPrefixes() if config.routing.in_flight_prefixes else None
+        self._release_scheduled = False  # a look at the finished prompts held is due
         self._turn = itertools.count()  # rotates ties between equally good instances
         self._tokenizing = 0  # requests whose prompt is being tokenized
         self._tokenizer_turn = itertools.count()  # spreads /tokenize calls
@@ -561,8 +562,8 @@ class Router:
             if isinstance(self.conductor, EmbeddedConductor):
                 hits = self.conductor.query_hashes(hashes)
             else:
-                in_flight = () if self.pending is None else self.pending.instances()
-                hits = await self.conductor.query(packed, body.get("cache_salt"), in_flight)
+                awaiting = () if self.pending is None else self.pending.awaiting_index()
+                hits = await self.conductor.query(packed, body.get("cache_salt"), awaiting)
         except ConductorUnavailable:  # logged once by the client, not per request
             return {}, "conductor_unavailable"
         finally:
@@ -760,27 +761,25 @@ class Router:
             ticket.release()
             self.metrics.in_flight.labels(prefill.instance_id).dec()
             if pending is not None:
-                self._release_when_indexed(pending, time.time())
+                self._held_until_indexed(pending)
 
-    def _release_when_indexed(self, prompt: PendingPrompt, ended_at: float) -> None:
-        """Forget the prompt once the index holds what its instance published after
-        ``ended_at``, as the conductor says (the embedded index, or ours in each query's
-        answer), at most ``MAX_PENDING_S`` after it; while the conductor cannot say (the
-        Go service, a stream with nothing applied yet), ``routing.in_flight_grace_seconds``
-        after it. Until then, look again shortly."""
+    def _held_until_indexed(self, prompt: PendingPrompt) -> None:
+        """A request ended: its prompt stays in flight until the index has its blocks, as
+        the conductor says (the embedded index, or ours in each query's answer); looked at
+        every ``RECHECK_S`` while some finished prompt is held."""
+        assert self.pending is not None
+        self.pending.end(prompt, time.time())
+        if not self._release_scheduled:
+            self._release_scheduled = True
+            asyncio.get_running_loop().call_later(RECHECK_S, self._release_indexed)
+
+    def _release_indexed(self) -> None:
         assert self.pending is not None and self.conductor is not None
-        age = time.time() - ended_at
         grace_s = self.config.routing.in_flight_grace_seconds
-        indexed_until = self.conductor.indexed_until(prompt.instance_id)
-        if indexed_until is None:
-            done, again = age >= grace_s, grace_s - age
-        else:
-            done, again = indexed_until >= ended_at or age >= MAX_PENDING_S, RECHECK_S
-        if done:
-            self.pending.remove(prompt)
-        else:
-            loop = asyncio.get_running_loop()
-            loop.call_later(again, self._release_when_indexed, prompt, ended_at)
+        self.pending.release_indexed(self.conductor.indexed_until, time.time(), grace_s)
+        self._release_scheduled = self.pending.ending
+        if self._release_scheduled:
+            asyncio.get_running_loop().call_later(RECHECK_S, self._release_indexed)
 
     def _observe(self, new_tokens: int, queued_tokens: int, ttft_s: float | None) -> None:
         if ttft_s is None:

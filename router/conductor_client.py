@@ -30,6 +30,7 @@ import asyncio
 import itertools
 import json
 import logging
+import math
 import time
 from collections.abc import Awaitable, Callable, Collection, Sequence
 from enum import StrEnum
@@ -112,8 +113,8 @@ class ConductorClient:
             return
         if not isinstance(progress, dict):
             return
-        for instance, until in progress.items():
-            if isinstance(until, float | int) and not isinstance(until, bool):
+        for instance, until in progress.items():  # a time is a finite number, else unknown
+            if type(until) in (int, float) and math.isfinite(until):
                 self._indexed_until[instance] = float(until)
 
     def states(self) -> dict[str, ConductorState]:

@@ -208,8 +208,8 @@ class RoutingSection(_Section):
     ttft_slack: float = Field(default=RoutingParams().ttft_slack, ge=0)
     learn_cost_model: bool = True
     # count a prompt sent to an instance as cached there while it runs and after it ends
-    # until the index has it: with a conductor service, this long after the end (the index
-    # in the router says when it has it, and this is unused)
+    # until the index has it (as the conductor says: ours, or the embedded index); where
+    # the conductor cannot say (the Go service), for in_flight_grace_seconds after the end
     in_flight_prefixes: bool = True
     in_flight_grace_seconds: float = Field(default=GRACE_S, gt=0, le=MAX_PENDING_S)
     cost: PrefillCostModel = PrefillCostModel()

@@ -6,10 +6,10 @@ arrive meanwhile (a burst of requests behind one system prompt, the next turn of
 whose last answer is still streaming) would find it cached nowhere and be spread by load,
 and every instance would compute the same prefix again. So the router remembers which
 prompt it sent where, while the request runs (its blocks are then pinned in the engine's
-cache) and until the index has its blocks (a conductor service: for a grace period after
-the end; an index in the router: until it has applied the instance's events published
-after the end, which may take longer on a loaded machine), and counts the longest such
-prompt prefix as a GPU hit on that instance.
+cache) and after it ends until the index has its blocks: until the conductor (ours, or
+the index in the router) has applied the events the instance published after the end,
+which may take seconds on a loaded machine; a grace period where the conductor cannot say
+(the Go service). It counts the longest such prompt prefix as a GPU hit on that instance.
 
 Prompts are compared by the conductor's chained block hashes (salted with the model and
 the request's ``cache_salt``, so neither crosses), one list per request: nothing is stored
@@ -18,25 +18,27 @@ per block, and a match looks only at requests sharing the prompt's first block.
 
 from __future__ import annotations
 
-from collections import Counter
-from collections.abc import Collection, Sequence
+from collections import deque
+from collections.abc import Callable, Collection, Sequence
 
-GRACE_S = 2.0  # after a request ends, for its engine's KV events to reach the conductor
-# with the index in the router, whose progress it sees: kept until the index has the
-# instance's events published after the end (checked this often), at most this long
+# a finished prompt is held until the index has the events its instance published after
+# the end (looked at this often), at most MAX_PENDING_S; GRACE_S where the conductor
+# cannot say how far it got (the Go service), for the events to reach it
 RECHECK_S = 0.1
 MAX_PENDING_S = 30.0
+GRACE_S = 2.0
 MAX_PER_FIRST_BLOCK = 64  # requests compared per first block: the most recent ones
 
 
 class PendingPrompt:
-    """One routed request's prompt: its instance and its block hashes."""
+    """One routed request's prompt: its instance, its block hashes, when it ended."""
 
-    __slots__ = ("instance_id", "hashes")
+    __slots__ = ("instance_id", "hashes", "ended_at")
 
     def __init__(self, instance_id: str, hashes: Sequence[int]) -> None:
         self.instance_id = instance_id
         self.hashes = hashes
+        self.ended_at = 0.0
 
 
 class PendingPrefixes:
@@ -44,11 +46,12 @@ class PendingPrefixes:
 
     def __init__(self) -> None:
         self._by_first_block: dict[int, list[PendingPrompt]] = {}
-        self._per_instance: Counter[str] = Counter()
+        # per instance, the finished prompts still held, in the order they ended
+        self._ended: dict[str, deque[PendingPrompt]] = {}
 
-    def instances(self) -> Collection[str]:
-        """The instances some pending prompt was sent to."""
-        return self._per_instance.keys()
+    def awaiting_index(self) -> Collection[str]:
+        """The instances of the finished prompts held: whose indexing progress matters."""
+        return self._ended.keys()
 
     def __len__(self) -> int:
         return sum(len(prompts) for prompts in self._by_first_block.values())
@@ -60,9 +63,8 @@ class PendingPrefixes:
         prompt = PendingPrompt(instance_id, hashes)
         prompts = self._by_first_block.setdefault(hashes[0], [])
         prompts.append(prompt)
-        self._per_instance[instance_id] += 1
         if len(prompts) > MAX_PER_FIRST_BLOCK:
-            self._forget(prompts.pop(0))
+            del prompts[0]
         return prompt
 
     def remove(self, prompt: PendingPrompt) -> None:
@@ -70,15 +72,40 @@ class PendingPrefixes:
         for position, held in enumerate(prompts):
             if held is prompt:
                 del prompts[position]
-                self._forget(prompt)
                 break
         if not prompts:
             self._by_first_block.pop(prompt.hashes[0], None)
 
-    def _forget(self, prompt: PendingPrompt) -> None:
-        self._per_instance[prompt.instance_id] -= 1
-        if not self._per_instance[prompt.instance_id]:
-            del self._per_instance[prompt.instance_id]
+    def end(self, prompt: PendingPrompt, at: float) -> None:
+        """The request ended (``at``, wall clock): held until ``release_indexed`` says."""
+        prompt.ended_at = at
+        self._ended.setdefault(prompt.instance_id, deque()).append(prompt)
+
+    @property
+    def ending(self) -> bool:
+        """Some finished prompt is still held."""
+        return bool(self._ended)
+
+    def release_indexed(
+        self, indexed_until: Callable[[str], float | None], now: float, grace_s: float
+    ) -> None:
+        """Forget the finished prompts the index holds now: those that ended before the
+        time up to which it holds everything their instance published (at most
+        ``MAX_PENDING_S`` after the end), or, where it cannot say (None), ``grace_s`` after
+        the end. Per instance they ended in order, so only the oldest are looked at."""
+        for instance, ended in list(self._ended.items()):
+            until = indexed_until(instance)
+            while ended:
+                age = now - ended[0].ended_at
+                if until is None:
+                    done = age >= grace_s
+                else:
+                    done = until >= ended[0].ended_at or age >= MAX_PENDING_S
+                if not done:
+                    break
+                self.remove(ended.popleft())
+            if not ended:
+                del self._ended[instance]
 
     def match(self, hashes: Sequence[int]) -> dict[str, int]:
         """Per instance, how many leading blocks of ``hashes`` a pending prompt there has."""

@@ -14,7 +14,12 @@ from pydantic import ValidationError
 
 from conductor.hashing import prefix_hashes, token_bytes
 from router.config import RouterConfig
-from router.pending import MAX_PER_FIRST_BLOCK, PendingPrefixes, common_prefix
+from router.pending import (
+    MAX_PENDING_S,
+    MAX_PER_FIRST_BLOCK,
+    PendingPrefixes,
+    common_prefix,
+)
 from tests.router.inprocess import MODEL, layout
 from tests.support.api import eventually, metric
 from tests.support.processes import ConductorProcess, EngineSim
@@ -45,11 +50,10 @@ def test_pending_prompts_match_by_their_longest_shared_prefix():
     assert pending.match([1, 2, 3, 4, 5]) == {"a": 4, "b": 3}
     assert pending.match([9, 2, 3]) == {} and pending.match([]) == {}
     assert first is not None
-    assert set(pending.instances()) == {"a", "b"}
     pending.remove(first)
     pending.remove(first)  # once only
     assert pending.match([1, 2, 3, 4, 5]) == {"b": 3}
-    assert len(pending) == 2 and set(pending.instances()) == {"b"}
+    assert len(pending) == 2
 
 
 def test_only_the_latest_prompts_of_a_first_block_are_kept():
@@ -57,9 +61,26 @@ def test_only_the_latest_prompts_of_a_first_block_are_kept():
     for n in range(MAX_PER_FIRST_BLOCK + 10):
         pending.add(f"i{n}", [1, n + 2])
     assert len(pending) == MAX_PER_FIRST_BLOCK
-    assert len(pending.instances()) == MAX_PER_FIRST_BLOCK  # the oldest left with theirs
     matches = pending.match([1, 12])
     assert matches["i10"] == 2 and "i9" not in matches and len(matches) == MAX_PER_FIRST_BLOCK
+
+
+def test_finished_prompts_are_released_once_the_index_has_them():
+    """Oldest first per instance: those that ended before the index's progress (at most
+    MAX_PENDING_S after the end); where the conductor cannot say, after the grace."""
+    pending = PendingPrefixes()
+    prompts = {(name, at): pending.add(name, [at, 100 + at]) for name in "ab" for at in (1, 2, 3)}
+    for (_, at), prompt in sorted(prompts.items(), key=lambda item: item[0][1]):
+        assert prompt is not None
+        pending.end(prompt, float(at))
+    assert set(pending.awaiting_index()) == {"a", "b"}
+    progress = {"a": 2.5, "b": None}
+    pending.release_indexed(progress.get, now=4.0, grace_s=2.0)
+    assert pending.match([3, 103]) == {"a": 2, "b": 2}  # a's 3 is not indexed, b's 3 young
+    assert pending.match([1, 101]) == pending.match([2, 102]) == {}  # a: indexed; b: grace
+    assert len(pending) == 2
+    pending.release_indexed(progress.get, now=3.0 + MAX_PENDING_S, grace_s=2.0)
+    assert len(pending) == 0 and not pending.ending and not pending.awaiting_index()
 
 
 @pytest.fixture
