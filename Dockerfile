@@ -4,16 +4,23 @@
 #   docker run -p 13333:13333 -v $PWD/config:/etc/mooncake conductor
 #   docker run -p 8000:8000 -e HEALTHCHECK_URL=http://127.0.0.1:8000/health \
 #       --entrypoint mooncake-router conductor --config /etc/mooncake/router.json
-# Dependencies are installed at the exact versions of constraints.txt.
-FROM python:3.11-slim
-RUN useradd --system --uid 10001 --home-dir /var/lib/conductor --create-home conductor
-WORKDIR /app
-COPY pyproject.toml README.md constraints.txt ./
+# Dependencies are installed at the exact versions of constraints.txt. The project's wheel is
+# built in a first stage that has a C compiler (conductor/_native.c); the image has none.
+FROM python:3.11 AS build
+WORKDIR /src
+COPY pyproject.toml setup.py README.md ./
 COPY conductor ./conductor
 COPY router ./router
 COPY publishers ./publishers
 COPY fleet ./fleet
-RUN pip install --no-cache-dir -c constraints.txt . && rm -rf /root/.cache
+RUN pip wheel --no-cache-dir --no-deps --wheel-dir /wheels .
+
+FROM python:3.11-slim
+RUN useradd --system --uid 10001 --home-dir /var/lib/conductor --create-home conductor
+WORKDIR /app
+COPY constraints.txt ./
+COPY --from=build /wheels /wheels
+RUN pip install --no-cache-dir -c constraints.txt /wheels/*.whl && rm -rf /wheels /root/.cache
 ENV CONDUCTOR_CONFIG_PATH=/etc/mooncake/conductor_config.json \
     CONDUCTOR_STATE_FILE=/var/lib/conductor/state.json \
     CONDUCTOR_LOG_LEVEL=INFO \

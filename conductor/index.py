@@ -37,6 +37,7 @@ from collections.abc import Iterator, Mapping, Sequence
 from collections.abc import Set as AbstractSet
 from dataclasses import dataclass, field
 
+from . import _native
 from .hashing import PrefixHash, chain_hashes, prefix_hashes, salt_root
 from .wire.events import (
     AllBlocksCleared,
@@ -264,28 +265,20 @@ class PrefixContext:
     ) -> int:
         """Record that ``slot`` holds these blocks on ``tier``; returns how many were stored.
 
-        The ingestion hot path: one call per stored event, locals bound once.
+        The ingestion hot path, one call per stored event: the loop is ``_native.hold``.
         """
         holdings = slot.holdings[tier]
-        by_engine_hash = holdings.by_engine_hash
-        blocks = self.blocks[tier]
-        bit = slot.bit
-        added = 0
-        for engine_hash, prefix_hash in zip(engine_hashes, prefix_hashes, strict=False):
-            added += 1
-            if engine_hash in by_engine_hash:
-                holdings.copies[engine_hash] = holdings.copies.get(engine_hash, 0) + 1
-                continue
-            by_engine_hash[engine_hash] = prefix_hash
-            self._hold_engine_hash(engine_hash, prefix_hash)
-            mask = blocks.get(prefix_hash)
-            if mask is None:
-                blocks[prefix_hash] = bit
-            elif mask & bit:  # this owner holds it already, under another engine hash
-                holdings.extra_refs[prefix_hash] = holdings.extra_refs.get(prefix_hash, 0) + 1
-            else:
-                blocks[prefix_hash] = mask | bit
-        return added
+        return _native.hold(
+            holdings.by_engine_hash,
+            holdings.copies,
+            holdings.extra_refs,
+            self.engine_prefix,
+            self._engine_refs,
+            self.blocks[tier],
+            slot.bit,
+            engine_hashes,
+            prefix_hashes,
+        )
 
     def release(self, slot: _Slot, tier: Tier, engine_hash: EngineHash) -> bool:
         holdings = slot.holdings[tier]
@@ -316,38 +309,19 @@ class PrefixContext:
         holdings = slot.holdings[tier]
         if holdings.copies or holdings.extra_refs:
             return sum(self.release(slot, tier, engine_hash) for engine_hash in engine_hashes)
-        pop = holdings.by_engine_hash.pop
-        shared = self._engine_refs  # engine hashes another owner or tier holds too
-        engine_prefix = self.engine_prefix
-        blocks = self.blocks[tier]
-        bit = slot.bit
-        released = 0
-        for engine_hash in engine_hashes:
-            prefix_hash = pop(engine_hash, None)
-            if prefix_hash is None:
-                continue
-            released += 1
-            if shared and engine_hash in shared:
-                self._release_engine_hash(engine_hash)
-            else:
-                del engine_prefix[engine_hash]
-            mask = blocks[prefix_hash] & ~bit
-            if mask:
-                blocks[prefix_hash] = mask
-            else:
-                del blocks[prefix_hash]
-        return released
+        return _native.release_many(
+            holdings.by_engine_hash,
+            self.engine_prefix,
+            self._engine_refs,
+            self.blocks[tier],
+            slot.bit,
+            engine_hashes,
+        )
 
     def evict(self, slot: _Slot, tier: Tier, engine_hash: EngineHash) -> None:
         """Forget every copy of a block (its one key left the store, whoever saved it)."""
         slot.holdings[tier].copies.pop(engine_hash, None)
         self.release(slot, tier, engine_hash)
-
-    def _hold_engine_hash(self, engine_hash: EngineHash, prefix_hash: PrefixHash) -> None:
-        if engine_hash in self.engine_prefix:
-            self._engine_refs[engine_hash] = self._engine_refs.get(engine_hash, 0) + 1
-        else:
-            self.engine_prefix[engine_hash] = prefix_hash
 
     def _release_engine_hash(self, engine_hash: EngineHash) -> None:
         extra = self._engine_refs.get(engine_hash)

@@ -52,7 +52,7 @@ def test_every_dependency_is_pinned_to_a_version_it_accepts() -> None:
         name = canonicalize_name(requirement.name)
         assert name in pins, f"{name} is not pinned in constraints.txt"
         assert requirement.specifier.contains(pins[name]), f"{name}=={pins[name]} vs {spec}"
-    assert "pip install --no-cache-dir -c constraints.txt ." in DOCKERFILE
+    assert "pip install --no-cache-dir -c constraints.txt /wheels/*.whl" in DOCKERFILE
 
 
 def test_the_image_runs_as_a_user_and_ships_every_command() -> None:

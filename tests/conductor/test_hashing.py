@@ -13,6 +13,8 @@ from typing import Any
 
 import pytest
 import xxhash
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from conductor.hashing import chain_hashes, prefix_hashes, salt_root, token_bytes
 
@@ -136,3 +138,64 @@ def test_store_scenario_first_steps_match_go() -> None:
     assert chain_hashes(XXH64_EMPTY, first["token_ids"], 4) == first["conductor_hashes"]
     parent = first["conductor_hashes"][-1]
     assert chain_hashes(parent, second["token_ids"], 4) == second["conductor_hashes"]
+
+
+# -- the chain in C (conductor/_native.c) against an independent model ---------------------
+
+INT64 = st.integers(min_value=-(2**63), max_value=2**64 - 1)
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    parent=st.integers(min_value=0, max_value=2**64 - 1),
+    block_size=st.integers(min_value=1, max_value=40),  # 12..168 bytes: every XXH64 branch
+    tokens=st.lists(st.one_of(st.integers(0, 200_000), INT64), max_size=200),
+)
+def test_chain_matches_the_model_for_any_length_and_value(
+    parent: int, block_size: int, tokens: list[int]
+) -> None:
+    """Every block size (each input length reaches other XXH64 stripes and tails) and any
+    integer, wrapped to int32, chain as the independent model does; the int32 bytes of the
+    same tokens chain the same."""
+    expected, chain = [], parent
+    for start in range(0, len(tokens) - block_size + 1, block_size):
+        chain = go_compute_hash(chain, tokens[start : start + block_size])
+        expected.append(chain)
+    assert chain_hashes(parent, tokens, block_size) == expected
+    assert chain_hashes(parent, tuple(tokens), block_size) == expected
+    assert chain_hashes(parent, token_bytes(tokens), block_size) == expected
+
+
+def test_long_blocks_hash_like_short_ones() -> None:
+    """A block larger than the C buffer kept on the stack (64 tokens) is hashed whole."""
+    tokens = list(range(1000, 1000 + 3 * 300))
+    expected = [go_compute_hash(7, tokens[:300])]
+    expected.append(go_compute_hash(expected[0], tokens[300:600]))
+    expected.append(go_compute_hash(expected[1], tokens[600:]))
+    assert chain_hashes(7, tokens, 300) == expected
+
+
+class _Index:
+    """An int-like object that is not an int (as numpy's integers are)."""
+
+    def __init__(self, value: int) -> None:
+        self.value = value
+
+    def __index__(self) -> int:
+        return self.value
+
+
+def test_integer_like_tokens_count_as_their_value() -> None:
+    assert chain_hashes(7, [_Index(5), _Index(2**32 + 6)], 2) == chain_hashes(7, [5, 6], 2)
+
+
+@pytest.mark.parametrize("bad", [[1, 2.0], [1, "2"], [1, None], [1, b"2"]])
+def test_a_token_that_is_no_integer_is_a_type_error(bad: list[Any]) -> None:
+    with pytest.raises(TypeError, match="token ids must be integers"):
+        chain_hashes(7, bad, 2)
+
+
+@pytest.mark.parametrize("bad", [5, None, object()])
+def test_tokens_that_are_no_sequence_are_a_type_error(bad: Any) -> None:
+    with pytest.raises(TypeError):
+        chain_hashes(7, bad, 2)

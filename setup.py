@@ -1,0 +1,13 @@
+"""The one thing pyproject.toml cannot say without an experimental table: the C module.
+
+conductor/_native.c is the ingestion hot path (the prefix hash chain, the index's per-block
+loops); any C compiler builds it, as for every package that compiles.
+"""
+
+from setuptools import Extension, setup
+
+setup(
+    ext_modules=[
+        Extension("conductor._native", ["conductor/_native.c"], extra_compile_args=["-O3"])
+    ]
+)
