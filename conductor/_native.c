@@ -351,10 +351,56 @@ fail:
     return NULL;
 }
 
+/* -- decoding ----------------------------------------------------------------------------- */
+
+PyDoc_STRVAR(u64_hashes_doc,
+"u64_hashes(values, /)\n--\n\n"
+"normalize_hashes' fast path: a list of every int in ``values`` (a list) as unsigned 64\n"
+"bits (a negative int64 wraps; an int already in range is kept as is), or None when one of\n"
+"them is not an int or is a bool (the caller then looks at each).");
+
+static PyObject *u64_hashes(PyObject *module, PyObject *values) {
+    if (!PyList_Check(values)) {
+        PyErr_SetString(PyExc_TypeError, "u64_hashes takes a list");
+        return NULL;
+    }
+    Py_ssize_t count = PyList_GET_SIZE(values);
+    PyObject *hashes = PyList_New(count);
+    if (hashes == NULL) return NULL;
+    for (Py_ssize_t i = 0; i < count; i++) {
+        PyObject *value = PyList_GET_ITEM(values, i);
+        if (!PyLong_Check(value) || PyBool_Check(value)) {
+            Py_DECREF(hashes);
+            Py_RETURN_NONE;
+        }
+        PyObject *hash;
+        int overflow;
+        long long small = PyLong_AsLongLongAndOverflow(value, &overflow);
+        if (small == -1 && PyErr_Occurred()) goto fail;
+        if (overflow == 0) {  /* an int64: kept, or its unsigned bit pattern when < 0 */
+            hash = small >= 0 ? Py_NewRef(value)
+                              : PyLong_FromUnsignedLongLong((unsigned long long)small);
+        } else if (overflow > 0 && (PyLong_AsUnsignedLongLong(value) != (unsigned long long)-1
+                                    || !PyErr_Occurred())) {  /* a uint64 above int64: kept */
+            hash = Py_NewRef(value);
+        } else {  /* wider than 64 bits, either sign: its low 64 bits, as & MASK64 does */
+            PyErr_Clear();
+            hash = PyLong_FromUnsignedLongLong(PyLong_AsUnsignedLongLongMask(value));
+        }
+        if (hash == NULL) goto fail;
+        PyList_SET_ITEM(hashes, i, hash);
+    }
+    return hashes;
+fail:
+    Py_DECREF(hashes);
+    return NULL;
+}
+
 static PyMethodDef native_methods[] = {
     {"chain_hashes", (PyCFunction)(void (*)(void))chain_hashes, METH_FASTCALL, chain_hashes_doc},
     {"hold", (PyCFunction)(void (*)(void))hold, METH_FASTCALL, hold_doc},
     {"release_many", (PyCFunction)(void (*)(void))release_many, METH_FASTCALL, release_many_doc},
+    {"u64_hashes", u64_hashes, METH_O, u64_hashes_doc},
     {NULL, NULL, 0, NULL},
 };
 

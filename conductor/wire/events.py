@@ -6,6 +6,8 @@ from dataclasses import dataclass, field
 from enum import IntEnum
 from typing import NewType, cast
 
+from .._native import u64_hashes
+
 MASK64 = 0xFFFFFFFFFFFFFFFF
 # a block's hash as its engine published it (unsigned 64-bit); the index maps it to its
 # own prefix hash (``conductor.hashing.PrefixHash``)
@@ -57,11 +59,9 @@ def normalize_hash(value: object) -> EngineHash:
 def normalize_hashes(values: object) -> list[EngineHash]:
     if not isinstance(values, list):
         raise DecodeError(f"block_hashes must be an array, got {type(values).__name__}")
-    if bool not in map(type, values):
-        try:  # fast path: every hash is an int (vLLM default, SGLang, Mooncake)
-            return cast(list[EngineHash], [h & MASK64 for h in values])
-        except TypeError:
-            pass
+    hashes = u64_hashes(values)  # every hash an int: vLLM's default, SGLang, Mooncake
+    if hashes is not None:
+        return cast(list[EngineHash], hashes)
     return [normalize_hash(h) for h in values]
 
 

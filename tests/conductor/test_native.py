@@ -10,8 +10,11 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from conductor import _native
+from conductor.wire.events import MASK64
 
 
 def test_the_module_is_built_from_the_current_source() -> None:
@@ -49,3 +52,18 @@ def test_an_unhashable_engine_hash_raises_and_leaves_earlier_blocks_recorded() -
     with pytest.raises(TypeError, match="unhashable"):
         _native.hold(by_engine, {}, {}, {}, {}, blocks, 1, [5, [6]], [50, 60])
     assert by_engine == {5: 50} and blocks == {50: 1}
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(st.integers(min_value=-(2**80), max_value=2**80)))
+def test_u64_hashes_is_every_int_masked_to_64_bits(values: list[int]) -> None:
+    assert _native.u64_hashes(values) == [value & MASK64 for value in values]
+
+
+def test_u64_hashes_keeps_the_ints_in_range_and_refuses_other_types() -> None:
+    kept = [0, 2**63 - 1, 2**63, MASK64]
+    assert all(a is b for a, b in zip(_native.u64_hashes(kept) or [], kept, strict=True))
+    for other in ([1, True], [b"\x01"], [1, 2.0], [None]):
+        assert _native.u64_hashes(other) is None
+    with pytest.raises(TypeError, match="takes a list"):
+        _native.u64_hashes((1, 2))  # type: ignore[arg-type]
