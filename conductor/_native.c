@@ -188,6 +188,447 @@ done:
     return hashes;
 }
 
+/* -- maps keyed by unsigned 64-bit hashes ------------------------------------------------ */
+
+/* Why not dicts: a dict entry of an int key costs ~42 bytes plus the key's int object (48)
+ * and, for an int value, the value's; every lookup follows the key's pointer. Here a key
+ * and its value are 16 bytes inline, at most 3/4 of the slots used (open addressing, linear
+ * probing, deletion by backward shift: no tombstones).
+ *
+ * HashMap: uint64 -> uint64 (engine hash -> prefix hash).
+ * MaskMap: uint64 -> int object (prefix hash -> owner bitmask; masks may be wider than 64
+ *          bits, and a single owner's mask is that owner's one shared bit object).
+ * Both behave like dicts for what the index asks of them: len, in, [], get, pop, del,
+ * iteration over keys / values / items (an error if the map changes meanwhile), clear, ==.
+ * A key that is not an unsigned 64-bit int is never present, and cannot be stored.
+ */
+
+typedef struct {
+    uint64_t key;  /* 0: a free slot (the key 0 itself is kept beside the table) */
+    uint64_t value;  /* HashMap: the value; MaskMap: a PyObject* owned by the map */
+} Entry;
+
+typedef struct {
+    PyObject_HEAD
+    Entry *entries;  /* NULL while capacity is 0 */
+    Py_ssize_t capacity;  /* 0 or a power of two */
+    Py_ssize_t used;  /* entries in the table, the key 0 not counted */
+    int has_zero;
+    uint64_t zero_value;
+    uint64_t version;  /* bumped when a key comes or goes: iterators check it */
+} Map;
+
+static PyTypeObject HashMapType;
+static PyTypeObject MaskMapType;
+
+#define HOLDS_OBJECTS(map) Py_IS_TYPE((PyObject *)(map), &MaskMapType)
+
+static inline size_t home_of(uint64_t key, Py_ssize_t capacity) {
+    key ^= key >> 30;  /* splitmix64's finalizer: keys that share low bits spread too */
+    key *= 0xBF58476D1CE4E5B9ULL;
+    key ^= key >> 27;
+    key *= 0x94D049BB133111EBULL;
+    key ^= key >> 31;
+    return (size_t)key & (size_t)(capacity - 1);
+}
+
+/* The entry of ``key`` (not 0), or NULL. */
+static Entry *map_find(const Map *map, uint64_t key) {
+    if (map->capacity == 0) return NULL;
+    size_t mask = (size_t)map->capacity - 1;
+    for (size_t i = home_of(key, map->capacity);; i = (i + 1) & mask) {
+        Entry *entry = &map->entries[i];
+        if (entry->key == key) return entry;
+        if (entry->key == 0) return NULL;
+    }
+}
+
+static int map_lookup(const Map *map, uint64_t key, uint64_t *value) {
+    if (key == 0) {
+        if (map->has_zero) *value = map->zero_value;
+        return map->has_zero;
+    }
+    Entry *entry = map_find(map, key);
+    if (entry != NULL) *value = entry->value;
+    return entry != NULL;
+}
+
+static void place(Entry *entries, Py_ssize_t capacity, uint64_t key, uint64_t value) {
+    size_t mask = (size_t)capacity - 1, i = home_of(key, capacity);
+    while (entries[i].key != 0) i = (i + 1) & mask;
+    entries[i].key = key;
+    entries[i].value = value;
+}
+
+static int map_resize(Map *map, Py_ssize_t capacity) {
+    Entry *entries = PyMem_Calloc((size_t)capacity, sizeof(Entry));
+    if (entries == NULL) {
+        PyErr_NoMemory();
+        return -1;
+    }
+    for (Py_ssize_t i = 0; i < map->capacity; i++) {
+        if (map->entries[i].key != 0)
+            place(entries, capacity, map->entries[i].key, map->entries[i].value);
+    }
+    PyMem_Free(map->entries);
+    map->entries = entries;
+    map->capacity = capacity;
+    return 0;
+}
+
+/* Store ``value`` under ``key``; a value it replaces goes to ``*old`` (returns 1), a new
+ * key returns 0, an error -1. The map takes no reference: the caller keeps them right. */
+static int map_insert(Map *map, uint64_t key, uint64_t value, uint64_t *old) {
+    if (key == 0) {
+        int had = map->has_zero;
+        if (had) *old = map->zero_value;
+        else map->version++;
+        map->has_zero = 1;
+        map->zero_value = value;
+        return had;
+    }
+    Entry *entry = map_find(map, key);
+    if (entry != NULL) {
+        *old = entry->value;
+        entry->value = value;
+        return 1;
+    }
+    if (4 * (map->used + 1) > 3 * map->capacity
+        && map_resize(map, map->capacity ? 2 * map->capacity : 8) < 0)
+        return -1;
+    place(map->entries, map->capacity, key, value);
+    map->used++;
+    map->version++;
+    return 0;
+}
+
+/* Remove ``key``; its value goes to ``*old`` (returns 1), or it was absent (0). */
+static int map_erase(Map *map, uint64_t key, uint64_t *old) {
+    if (key == 0) {
+        if (!map->has_zero) return 0;
+        *old = map->zero_value;
+        map->has_zero = 0;
+        map->version++;
+        return 1;
+    }
+    Entry *entry = map_find(map, key);
+    if (entry == NULL) return 0;
+    *old = entry->value;
+    size_t mask = (size_t)map->capacity - 1, hole = (size_t)(entry - map->entries);
+    for (size_t i = (hole + 1) & mask; map->entries[i].key != 0; i = (i + 1) & mask) {
+        size_t home = home_of(map->entries[i].key, map->capacity);
+        /* the entry at i may fill the hole unless its home lies cyclically in (hole, i] */
+        int stays = hole < i ? (hole < home && home <= i) : (hole < home || home <= i);
+        if (!stays) {
+            map->entries[hole] = map->entries[i];
+            hole = i;
+        }
+    }
+    map->entries[hole].key = 0;
+    map->used--;
+    map->version++;
+    return 1;
+}
+
+/* 1 and the key when ``object`` is an unsigned 64-bit int, 0 when it is anything else (no
+ * error set: such a key is simply never present), -1 on another error. */
+static int key_of(PyObject *object, uint64_t *key) {
+    if (!PyLong_Check(object)) return 0;
+    unsigned long long value = PyLong_AsUnsignedLongLong(object);
+    if (value == (unsigned long long)-1 && PyErr_Occurred()) {
+        if (!PyErr_ExceptionMatches(PyExc_OverflowError)) return -1;
+        PyErr_Clear();
+        return 0;
+    }
+    *key = value;
+    return 1;
+}
+
+static int required_key(PyObject *object, uint64_t *key) {
+    int found = key_of(object, key);
+    if (found == 0)
+        PyErr_Format(PyExc_TypeError, "keys are unsigned 64-bit ints, not %.60R", object);
+    return found == 1 ? 0 : -1;
+}
+
+static PyObject *value_to_object(const Map *map, uint64_t value) {
+    if (HOLDS_OBJECTS(map)) return Py_NewRef((PyObject *)(uintptr_t)value);
+    return PyLong_FromUnsignedLongLong(value);
+}
+
+/* The stored form of ``object``; a MaskMap's takes a new reference to it. */
+static int value_of(const Map *map, PyObject *object, uint64_t *value) {
+    if (!PyLong_Check(object)) {
+        PyErr_Format(PyExc_TypeError, "values are ints, not %.60R", object);
+        return -1;
+    }
+    if (HOLDS_OBJECTS(map)) {
+        *value = (uint64_t)(uintptr_t)Py_NewRef(object);
+        return 0;
+    }
+    *value = PyLong_AsUnsignedLongLong(object);
+    return *value == (uint64_t)-1 && PyErr_Occurred() ? -1 : 0;
+}
+
+static void release_value(const Map *map, uint64_t value) {
+    if (HOLDS_OBJECTS(map)) Py_DECREF((PyObject *)(uintptr_t)value);
+}
+
+static int map_set(Map *map, uint64_t key, PyObject *object) {
+    uint64_t value, old;
+    if (value_of(map, object, &value) < 0) return -1;
+    int replaced = map_insert(map, key, value, &old);
+    if (replaced < 0) {
+        release_value(map, value);
+        return -1;
+    }
+    if (replaced) release_value(map, old);
+    return 0;
+}
+
+static void map_clear_all(Map *map) {
+    Entry *entries = map->entries;
+    Py_ssize_t capacity = map->capacity;
+    int had_zero = map->has_zero;
+    uint64_t zero_value = map->zero_value;
+    map->entries = NULL;  /* emptied first: a value's release may run arbitrary code */
+    map->capacity = map->used = 0;
+    map->has_zero = 0;
+    map->version++;
+    if (HOLDS_OBJECTS(map)) {
+        if (had_zero) release_value(map, zero_value);
+        for (Py_ssize_t i = 0; i < capacity; i++)
+            if (entries[i].key != 0) release_value(map, entries[i].value);
+    }
+    PyMem_Free(entries);
+}
+
+static PyObject *map_new(PyTypeObject *type, PyObject *args, PyObject *kwargs) {
+    if (PyTuple_GET_SIZE(args) || (kwargs && PyDict_GET_SIZE(kwargs))) {
+        PyErr_Format(PyExc_TypeError, "%s() takes no arguments", type->tp_name);
+        return NULL;
+    }
+    return type->tp_alloc(type, 0);  /* zeroed: empty */
+}
+
+static void map_dealloc(Map *map) {
+    map_clear_all(map);
+    Py_TYPE(map)->tp_free((PyObject *)map);
+}
+
+static Py_ssize_t map_length(Map *map) { return map->used + map->has_zero; }
+
+static int map_contains(Map *map, PyObject *object) {
+    uint64_t key, value;
+    int found = key_of(object, &key);
+    return found <= 0 ? found : map_lookup(map, key, &value);
+}
+
+static PyObject *map_subscript(Map *map, PyObject *object) {
+    uint64_t key, value;
+    int found = key_of(object, &key);
+    if (found < 0) return NULL;
+    if (found == 0 || !map_lookup(map, key, &value)) {
+        PyErr_SetObject(PyExc_KeyError, object);
+        return NULL;
+    }
+    return value_to_object(map, value);
+}
+
+static int map_ass_subscript(Map *map, PyObject *object, PyObject *item) {
+    uint64_t key, old;
+    if (item != NULL) return required_key(object, &key) < 0 ? -1 : map_set(map, key, item);
+    int found = key_of(object, &key);
+    if (found < 0) return -1;
+    if (found == 0 || !map_erase(map, key, &old)) {
+        PyErr_SetObject(PyExc_KeyError, object);
+        return -1;
+    }
+    release_value(map, old);
+    return 0;
+}
+
+static PyObject *map_get(Map *map, PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs < 1 || nargs > 2) return PyErr_Format(PyExc_TypeError, "get takes 1 or 2 arguments");
+    uint64_t key, value;
+    int found = key_of(args[0], &key);
+    if (found < 0) return NULL;
+    if (found && map_lookup(map, key, &value)) return value_to_object(map, value);
+    return Py_NewRef(nargs == 2 ? args[1] : Py_None);
+}
+
+static PyObject *map_pop(Map *map, PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs < 1 || nargs > 2) return PyErr_Format(PyExc_TypeError, "pop takes 1 or 2 arguments");
+    uint64_t key, old;
+    int found = key_of(args[0], &key);
+    if (found < 0) return NULL;
+    if (found && map_erase(map, key, &old)) {
+        if (HOLDS_OBJECTS(map)) return (PyObject *)(uintptr_t)old;  /* the map's reference */
+        return PyLong_FromUnsignedLongLong(old);
+    }
+    if (nargs == 2) return Py_NewRef(args[1]);
+    PyErr_SetObject(PyExc_KeyError, args[0]);
+    return NULL;
+}
+
+static PyObject *map_clear(Map *map, PyObject *unused) {
+    map_clear_all(map);
+    Py_RETURN_NONE;
+}
+
+/* -- their iterators -- */
+
+enum { KEYS, VALUES, ITEMS };
+
+typedef struct {
+    PyObject_HEAD
+    Map *map;  /* NULL once exhausted */
+    Py_ssize_t position;  /* -1: the key 0, then the table's slots */
+    uint64_t version;
+    int kind;
+} MapIter;
+
+static PyTypeObject MapIterType;
+
+static PyObject *map_iterate(Map *map, int kind) {
+    MapIter *iter = PyObject_New(MapIter, &MapIterType);
+    if (iter == NULL) return NULL;
+    iter->map = (Map *)Py_NewRef(map);
+    iter->position = -1;
+    iter->version = map->version;
+    iter->kind = kind;
+    return (PyObject *)iter;
+}
+
+static PyObject *map_iter(Map *map) { return map_iterate(map, KEYS); }
+static PyObject *map_keys(Map *map, PyObject *unused) { return map_iterate(map, KEYS); }
+static PyObject *map_values(Map *map, PyObject *unused) { return map_iterate(map, VALUES); }
+static PyObject *map_items(Map *map, PyObject *unused) { return map_iterate(map, ITEMS); }
+
+static PyObject *iter_next(MapIter *iter) {
+    Map *map = iter->map;
+    if (map == NULL) return NULL;
+    if (map->version != iter->version) {
+        PyErr_SetString(PyExc_RuntimeError, "map changed size during iteration");
+        return NULL;
+    }
+    uint64_t key = 0, value = 0;
+    int found = 0;
+    if (iter->position == -1) {
+        iter->position = 0;
+        found = map->has_zero;
+        value = map->zero_value;
+    }
+    for (; !found && iter->position < map->capacity; iter->position++) {
+        if (map->entries[iter->position].key != 0) {
+            key = map->entries[iter->position].key;
+            value = map->entries[iter->position].value;
+            found = 1;
+        }
+    }
+    if (!found) {
+        Py_CLEAR(iter->map);
+        return NULL;
+    }
+    if (iter->kind == KEYS) return PyLong_FromUnsignedLongLong(key);
+    if (iter->kind == VALUES) return value_to_object(map, value);
+    PyObject *key_object = PyLong_FromUnsignedLongLong(key);
+    PyObject *value_object = key_object ? value_to_object(map, value) : NULL;
+    PyObject *pair = value_object ? PyTuple_Pack(2, key_object, value_object) : NULL;
+    Py_XDECREF(key_object);
+    Py_XDECREF(value_object);
+    return pair;
+}
+
+static void iter_dealloc(MapIter *iter) {
+    Py_XDECREF(iter->map);
+    PyObject_Free(iter);
+}
+
+static PyTypeObject MapIterType = {
+    PyVarObject_HEAD_INIT(NULL, 0)
+    .tp_name = "conductor._native.MapIterator",
+    .tp_basicsize = sizeof(MapIter),
+    .tp_dealloc = (destructor)iter_dealloc,
+    .tp_flags = Py_TPFLAGS_DEFAULT,
+    .tp_iter = PyObject_SelfIter,
+    .tp_iternext = (iternextfunc)iter_next,
+};
+
+/* The map as a new dict (repr, comparison: tests and debugging, not the hot path). */
+static PyObject *map_to_dict(Map *map) {
+    PyObject *items = map_items(map, NULL);
+    PyObject *copy = items ? PyDict_New() : NULL;
+    if (copy != NULL && PyDict_MergeFromSeq2(copy, items, 1) < 0) Py_CLEAR(copy);
+    Py_XDECREF(items);
+    return copy;
+}
+
+static int is_map(PyObject *object) {
+    return Py_IS_TYPE(object, &HashMapType) || Py_IS_TYPE(object, &MaskMapType);
+}
+
+/* == and != compare the keys and values, with a dict or another map, as dicts do. */
+static PyObject *map_richcompare(PyObject *self, PyObject *other, int op) {
+    if ((op != Py_EQ && op != Py_NE) || !(PyDict_Check(other) || is_map(other)))
+        Py_RETURN_NOTIMPLEMENTED;
+    PyObject *mine = map_to_dict((Map *)self);
+    PyObject *theirs = mine == NULL ? NULL
+                       : is_map(other) ? map_to_dict((Map *)other) : Py_NewRef(other);
+    PyObject *result = theirs == NULL ? NULL : PyObject_RichCompare(mine, theirs, op);
+    Py_XDECREF(mine);
+    Py_XDECREF(theirs);
+    return result;
+}
+
+static PyObject *map_repr(Map *map) {
+    PyObject *copy = map_to_dict(map);
+    PyObject *repr = copy ? PyUnicode_FromFormat("%s(%R)", Py_TYPE(map)->tp_name, copy) : NULL;
+    Py_XDECREF(copy);
+    return repr;
+}
+
+static PyMappingMethods map_as_mapping = {
+    .mp_length = (lenfunc)map_length,
+    .mp_subscript = (binaryfunc)map_subscript,
+    .mp_ass_subscript = (objobjargproc)map_ass_subscript,
+};
+
+static PySequenceMethods map_as_sequence = {
+    .sq_contains = (objobjproc)map_contains,
+};
+
+static PyMethodDef map_methods[] = {
+    {"get", (PyCFunction)(void (*)(void))map_get, METH_FASTCALL, "get(key, default=None)"},
+    {"pop", (PyCFunction)(void (*)(void))map_pop, METH_FASTCALL, "pop(key[, default])"},
+    {"keys", (PyCFunction)map_keys, METH_NOARGS, "an iterator over the keys"},
+    {"values", (PyCFunction)map_values, METH_NOARGS, "an iterator over the values"},
+    {"items", (PyCFunction)map_items, METH_NOARGS, "an iterator over (key, value) pairs"},
+    {"clear", (PyCFunction)map_clear, METH_NOARGS, "remove every key"},
+    {NULL, NULL, 0, NULL},
+};
+
+#define MAP_TYPE(c_name, py_name, doc)                                                      \
+    static PyTypeObject c_name = {                                                          \
+        PyVarObject_HEAD_INIT(NULL, 0)                                                      \
+        .tp_name = "conductor._native." py_name,                                            \
+        .tp_basicsize = sizeof(Map),                                                        \
+        .tp_dealloc = (destructor)map_dealloc,                                              \
+        .tp_repr = (reprfunc)map_repr,                                                      \
+        .tp_richcompare = map_richcompare,                                                  \
+        .tp_hash = PyObject_HashNotImplemented,                                             \
+        .tp_as_sequence = &map_as_sequence,                                                 \
+        .tp_as_mapping = &map_as_mapping,                                                   \
+        .tp_iter = (getiterfunc)map_iter,                                                   \
+        .tp_flags = Py_TPFLAGS_DEFAULT,                                                     \
+        .tp_doc = doc,                                                                      \
+        .tp_methods = map_methods,                                                          \
+        .tp_new = map_new,                                                                  \
+    }
+
+MAP_TYPE(HashMapType, "HashMap", "uint64 -> uint64, a compact dict for hashes.");
+MAP_TYPE(MaskMapType, "MaskMap", "uint64 -> int, a compact dict for owner bitmasks.");
+
 /* -- the index's loops ------------------------------------------------------------------- */
 
 /* counts[key] = counts.get(key, 0) + delta; the entry goes when it reaches 0. */
@@ -204,10 +645,20 @@ static int add_count(PyObject *counts, PyObject *key, long delta) {
     return result;
 }
 
-static int check_dicts(PyObject *const *args, Py_ssize_t count) {
+/* Each argument of ``kinds`` ("h": HashMap, "m": MaskMap, "d": dict, ".": any) is one. */
+static int check_args(PyObject *const *args, Py_ssize_t nargs, const char *kinds) {
+    Py_ssize_t count = (Py_ssize_t)strlen(kinds);
+    if (nargs != count) {
+        PyErr_Format(PyExc_TypeError, "takes %zd arguments (%zd given)", count, nargs);
+        return -1;
+    }
     for (Py_ssize_t i = 0; i < count; i++) {
-        if (!PyDict_CheckExact(args[i])) {
-            PyErr_Format(PyExc_TypeError, "argument %zd must be a dict", i + 1);
+        PyTypeObject *type = kinds[i] == 'h' ? &HashMapType
+                             : kinds[i] == 'm' ? &MaskMapType
+                             : kinds[i] == 'd' ? &PyDict_Type
+                                               : NULL;
+        if (type != NULL && !Py_IS_TYPE(args[i], type)) {
+            PyErr_Format(PyExc_TypeError, "argument %zd must be a %s", i + 1, type->tp_name);
             return -1;
         }
     }
@@ -224,14 +675,10 @@ PyDoc_STRVAR(hold_doc,
 "under another engine hash counts in ``extra_refs``). Returns how many pairs it took.");
 
 static PyObject *hold(PyObject *module, PyObject *const *args, Py_ssize_t nargs) {
-    if (nargs != 9) {
-        PyErr_SetString(PyExc_TypeError, "hold takes 9 arguments");
-        return NULL;
-    }
-    if (check_dicts(args, 6) < 0) return NULL;
-    PyObject *by_engine_hash = args[0], *copies = args[1], *extra_refs = args[2];
-    PyObject *engine_prefix = args[3], *engine_refs = args[4], *blocks = args[5];
-    PyObject *bit = args[6];
+    if (check_args(args, nargs, "hddhdm...") < 0) return NULL;
+    Map *by_engine_hash = (Map *)args[0], *engine_prefix = (Map *)args[3];
+    Map *blocks = (Map *)args[5];
+    PyObject *copies = args[1], *extra_refs = args[2], *engine_refs = args[4], *bit = args[6];
     PyObject *engine_seq = PySequence_Fast(args[7], "engine_hashes must be a sequence");
     if (engine_seq == NULL) return NULL;
     PyObject *prefix_seq = PySequence_Fast(args[8], "prefix_hashes must be a sequence");
@@ -245,35 +692,37 @@ static PyObject *hold(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
     PyObject **prefix_hashes = PySequence_Fast_ITEMS(prefix_seq);
     Py_ssize_t added = 0;
     for (; added < count; added++) {
-        PyObject *engine_hash = engine_hashes[added], *prefix_hash = prefix_hashes[added];
-        int held = PyDict_Contains(by_engine_hash, engine_hash);
-        if (held < 0) goto fail;
-        if (held) {  /* another physical copy of a block this owner holds */
-            if (add_count(copies, engine_hash, 1) < 0) goto fail;
+        PyObject *engine_object = engine_hashes[added], *prefix_object = prefix_hashes[added];
+        uint64_t engine_hash, prefix_hash, held, mask;
+        if (required_key(engine_object, &engine_hash) < 0
+            || required_key(prefix_object, &prefix_hash) < 0)
+            goto fail;
+        if (map_lookup(by_engine_hash, engine_hash, &held)) {  /* one more physical copy */
+            if (add_count(copies, engine_object, 1) < 0) goto fail;
             continue;
         }
-        if (PyDict_SetItem(by_engine_hash, engine_hash, prefix_hash) < 0) goto fail;
-        int known = PyDict_Contains(engine_prefix, engine_hash);
-        if (known < 0) goto fail;
-        if (known ? add_count(engine_refs, engine_hash, 1)
-                  : PyDict_SetItem(engine_prefix, engine_hash, prefix_hash)) goto fail;
-        PyObject *mask = PyDict_GetItemWithError(blocks, prefix_hash);
-        if (mask == NULL) {
-            if (PyErr_Occurred() || PyDict_SetItem(blocks, prefix_hash, bit) < 0) goto fail;
+        if (map_insert(by_engine_hash, engine_hash, prefix_hash, &held) < 0) goto fail;
+        if (map_lookup(engine_prefix, engine_hash, &held)) {
+            if (add_count(engine_refs, engine_object, 1) < 0) goto fail;
+        } else if (map_insert(engine_prefix, engine_hash, prefix_hash, &held) < 0) {
+            goto fail;
+        }
+        if (!map_lookup(blocks, prefix_hash, &mask)) {
+            if (map_set(blocks, prefix_hash, bit) < 0) goto fail;
             continue;
         }
-        PyObject *both = PyNumber_And(mask, bit);
+        PyObject *both = PyNumber_And((PyObject *)(uintptr_t)mask, bit);
         if (both == NULL) goto fail;
         int mine = PyObject_IsTrue(both);
         Py_DECREF(both);
         if (mine < 0) goto fail;
         if (mine) {  /* this owner holds the prefix already, under another engine hash */
-            if (add_count(extra_refs, prefix_hash, 1) < 0) goto fail;
+            if (add_count(extra_refs, prefix_object, 1) < 0) goto fail;
             continue;
         }
-        PyObject *joined = PyNumber_Or(mask, bit);
+        PyObject *joined = PyNumber_Or((PyObject *)(uintptr_t)mask, bit);
         if (joined == NULL) goto fail;
-        int stored = PyDict_SetItem(blocks, prefix_hash, joined);
+        int stored = map_set(blocks, prefix_hash, joined);
         Py_DECREF(joined);
         if (stored < 0) goto fail;
     }
@@ -295,13 +744,10 @@ PyDoc_STRVAR(release_many_doc,
 "Hashes it does not hold are skipped. Returns how many it held.");
 
 static PyObject *release_many(PyObject *module, PyObject *const *args, Py_ssize_t nargs) {
-    if (nargs != 6) {
-        PyErr_SetString(PyExc_TypeError, "release_many takes 6 arguments");
-        return NULL;
-    }
-    if (check_dicts(args, 4) < 0) return NULL;
-    PyObject *by_engine_hash = args[0], *engine_prefix = args[1], *engine_refs = args[2];
-    PyObject *blocks = args[3];
+    if (check_args(args, nargs, "hhdm..") < 0) return NULL;
+    Map *by_engine_hash = (Map *)args[0], *engine_prefix = (Map *)args[1];
+    Map *blocks = (Map *)args[3];
+    PyObject *engine_refs = args[2];
     PyObject *others = PyNumber_Invert(args[4]);
     if (others == NULL) return NULL;
     PyObject *seq = PySequence_Fast(args[5], "engine_hashes must be a sequence");
@@ -311,41 +757,37 @@ static PyObject *release_many(PyObject *module, PyObject *const *args, Py_ssize_
     }
     Py_ssize_t count = PySequence_Fast_GET_SIZE(seq), released = 0;
     PyObject **engine_hashes = PySequence_Fast_ITEMS(seq);
-    PyObject *prefix_hash = NULL;  /* owned while its block is released */
     for (Py_ssize_t i = 0; i < count; i++) {
-        PyObject *engine_hash = engine_hashes[i];
-        prefix_hash = PyDict_GetItemWithError(by_engine_hash, engine_hash);
-        if (prefix_hash == NULL) {
-            if (PyErr_Occurred()) goto fail;
-            continue;
-        }
-        Py_INCREF(prefix_hash);  /* the dict's reference goes with the entry */
-        if (PyDict_DelItem(by_engine_hash, engine_hash) < 0) goto fail;
+        PyObject *engine_object = engine_hashes[i];
+        uint64_t engine_hash, prefix_hash, old, mask;
+        int found = key_of(engine_object, &engine_hash);
+        if (found < 0) goto fail;
+        if (!found || !map_erase(by_engine_hash, engine_hash, &prefix_hash)) continue;
         released++;
-        int shared = PyDict_Contains(engine_refs, engine_hash);
+        int shared = PyDict_Contains(engine_refs, engine_object);
         if (shared < 0) goto fail;
-        if (shared ? add_count(engine_refs, engine_hash, -1)
-                   : PyDict_DelItem(engine_prefix, engine_hash)) goto fail;
-        PyObject *mask = PyDict_GetItemWithError(blocks, prefix_hash);
-        if (mask == NULL) {
-            if (!PyErr_Occurred()) PyErr_SetObject(PyExc_KeyError, prefix_hash);
+        if (shared) {
+            if (add_count(engine_refs, engine_object, -1) < 0) goto fail;
+        } else if (!map_erase(engine_prefix, engine_hash, &old)) {
+            PyErr_SetObject(PyExc_KeyError, engine_object);
             goto fail;
         }
-        PyObject *left = PyNumber_And(mask, others);
+        if (!map_lookup(blocks, prefix_hash, &mask)) {
+            PyErr_Format(PyExc_KeyError, "prefix %llu", (unsigned long long)prefix_hash);
+            goto fail;
+        }
+        PyObject *left = PyNumber_And((PyObject *)(uintptr_t)mask, others);
         if (left == NULL) goto fail;
         int kept = PyObject_IsTrue(left);
-        int result = kept < 0 ? -1
-                     : kept  ? PyDict_SetItem(blocks, prefix_hash, left)
-                             : PyDict_DelItem(blocks, prefix_hash);
+        int result = kept < 0 ? -1 : kept ? map_set(blocks, prefix_hash, left) : 0;
         Py_DECREF(left);
-        Py_CLEAR(prefix_hash);
         if (result < 0) goto fail;
+        if (!kept && map_erase(blocks, prefix_hash, &old)) release_value(blocks, old);
     }
     Py_DECREF(others);
     Py_DECREF(seq);
     return PyLong_FromSsize_t(released);
 fail:
-    Py_XDECREF(prefix_hash);
     Py_DECREF(others);
     Py_DECREF(seq);
     return NULL;
@@ -404,12 +846,27 @@ static PyMethodDef native_methods[] = {
     {NULL, NULL, 0, NULL},
 };
 
+static int native_exec(PyObject *module) {
+    if (PyType_Ready(&MapIterType) < 0) return -1;
+    PyTypeObject *maps[] = {&HashMapType, &MaskMapType};
+    for (size_t i = 0; i < 2; i++) {
+        if (PyType_Ready(maps[i]) < 0 || PyModule_AddType(module, maps[i]) < 0) return -1;
+    }
+    return 0;
+}
+
+static PyModuleDef_Slot native_slots[] = {
+    {Py_mod_exec, native_exec},
+    {0, NULL},
+};
+
 static struct PyModuleDef native_module = {
     PyModuleDef_HEAD_INIT,
     .m_name = "conductor._native",
-    .m_doc = "The ingestion hot path in C: prefix hash chains and the index's per-block loops.",
+    .m_doc = "The ingestion hot path in C: prefix hash chains, the index's maps and loops.",
     .m_size = 0,
     .m_methods = native_methods,
+    .m_slots = native_slots,
 };
 
 PyMODINIT_FUNC PyInit__native(void) { return PyModuleDef_Init(&native_module); }

@@ -1,30 +1,60 @@
 """Types of the C module conductor/_native.c (what each function stands for: its source)."""
 
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from typing import Generic, TypeVar, overload
 
 from .hashing import PrefixHash
 from .wire.events import EngineHash
+
+K = TypeVar("K", bound=int)
+V = TypeVar("V", bound=int)
+T = TypeVar("T")
+
+class _Map(Generic[K, V]):
+    """What HashMap and MaskMap share (no such class at run time)."""
+
+    def __len__(self) -> int: ...
+    def __contains__(self, key: object) -> bool: ...
+    def __getitem__(self, key: K) -> V: ...
+    def __setitem__(self, key: K, value: V) -> None: ...
+    def __delitem__(self, key: K) -> None: ...
+    def __iter__(self) -> Iterator[K]: ...
+    @overload
+    def get(self, key: K) -> V | None: ...
+    @overload
+    def get(self, key: K, default: T) -> V | T: ...
+    @overload
+    def pop(self, key: K) -> V: ...
+    @overload
+    def pop(self, key: K, default: T) -> V | T: ...
+    def keys(self) -> Iterator[K]: ...
+    def values(self) -> Iterator[V]: ...
+    def items(self) -> Iterator[tuple[K, V]]: ...
+    def clear(self) -> None: ...
+
+class HashMap(_Map[K, V]): ...
+class MaskMap(_Map[K, int]): ...
 
 def chain_hashes(
     parent: int, token_ids: Sequence[int] | bytes, block_size: int, /
 ) -> list[int]: ...
 def hold(
-    by_engine_hash: dict[EngineHash, PrefixHash],
+    by_engine_hash: HashMap[EngineHash, PrefixHash],
     copies: dict[EngineHash, int],
     extra_refs: dict[PrefixHash, int],
-    engine_prefix: dict[EngineHash, PrefixHash],
+    engine_prefix: HashMap[EngineHash, PrefixHash],
     engine_refs: dict[EngineHash, int],
-    blocks: dict[PrefixHash, int],
+    blocks: MaskMap[PrefixHash],
     bit: int,
     engine_hashes: Sequence[EngineHash],
     prefix_hashes: Sequence[PrefixHash],
     /,
 ) -> int: ...
 def release_many(
-    by_engine_hash: dict[EngineHash, PrefixHash],
-    engine_prefix: dict[EngineHash, PrefixHash],
+    by_engine_hash: HashMap[EngineHash, PrefixHash],
+    engine_prefix: HashMap[EngineHash, PrefixHash],
     engine_refs: dict[EngineHash, int],
-    blocks: dict[PrefixHash, int],
+    blocks: MaskMap[PrefixHash],
     bit: int,
     engine_hashes: Sequence[EngineHash],
     /,

@@ -4,16 +4,18 @@ Pure and synchronous: every call applies events or walks a query whole, nothing 
 inside one (the service applies a large batch in a few calls, between which queries run).
 Its invariants and its place in the data flow: docs/architecture.md.
 
-Layout, chosen for memory (one dict entry per block and tier in the common case) and for
-a fast /query walk:
+Layout, chosen for memory (three 16-byte map entries per block and tier in the common case,
+no int object per hash) and for a fast /query walk. The maps are ``_native.HashMap``
+(uint64 -> uint64) and ``_native.MaskMap`` (uint64 -> int): dicts in all this module asks
+of them, kept in C without an object per key.
 
-* A ``PrefixContext`` per (tenant, model, LoRA, block size) holds three dicts, one per tier,
-  ``prefix hash -> bitmask of slots``. A *slot* is one (instance, DP rank); its bit is
+* A ``PrefixContext`` per (tenant, model, LoRA, block size) holds three MaskMaps, one per
+  tier, ``prefix hash -> bitmask of slots``. A *slot* is one (instance, DP rank); its bit is
   recycled when the slot leaves.
 * Each slot keeps, per tier, its own ``engine hash -> prefix hash`` map. Removals, clears
   and unregisters therefore touch only what that owner stored, and leave nothing behind.
 * The context keeps one ``engine hash -> prefix hash`` map over all its owners, counted
-  (``/query_by_hash`` and parent lookups are one dict lookup per hash, whatever the number
+  (``/query_by_hash`` and parent lookups are one map lookup per hash, whatever the number
   of owners): one more entry per distinct engine hash, and one in ``_engine_refs`` for a
   hash held more than once (another tier, another owner).
 * A stream's slots are indexed by DP rank: clearing a rank touches that rank's slots only,
@@ -38,6 +40,7 @@ from collections.abc import Set as AbstractSet
 from dataclasses import dataclass, field
 
 from . import _native
+from ._native import HashMap, MaskMap
 from .hashing import PrefixHash, chain_hashes, prefix_hashes, salt_root
 from .wire.events import (
     AllBlocksCleared,
@@ -154,7 +157,7 @@ class _Holdings:
     __slots__ = ("by_engine_hash", "copies", "extra_refs")
 
     def __init__(self) -> None:
-        self.by_engine_hash: dict[EngineHash, PrefixHash] = {}
+        self.by_engine_hash: HashMap[EngineHash, PrefixHash] = HashMap()
         # engine hash -> how many *more* physical copies the owner holds (vLLM caches and
         # announces a block again when two requests computed it; each copy is evicted alone)
         self.copies: dict[EngineHash, int] = {}
@@ -165,7 +168,7 @@ class _Holdings:
         return len(self.by_engine_hash) + sum(self.copies.values())
 
     def prefix_count(self) -> int:
-        """Distinct prefix blocks, as the context's tier dicts count them."""
+        """Distinct prefix blocks, as the context's tier maps count them."""
         return len(self.by_engine_hash) - sum(self.extra_refs.values())
 
 
@@ -204,7 +207,7 @@ class PrefixContext:
 
     def __init__(self, key: ContextKey) -> None:
         self.key = key
-        self.blocks: tuple[dict[PrefixHash, int], ...] = ({}, {}, {})  # GPU, CPU, DISK
+        self.blocks: tuple[MaskMap[PrefixHash], ...] = (MaskMap(), MaskMap(), MaskMap())
         self.slots: dict[SlotKey, _Slot] = {}
         self._by_index: dict[int, _Slot] = {}
         self._free: list[int] = []
@@ -213,7 +216,7 @@ class PrefixContext:
         self.pool_mask = 0  # every pool's bit: 0 keeps the walk free of pool lookups
         # engine hash -> prefix hash over every owner and tier, and how many *more* holders
         # than one it has (the first holder's mapping: engine hashes of one context agree)
-        self.engine_prefix: dict[EngineHash, PrefixHash] = {}
+        self.engine_prefix: HashMap[EngineHash, PrefixHash] = HashMap()
         self._engine_refs: dict[EngineHash, int] = {}
         self._engines: _Engines | None = None  # what queries need of the slots, kept whole
 
@@ -392,7 +395,8 @@ class PrefixContext:
         return ContextView(self.key, self.block_counts(), ranks, self.store_pools())
 
     def held_hashes(self) -> Iterator[tuple[EngineHash, PrefixHash]]:
-        """Every owner's engine hash -> prefix hash mappings, owner by owner, tier by tier."""
+        """Every owner's engine hash -> prefix hash mappings, owner by owner, tier by tier
+        (within one, in no particular order)."""
         for slot in self.slots.values():
             for holdings in slot.holdings:
                 yield from holdings.by_engine_hash.items()

@@ -27,31 +27,35 @@ def test_the_module_is_built_from_the_current_source() -> None:
     )
 
 
-def test_hold_and_release_many_refuse_what_is_not_a_dict() -> None:
-    args: list[Any] = [{}, {}, {}, {}, {}, [], 1, [1], [2]]
-    with pytest.raises(TypeError, match="argument 6 must be a dict"):
-        _native.hold(*args)
-    with pytest.raises(TypeError, match="argument 4 must be a dict"):
-        _native.release_many({}, {}, {}, [], 1, [1])
-    with pytest.raises(TypeError, match="9 arguments"):
-        _native.hold({}, {})  # type: ignore[call-arg]
+def test_hold_and_release_many_refuse_arguments_of_another_kind() -> None:
+    maps = [_native.HashMap(), {}, {}, _native.HashMap(), {}]
+    with pytest.raises(TypeError, match="argument 6 must be a conductor._native.MaskMap"):
+        _native.hold(*maps, {}, 1, [1], [2])  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="argument 1 must be a conductor._native.HashMap"):
+        _native.release_many({}, _native.HashMap(), {}, _native.MaskMap(), 1, [1])  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match=r"takes 9 arguments \(2 given\)"):
+        _native.hold(_native.HashMap(), {})  # type: ignore[call-arg]
+
+
+def _context() -> tuple[Any, ...]:
+    """A context's maps as PrefixContext keeps them, for one owner on one tier."""
+    return _native.HashMap(), {}, {}, _native.HashMap(), {}, _native.MaskMap()
 
 
 def test_hold_stops_at_the_shorter_sequence_and_release_skips_what_is_not_held() -> None:
-    by_engine, copies, extra, engine_prefix, refs, blocks = {}, {}, {}, {}, {}, {}
-    added = _native.hold(by_engine, copies, extra, engine_prefix, refs, blocks, 2, [10, 11], [7])
-    assert added == 1
-    assert by_engine == engine_prefix == {10: 7} and blocks == {7: 2}
+    by_engine, copies, extra, engine_prefix, refs, blocks = maps = _context()
+    assert _native.hold(*maps, 2, [10, 11], [7]) == 1
+    assert dict(by_engine.items()) == dict(engine_prefix.items()) == {10: 7}
+    assert dict(blocks.items()) == {7: 2}
     assert _native.release_many(by_engine, engine_prefix, refs, blocks, 2, [99, 10, 10]) == 1
-    assert by_engine == engine_prefix == blocks == {}
+    assert len(by_engine) == len(engine_prefix) == len(blocks) == 0
 
 
-def test_an_unhashable_engine_hash_raises_and_leaves_earlier_blocks_recorded() -> None:
-    by_engine: dict[Any, Any] = {}
-    blocks: dict[Any, Any] = {}
-    with pytest.raises(TypeError, match="unhashable"):
-        _native.hold(by_engine, {}, {}, {}, {}, blocks, 1, [5, [6]], [50, 60])
-    assert by_engine == {5: 50} and blocks == {50: 1}
+def test_a_hash_that_is_no_uint64_raises_and_leaves_earlier_blocks_recorded() -> None:
+    by_engine, copies, extra, engine_prefix, refs, blocks = maps = _context()
+    with pytest.raises(TypeError, match="keys are unsigned 64-bit ints"):
+        _native.hold(*maps, 1, [5, -6], [50, 60])
+    assert dict(by_engine.items()) == {5: 50} and dict(blocks.items()) == {50: 1}
 
 
 @settings(max_examples=300, deadline=None)
@@ -67,3 +71,102 @@ def test_u64_hashes_keeps_the_ints_in_range_and_refuses_other_types() -> None:
         assert _native.u64_hashes(other) is None
     with pytest.raises(TypeError, match="takes a list"):
         _native.u64_hashes((1, 2))  # type: ignore[arg-type]
+
+
+# -- HashMap and MaskMap behave as dicts do ---------------------------------------------------
+
+KEYS = st.one_of(
+    st.integers(0, 40),  # few keys: collisions, long probe runs, backward shifts on delete
+    st.sampled_from([0, 2**63, MASK64, MASK64 - 1]),
+    st.integers(0, MASK64),
+)
+OPERATIONS = st.lists(
+    st.tuples(
+        st.sampled_from(["set", "del", "pop", "get", "in", "clear"]),
+        KEYS,
+        st.integers(-(2**63), MASK64),
+    ),
+    max_size=400,
+)
+
+
+@pytest.mark.parametrize("kind", [_native.HashMap, _native.MaskMap])
+@settings(max_examples=200, deadline=None)
+@given(operations=OPERATIONS)
+def test_a_map_answers_as_a_dict_after_any_operations(kind: type, operations: list) -> None:
+    mapping, reference = kind(), {}
+    for operation, key, value in operations:
+        value &= MASK64  # a HashMap holds unsigned 64-bit values
+        if operation == "set":
+            mapping[key] = reference[key] = value
+        elif operation == "del":
+            if key in reference:
+                del mapping[key], reference[key]
+            else:
+                with pytest.raises(KeyError):
+                    del mapping[key]
+        elif operation == "pop":
+            assert mapping.pop(key, None) == reference.pop(key, None)
+        elif operation == "get":
+            assert mapping.get(key) == reference.get(key)
+            assert mapping.get(key, -1) == reference.get(key, -1)
+        elif operation == "in":
+            assert (key in mapping) == (key in reference)
+        else:
+            mapping.clear()
+            reference.clear()
+        assert len(mapping) == len(reference)
+    assert dict(mapping.items()) == reference
+    assert sorted(mapping) == sorted(reference) == sorted(mapping.keys())
+    assert sorted(mapping.values()) == sorted(reference.values())
+    assert bool(mapping) == bool(reference)
+
+
+def test_a_mask_map_keeps_the_objects_it_was_given() -> None:
+    bit = 1 << 200  # masks wider than 64 bits
+    masks = _native.MaskMap()
+    masks[5] = bit
+    assert masks[5] is bit and masks.get(5) is bit and masks.pop(5) is bit
+    assert repr(masks) == "conductor._native.MaskMap({})"
+
+
+@pytest.mark.parametrize("kind", [_native.HashMap, _native.MaskMap])
+def test_a_key_that_is_no_uint64_is_never_present_and_cannot_be_stored(kind: type) -> None:
+    mapping = kind()
+    for absent in (-1, 2**64, "5", 5.0, None):
+        assert absent not in mapping and mapping.get(absent, "no") == "no"
+        assert mapping.pop(absent, "no") == "no"
+        with pytest.raises(KeyError):
+            mapping[absent]
+        with pytest.raises((TypeError, OverflowError)):
+            mapping[absent] = 1
+    with pytest.raises(TypeError, match="values are ints"):
+        mapping[1] = "one"
+    if kind is _native.HashMap:
+        with pytest.raises(OverflowError):
+            mapping[1] = -1
+    assert len(mapping) == 0
+
+
+def test_iterating_a_map_that_changes_size_is_an_error() -> None:
+    mapping = _native.HashMap()
+    mapping[1], mapping[2] = 10, 20
+    keys = iter(mapping)
+    next(keys)
+    mapping[3] = 30
+    with pytest.raises(RuntimeError, match="changed size during iteration"):
+        next(keys)
+    values = mapping.values()
+    mapping[3] = 31  # a value replaced: the same keys, the iteration goes on
+    assert sorted(values) == [10, 20, 31]
+
+
+def test_a_large_map_holds_every_key() -> None:
+    mapping = _native.HashMap()
+    for key in range(0, 200_000, 3):
+        mapping[key << 40] = key
+    assert len(mapping) == 66_667
+    assert all(mapping[key << 40] == key for key in range(0, 200_000, 3))
+    for key in range(0, 200_000, 6):
+        del mapping[key << 40]
+    assert len(mapping) == 33_333 and (3 << 40) in mapping and (6 << 40) not in mapping
