@@ -764,7 +764,7 @@ static PyObject *release_many(PyObject *module, PyObject *const *args, Py_ssize_
         if (found < 0) goto fail;
         if (!found || !map_erase(by_engine_hash, engine_hash, &prefix_hash)) continue;
         released++;
-        int shared = PyDict_Contains(engine_refs, engine_object);
+        int shared = PyDict_GET_SIZE(engine_refs) ? PyDict_Contains(engine_refs, engine_object) : 0;
         if (shared < 0) goto fail;
         if (shared) {
             if (add_count(engine_refs, engine_object, -1) < 0) goto fail;
@@ -775,6 +775,10 @@ static PyObject *release_many(PyObject *module, PyObject *const *args, Py_ssize_
         if (!map_lookup(blocks, prefix_hash, &mask)) {
             PyErr_Format(PyExc_KeyError, "prefix %llu", (unsigned long long)prefix_hash);
             goto fail;
+        }
+        if ((PyObject *)(uintptr_t)mask == args[4]) {  /* its owner's own bit: the last one */
+            if (map_erase(blocks, prefix_hash, &old)) release_value(blocks, old);
+            continue;
         }
         PyObject *left = PyNumber_And((PyObject *)(uintptr_t)mask, others);
         if (left == NULL) goto fail;
