@@ -119,6 +119,7 @@ class RateLimitedLog:
 
 
 _json_encode = msgspec.json.Encoder().encode  # compact, and several times json.dumps's speed
+_msgpack_encode = msgspec.msgpack.Encoder().encode  # ~3x msgpack.packb's speed for answers
 
 
 def _wants_msgpack(request: web.Request) -> bool:
@@ -128,7 +129,7 @@ def _wants_msgpack(request: web.Request) -> bool:
 def reply(request: web.Request, payload: Any, status: int = 200) -> web.Response:
     """JSON by default; msgpack when the client spoke or asked for msgpack."""
     if _wants_msgpack(request):
-        return web.Response(body=msgpack.packb(payload), status=status, content_type=MSGPACK)
+        return web.Response(body=_msgpack_encode(payload), status=status, content_type=MSGPACK)
     return web.Response(body=_json_encode(payload), status=status, content_type="application/json")
 
 
@@ -189,7 +190,8 @@ def _go_matches(matches: dict[str, InstanceMatch]) -> dict[str, dict[str, Any]]:
     shares equal answers: in a large fleet most instances have one of a few)."""
     written: dict[int, dict[str, Any]] = {}
     answers = {}
-    for name, match in sorted(matches.items()):
+    for name in sorted(matches):
+        match = matches[name]
         answer = written.get(id(match))
         if answer is None:
             answer = written[id(match)] = _go_match(match)

@@ -148,7 +148,9 @@ class _Engines:
     mask: int  # every engine slot's bit
     masks: dict[str, int]  # instance id -> its slots' bits
     zero: dict[str, InstanceMatch]  # instance id -> its answer when nothing matched (shared)
-    single: frozenset[str]  # the instances of one engine slot (one DP rank)
+    # slot index -> (instance id, DP rank) of each instance with one engine slot: its answer
+    # is that slot's alone
+    single: dict[int, tuple[str, int]]
 
 
 class _Holdings:
@@ -433,17 +435,24 @@ class PrefixContext:
             stops = self._walk_tiers(hashes, interest)
         size = self.key.block_size
         alike: dict[tuple[int, int, int, int], InstanceMatch] = {}
+        single = engines.single
         for indices, blocks in stops:
             gpu, cpu, disk = (n * size for n in blocks)
+            stopped_here: dict[int, InstanceMatch] = {}  # DP rank -> the group's answer
             for index in indices:
-                slot = self._by_index[index]
-                if slot.instance_id in engines.single:  # its answer is this slot's alone
-                    key = (slot.dp_rank, gpu, cpu, disk)
-                    match = alike.get(key)  # shared: most of a fleet stops where others do
-                    if match is None:
-                        match = alike[key] = InstanceMatch(gpu, cpu, disk, {key[0]: key[1:]})
-                    matches[slot.instance_id] = match
+                owner = single.get(index)
+                if owner is not None:  # its answer is this slot's alone
+                    name, rank = owner
+                    match = stopped_here.get(rank)
+                    if match is None:  # shared: most of a fleet stops where others do
+                        key = (rank, gpu, cpu, disk)
+                        match = alike.get(key)
+                        if match is None:
+                            match = alike[key] = InstanceMatch(gpu, cpu, disk, {rank: key[1:]})
+                        stopped_here[rank] = match
+                    matches[name] = match
                     continue
+                slot = self._by_index[index]
                 match = matches[slot.instance_id]
                 if match is engines.zero[slot.instance_id]:  # the first of its slots to match
                     match = matches[slot.instance_id] = InstanceMatch(ranks=dict(match.ranks))
@@ -489,7 +498,11 @@ class PrefixContext:
             mask = 0
             for bits in masks.values():
                 mask |= bits
-            single = frozenset(i for i, its_ranks in ranks.items() if len(its_ranks) == 1)
+            single = {
+                slot.index: (slot.instance_id, slot.dp_rank)
+                for slot in self.slots.values()
+                if not slot.shared_pool and len(ranks[slot.instance_id]) == 1
+            }
             self._engines = _Engines(mask, masks, zero, single)
         return self._engines
 
