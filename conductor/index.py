@@ -822,11 +822,7 @@ class PrefixCacheTable:
                     stats.orphaned += 1
                     return []
                 parent = known
-            try:
-                return chain_hashes(parent, event.token_ids, size)
-            except TypeError:
-                stats.drop("bad_token_ids")
-                return []
+            return chain_hashes(parent, event.token_ids, size)
         placed: list[PrefixHash] = []  # no tokens: place through hashes published with tokens
         for engine_hash in hashes:
             prefix_hash = context.prefix_of(engine_hash, owner) if context else None

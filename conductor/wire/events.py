@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
+import sys
+from array import array
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from enum import IntEnum
 from typing import NewType, cast
 
 from .._native import u64_hashes
+from ..hashing import token_bytes
 
 MASK64 = 0xFFFFFFFFFFFFFFFF
 # a block's hash as its engine published it (unsigned 64-bit); the index maps it to its
@@ -65,18 +69,34 @@ def normalize_hashes(values: object) -> list[EngineHash]:
     return [normalize_hash(h) for h in values]
 
 
+def int32_tokens(packed: bytes) -> array[int]:
+    """Token ids from their int32 little-endian bytes: what the decoders give, one machine
+    int each (the values the conductor hashes; a list of Python ints costs ~10x more)."""
+    tokens = array("i")
+    tokens.frombytes(packed)
+    if sys.byteorder == "big":
+        tokens.byteswap()
+    return tokens
+
+
 @dataclass(slots=True)
 class BlockStored:
-    """Blocks cached by a producer. ``token_ids`` may be empty (some store tiers)."""
+    """Blocks cached by a producer. ``token_ids`` may be empty (some store tiers); whatever
+    sequence of ints it is given, it holds them as ``int32_tokens`` (values outside int32
+    wrapped, as the Go conductor casts them; TypeError for anything but ints)."""
 
     block_hashes: list[EngineHash]
     parent_hash: EngineHash | None
-    token_ids: list[int]
+    token_ids: Sequence[int]
     block_size: int | None = None
     tier: Tier | None = None
     lora_name: str | None = None
     salt: str | None = None
     group_idx: int | None = None
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.token_ids, array):
+            self.token_ids = int32_tokens(token_bytes(self.token_ids))
 
 
 @dataclass(slots=True)

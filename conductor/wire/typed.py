@@ -14,6 +14,7 @@ from typing import Any
 
 import msgspec
 
+from .. import _native
 from .events import (
     AllBlocksCleared,
     BlockRemoved,
@@ -21,6 +22,7 @@ from .events import (
     DecodeError,
     Event,
     EventBatch,
+    int32_tokens,
     normalize_hash,
     normalize_hashes,
     parse_medium,
@@ -33,7 +35,7 @@ _Hash = int | bytes
 class _Stored(msgspec.Struct, tag_field="type", tag="BlockStored"):
     block_hashes: list[_Hash]
     parent_block_hash: _Hash | None = None
-    token_ids: list[int] | None = None
+    token_ids: msgspec.Raw = msgspec.Raw()  # read in place by _native.int32_tokens
     block_size: int | None = None
     medium: str | None = None
     lora_name: str | None = None
@@ -71,10 +73,13 @@ def _event(event: _Stored | _Removed | _Cleared) -> Event:
         if salt is None:
             salt = salt_from_extra_keys(event.extra_keys, event.lora_name)
         parent = event.parent_block_hash
+        packed = _native.int32_tokens(event.token_ids)
+        if packed is None:
+            raise DecodeError("token_ids are not an array of integers")
         return BlockStored(
             block_hashes=normalize_hashes(event.block_hashes),
             parent_hash=None if parent is None else normalize_hash(parent),
-            token_ids=[] if event.token_ids is None else event.token_ids,
+            token_ids=int32_tokens(packed),
             block_size=event.block_size,
             tier=parse_medium(event.medium),
             lora_name=event.lora_name,

@@ -7,14 +7,17 @@ field positionally, 6 to 12 elements depending on the release.
 
 from __future__ import annotations
 
+from array import array
 from typing import Any
 
+from ..hashing import token_bytes
 from .events import (
     AllBlocksCleared,
     BlockRemoved,
     BlockStored,
     DecodeError,
     Event,
+    int32_tokens,
     normalize_hash,
     normalize_hashes,
     parse_medium,
@@ -33,12 +36,15 @@ def _optional_str(value: object, name: str) -> str | None:
     raise DecodeError(f"{name} must be a string or nil, got {value!r:.40}")
 
 
-def _token_ids(value: object) -> list[int]:
+def _token_ids(value: object) -> array[int]:
     if value is None:
-        return []
+        return int32_tokens(b"")
     if not isinstance(value, list):
         raise DecodeError(f"token_ids must be an array, got {type(value).__name__}")
-    return value
+    try:
+        return int32_tokens(token_bytes(value))
+    except TypeError:
+        raise DecodeError("token_ids must be an array of integers") from None
 
 
 def salt_from_extra_keys(extra_keys: object, lora_name: str | None) -> str | None:

@@ -6,14 +6,17 @@ index's loops by every index test and the randomized model check in test_index.p
 
 from __future__ import annotations
 
+from array import array
 from pathlib import Path
 from typing import Any
 
+import msgpack
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from conductor import _native
+from conductor.hashing import chain_hashes, token_bytes
 from conductor.wire.events import MASK64
 
 
@@ -170,3 +173,45 @@ def test_a_large_map_holds_every_key() -> None:
     for key in range(0, 200_000, 6):
         del mapping[key << 40]
     assert len(mapping) == 33_333 and (3 << 40) in mapping and (6 << 40) not in mapping
+
+
+# -- token ids read in place from msgpack -------------------------------------------------------
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(st.integers(-(2**63), MASK64), max_size=700))
+def test_int32_tokens_reads_any_msgpack_int_array_as_go_casts_it(tokens: list[int]) -> None:
+    """Every msgpack int width, either sign, any array header (fix, 16, 32 bits)."""
+    assert _native.int32_tokens(msgpack.packb(tokens)) == token_bytes(tokens)
+
+
+def test_int32_tokens_takes_a_long_array_and_nil() -> None:
+    many = [7] * 70_000  # more than 65,535 items: a 32-bit array header
+    assert _native.int32_tokens(msgpack.packb(many)) == token_bytes(many)
+    assert _native.int32_tokens(msgpack.packb(None)) == b""
+
+
+@pytest.mark.parametrize(
+    "raw",
+    [
+        msgpack.packb([1, 2.0]),
+        msgpack.packb([1, "2"]),
+        msgpack.packb([1, True]),
+        msgpack.packb([1, None]),
+        msgpack.packb([[1]]),
+        msgpack.packb({"a": 1}),
+        msgpack.packb(5),
+        msgpack.packb([1, 2, 3])[:-1],  # truncated
+        msgpack.packb([1, 2]) + b"\x01",  # trailing bytes
+        b"\xdd\xff\xff\xff\xff",  # a count far past the bytes given
+        b"",
+    ],
+)
+def test_int32_tokens_refuses_anything_else(raw: bytes) -> None:
+    assert _native.int32_tokens(raw) is None
+
+
+def test_chain_hashes_reads_an_int32_array_in_place() -> None:
+    tokens = list(range(100, 164))
+    assert chain_hashes(7, array("i", tokens), 16) == chain_hashes(7, tokens, 16)
+    assert chain_hashes(7, array("q", tokens), 16) == chain_hashes(7, tokens, 16)  # one by one

@@ -12,6 +12,7 @@ import base64
 import contextlib
 import dataclasses
 import json
+from array import array
 from pathlib import Path
 from typing import Any
 
@@ -129,7 +130,11 @@ def expected_view(event: dict[str, Any] | list[Any]) -> dict[str, Any]:
 
 
 def actual_view(event: Event) -> dict[str, Any]:
-    return {"kind": type(event).__name__, **dataclasses.asdict(event)}
+    view = {"kind": type(event).__name__, **dataclasses.asdict(event)}
+    if "token_ids" in view:  # decoders give an array('i') of the int32 values
+        assert isinstance(view["token_ids"], array), view
+        view["token_ids"] = view["token_ids"].tolist()
+    return view
 
 
 # --------------------------------------------------------------------------- fixture plumbing
@@ -244,7 +249,7 @@ def test_sglang_signed_hashes_wrap_to_unsigned() -> None:
     assert event == BlockStored(
         block_hashes=[U64, 2**63, 2**63 - 1],
         parent_hash=U64 - 1,
-        token_ids=list(range(41, 53)),
+        token_ids=array("i", range(41, 53)),
         block_size=4,
         tier=None,
     )
@@ -262,7 +267,7 @@ def test_sglang_removed_hashes_match_stored_ones() -> None:
 def test_vllm_0_10_1_six_element_block_stored() -> None:
     """The Go decoder panics on this 6-element layout (no medium); we decode it."""
     (event,) = decode_case("v0_10_1_stored_small_parent_102").events
-    assert event == BlockStored([103], 102, [9, 10, 11, 12], 4, tier=None)
+    assert event == BlockStored([103], 102, array("i", [9, 10, 11, 12]), 4, tier=None)
     (removed,) = decode_case("v0_10_1_removed").events
     assert removed == BlockRemoved([8105927037106591648], tier=None)
 
@@ -275,7 +280,11 @@ def test_small_parent_hash(name: str) -> None:
     """A parent that msgpack packs as a fixint (Go rejects it) is still a parent."""
     (event,) = decode_case(name).events
     assert isinstance(event, BlockStored)
-    assert (event.block_hashes, event.parent_hash, event.token_ids) == ([103], 102, [9, 10, 11, 12])
+    assert (event.block_hashes, event.parent_hash, list(event.token_ids)) == (
+        [103],
+        102,
+        [9, 10, 11, 12],
+    )
 
 
 def test_small_parent_cases_span_every_release() -> None:
@@ -294,8 +303,8 @@ def test_all_blocks_cleared_array(name: str) -> None:
 
 def test_legacy_mixed_batch_keeps_event_order() -> None:
     assert decode_case("v0_22_0_mixed_stored_removed_cleared").events == [
-        BlockStored([101, 102], None, list(range(1, 9)), 4, Tier.GPU, group_idx=0),
-        BlockStored([103], 102, [9, 10, 11, 12], 4, Tier.GPU, group_idx=0),
+        BlockStored([101, 102], None, array("i", range(1, 9)), 4, Tier.GPU, group_idx=0),
+        BlockStored([103], 102, array("i", [9, 10, 11, 12]), 4, Tier.GPU, group_idx=0),
         BlockRemoved([101], Tier.GPU, group_idx=0),
         AllBlocksCleared(),
     ]
@@ -344,7 +353,7 @@ def test_mooncake_store_connector_event() -> None:
     """MooncakeConnectorStoreV1 says lowercase 'cpu' and may send no tokens."""
     (event,) = decode_case("v033_stored_mooncake_store_style_explicit").events
     assert event == BlockStored(
-        [8105927037106591648], 12472515041799373675, [], 4, Tier.CPU, group_idx=0
+        [8105927037106591648], 12472515041799373675, array("i"), 4, Tier.CPU, group_idx=0
     )
 
 
@@ -392,7 +401,7 @@ def test_rfc_batch_timestamp_is_milliseconds() -> None:
 def test_rfc_stored_from_master_main() -> None:
     """No tokens, no parent, nil per-event dp_rank: the block is known by its seq hash."""
     assert decode_one(pack_batch([rfc_event()], 0, ts=MS)) == BlockStored(
-        block_hashes=[BIG], parent_hash=None, token_ids=[], block_size=None, tier=Tier.CPU
+        block_hashes=[BIG], parent_hash=None, token_ids=array("i"), block_size=None, tier=Tier.CPU
     )
 
 
@@ -441,7 +450,7 @@ def test_rfc_dev_conductor_variant() -> None:
     decoded = decode_batch(pack_batch([stored, cleared], 0, ts=MS))
     assert decoded.rejected == []
     assert decoded.events == [
-        BlockStored([BIG], 12, list(range(16)), 16, Tier.CPU, "sql-lora", "salt-x"),
+        BlockStored([BIG], 12, array("i", range(16)), 16, Tier.CPU, "sql-lora", "salt-x"),
         AllBlocksCleared(),
     ]
 
@@ -487,7 +496,7 @@ def pack_legacy_batch(*events: list[Any]) -> bytes:
 )
 def test_legacy_mooncake_hash_forms(hashes: Any, expected: list[int]) -> None:
     assert decode_one(pack_legacy_batch(store_event(hashes)), MOONCAKE) == BlockStored(
-        expected, None, TOKENS, 4, Tier.CPU
+        expected, None, array("i", TOKENS), 4, Tier.CPU
     )
 
 
@@ -551,6 +560,10 @@ BAD_EVENTS: dict[str, Any] = {
     "hashes_not_an_array": GOOD_STORED | {"block_hashes": 11},
     "float_parent": GOOD_STORED | {"parent_block_hash": 1.5},
     "token_ids_not_an_array": GOOD_STORED | {"token_ids": "1 2 3 4"},
+    "string_token": GOOD_STORED | {"token_ids": ["x", *TOKENS[1:]]},
+    "float_token": GOOD_STORED | {"token_ids": [1.5, *TOKENS[1:]]},
+    "nil_token": GOOD_STORED | {"token_ids": [*TOKENS[:-1], None]},
+    "wide_int_and_string_token": GOOD_STORED | {"token_ids": [2**40, "x", *TOKENS[2:]]},
     "block_size_not_an_int": GOOD_STORED | {"block_size": "4"},
     "lora_name_not_a_string": GOOD_STORED | {"lora_name": 7},
     "cache_salt_not_a_string": GOOD_STORED | {"cache_salt": 7},
@@ -582,7 +595,7 @@ def test_one_bad_event_rejects_only_itself(bad: Any) -> None:
     """One bad event is counted and skipped; the rest of its batch is applied."""
     decoded = decode_batch(pack_batch([GOOD_STORED, bad, GOOD_REMOVED], 0))
     assert decoded.events == [
-        BlockStored([11, 12], None, TOKENS, 4, Tier.GPU),
+        BlockStored([11, 12], None, array("i", TOKENS), 4, Tier.GPU),
         BlockRemoved([12], Tier.GPU),
     ]
     assert len(decoded.rejected) == 1

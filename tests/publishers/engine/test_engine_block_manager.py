@@ -39,7 +39,7 @@ def vllm_event(wire: WireEvent) -> dict[str, Any]:
             "type": "BlockStored",
             "block_hashes": event.block_hashes,
             "parent_block_hash": event.parent_hash,
-            "token_ids": event.token_ids,
+            "token_ids": list(event.token_ids),
             "block_size": event.block_size,
             "lora_id": wire.lora_id,
             "medium": MEDIA[event.tier],
@@ -178,7 +178,7 @@ def test_event_for_a_prefix_hit_starts_after_it() -> None:
     chain = hashes_of(list(range(16)))
     assert stored.event.block_hashes == chain[2:]
     assert stored.event.parent_hash == chain[1]
-    assert stored.event.token_ids == list(range(8, 16))
+    assert list(stored.event.token_ids) == list(range(8, 16))
     assert stored.extra_keys == [None, None]
 
 
@@ -225,7 +225,7 @@ def test_decode_caches_blocks_it_fills() -> None:
     chain = hashes_of(list(range(1, 10)), lora=lora, cache_salt="s")
     assert stored.event.block_hashes == chain
     assert stored.event.parent_hash is None
-    assert stored.event.token_ids == list(range(1, 9))
+    assert list(stored.event.token_ids) == list(range(1, 9))
     assert (stored.event.salt, stored.event.lora_name, stored.lora_id) == ("s", "x", 3)
     assert stored.extra_keys == [("x", "s"), ("x",)]
     assert blocks.append_tokens("r", [10, 11, 12])
@@ -360,7 +360,7 @@ def test_evicted_blocks_are_offloaded_and_loaded_back() -> None:
     ]
     offloaded = events[0]
     assert offloaded.event.parent_hash == chain[1]
-    assert offloaded.event.token_ids == [8, 9, 10, 11]
+    assert list(offloaded.event.token_ids) == [8, 9, 10, 11]
     assert (offloaded.event.block_size, offloaded.event.group_idx) == (4, 0)
     assert offloaded.extra_keys == [None]
     blocks.free("x")
