@@ -5,8 +5,9 @@ layouts (an engine plus its store connector) or a mislabelled registration still
 arrays on the legacy ``mooncake`` topic are Mooncake events, as the Go service routes them. One bad
 event is rejected with a reason; the rest of its batch survives.
 
-The common layout (a batch of well-formed vLLM / SGLang maps) first goes through msgspec's
-typed decoder (``typed.py``), which takes it whole or not at all.
+The common layouts (a batch of well-formed vLLM / SGLang maps, or of vLLM <= 0.23 arrays)
+first go through msgspec's typed decoder (``typed.py``), which takes a batch whole or not
+at all.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ import msgpack
 
 from . import mooncake, vllm
 from .events import DecodeError, Event, EventBatch
-from .typed import decode_map_batch
+from .typed import decode_typed_batch
 
 LEGACY_MOONCAKE_TOPIC = b"mooncake"
 
@@ -35,7 +36,7 @@ def _decode_event(event: object, legacy_mooncake: bool) -> Event:
 def decode_batch(payload: bytes, topic: bytes = b"") -> EventBatch:
     """Decode one msgpack batch ``[ts, events(, dp_rank)]``; raise DecodeError if unusable."""
     if topic != LEGACY_MOONCAKE_TOPIC:
-        batch = decode_map_batch(payload)
+        batch = decode_typed_batch(payload)
         if batch is not None:
             return batch
     return decode_any_layout(payload, topic)

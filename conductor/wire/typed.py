@@ -1,7 +1,9 @@
-"""The fast path for the common layout: a batch of vLLM / SGLang tagged-map events.
+"""The fast path for the common layouts: a batch of vLLM / SGLang events, all tagged maps
+(vLLM >= 0.24, SGLang) or all positional arrays (vLLM <= 0.23).
 
 msgspec decodes such a batch straight into typed structs (the way vLLM itself encodes
-them), skipping a dict per event and most per-field checks in Python. It only *accepts*:
+them), skipping a dict per event and most per-field checks in Python; token ids stay raw
+msgpack until ``_native.int32_tokens`` reads them into int32. It only *accepts*:
 anything it does not take whole — another layout, the legacy ``mooncake`` topic, an odd
 field, one bad event — returns None, and the generic decoder (``decode.py``) decodes the
 batch as before, with its per-event error reports. So both paths give the same answer for
@@ -56,20 +58,55 @@ class _Cleared(msgspec.Struct, tag_field="type", tag="AllBlocksCleared"):
     event_type: Any = msgspec.UNSET
 
 
+class _ArrayStored(msgspec.Struct, array_like=True, tag="BlockStored"):
+    """vLLM <= 0.23: ``[tag, hashes, parent, tokens, block_size, lora_id, medium, lora_name,
+    extra_keys, group_idx, ...]``, 6 to 12 elements; those past ``group_idx`` are ignored,
+    as the generic decoder ignores them."""
+
+    block_hashes: list[_Hash]
+    parent_block_hash: _Hash | None
+    token_ids: msgspec.Raw
+    block_size: int | None
+    lora_id: Any
+    medium: str | None = None
+    lora_name: str | None = None
+    extra_keys: Any = None
+    group_idx: int | None = None
+
+
+class _ArrayRemoved(msgspec.Struct, array_like=True, tag="BlockRemoved"):
+    block_hashes: list[_Hash]
+    medium: str | None = None
+    group_idx: int | None = None
+
+
+class _ArrayCleared(msgspec.Struct, array_like=True, tag="AllBlocksCleared"):
+    pass
+
+
 class _Batch(msgspec.Struct, array_like=True, forbid_unknown_fields=True):  # [ts, events(, rank)]
     timestamp: int | float
     events: list[_Stored | _Removed | _Cleared]
     dp_rank: int | None = None
 
 
-_decoder = msgspec.msgpack.Decoder(_Batch)
+class _ArrayBatch(msgspec.Struct, array_like=True, forbid_unknown_fields=True):
+    timestamp: int | float
+    events: list[_ArrayStored | _ArrayRemoved | _ArrayCleared]
+    dp_rank: int | None = None
 
 
-def _event(event: _Stored | _Removed | _Cleared) -> Event:
-    if event.event_type is not msgspec.UNSET:
-        raise DecodeError("a Mooncake map")
-    if isinstance(event, _Stored):
-        salt = event.cache_salt
+_decoders = (msgspec.msgpack.Decoder(_Batch), msgspec.msgpack.Decoder(_ArrayBatch))
+_Typed = _Stored | _Removed | _Cleared | _ArrayStored | _ArrayRemoved | _ArrayCleared
+
+
+def _event(event: _Typed) -> Event:
+    if isinstance(event, _Stored | _ArrayStored):
+        salt = None
+        if isinstance(event, _Stored):
+            if event.event_type is not msgspec.UNSET:
+                raise DecodeError("a Mooncake map")
+            salt = event.cache_salt
         if salt is None:
             salt = salt_from_extra_keys(event.extra_keys, event.lora_name)
         parent = event.parent_block_hash
@@ -86,23 +123,30 @@ def _event(event: _Stored | _Removed | _Cleared) -> Event:
             salt=salt,
             group_idx=event.group_idx,
         )
-    if isinstance(event, _Removed):
+    if isinstance(event, _Removed | _Cleared) and event.event_type is not msgspec.UNSET:
+        raise DecodeError("a Mooncake map")
+    if isinstance(event, _Removed | _ArrayRemoved):
         return BlockRemoved(
             normalize_hashes(event.block_hashes), parse_medium(event.medium), event.group_idx
         )
     return AllBlocksCleared()
 
 
-def decode_map_batch(payload: bytes) -> EventBatch | None:
-    """The batch if it is wholly well-formed tagged-map events; None: use the generic path."""
-    try:
-        batch = _decoder.decode(payload)
-        if batch.dp_rank is not None and batch.dp_rank < 0:
+def decode_typed_batch(payload: bytes) -> EventBatch | None:
+    """The batch if it is wholly well-formed vLLM / SGLang events, all maps (vLLM >= 0.24,
+    SGLang) or all arrays (vLLM <= 0.23); None: use the generic path."""
+    for decoder in _decoders:
+        try:
+            batch = decoder.decode(payload)
+            if batch.dp_rank is not None and batch.dp_rank < 0:
+                return None
+            events = [_event(event) for event in batch.events]
+        except msgspec.ValidationError:
+            continue  # the other layout, or none of them
+        except (msgspec.DecodeError, DecodeError):
             return None
-        events = [_event(event) for event in batch.events]
-    except (msgspec.ValidationError, msgspec.DecodeError, DecodeError):
-        return None
-    timestamp = batch.timestamp
-    if isinstance(timestamp, int):  # milliseconds, as the generic path reads them
-        timestamp = timestamp / 1000.0
-    return EventBatch(float(timestamp), events, batch.dp_rank)
+        timestamp = batch.timestamp
+        if isinstance(timestamp, int):  # milliseconds, as the generic path reads them
+            timestamp = timestamp / 1000.0
+        return EventBatch(float(timestamp), events, batch.dp_rank)
+    return None

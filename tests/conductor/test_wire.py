@@ -34,7 +34,7 @@ from conductor.wire import (
     parse_live,
     parse_replay,
 )
-from conductor.wire.typed import decode_map_batch
+from conductor.wire.typed import decode_typed_batch
 
 FIXTURES = Path(__file__).resolve().parents[1] / "fixtures" / "wire_fixtures.json"
 CASES: dict[str, dict[str, Any]] = {c["name"]: c for c in json.loads(FIXTURES.read_text())}
@@ -728,24 +728,42 @@ def test_every_event_is_decoded_or_rejected(
 # --------------------------------------------------------------------------- the fast path
 
 
-def test_fast_path_takes_the_captured_map_batches_and_agrees() -> None:
-    """msgspec's typed decoder takes captured vLLM >= 0.24 / SGLang map batches whole and
-    decodes them exactly as the every-layout decoder does; it refuses the other layouts."""
-    taken = 0
+def test_fast_path_takes_the_captured_vllm_batches_and_agrees() -> None:
+    """msgspec's typed decoder takes captured vLLM / SGLang batches whole, all maps (vLLM >=
+    0.24, SGLang) or all arrays (vLLM <= 0.23), and decodes them exactly as the every-layout
+    decoder does; it refuses the other layouts (Mooncake's, mixed batches)."""
+    taken = {dict: 0, list: 0}
     for name, case in CASES.items():
         message = fixture_message(case)
         if message is None:
             continue
         topic, payload = message
-        fast = decode_map_batch(payload)
+        fast = decode_typed_batch(payload)
         if fast is not None:
-            taken += 1
-            assert all(isinstance(e, dict) for e in msgpack.unpackb(payload)[1]), name
+            shapes = {type(e) for e in msgpack.unpackb(payload)[1]}
+            assert len(shapes) <= 1, name
+            for shape in shapes:
+                taken[shape] += 1
+            if list in shapes:
+                assert all(e[0] != "BlockStoreEvent" for e in msgpack.unpackb(payload)[1]), name
         assert decode_batch(payload, topic) == decode_any_layout(payload, topic), name
-    assert taken >= 10
+    assert taken[dict] >= 10 and taken[list] >= 3, taken
 
 
-GOOD_EVENTS = st.sampled_from([GOOD_STORED, GOOD_REMOVED, {"type": "AllBlocksCleared"}])
+ARRAY_STORED = ["BlockStored", [11, 12], None, TOKENS, 4, None, "GPU", None, None, 0, None, None]
+GOOD_EVENTS = st.sampled_from(
+    [
+        GOOD_STORED,
+        GOOD_REMOVED,
+        {"type": "AllBlocksCleared"},
+        ARRAY_STORED,
+        ARRAY_STORED[:6],  # vLLM 0.10: six elements
+        ["BlockStored", [13], 12, TOKENS[:4], 4, 1, "cpu", "sql-lora", ["salt", "sql-lora"], 0],
+        ["BlockRemoved", [12], "GPU", None],
+        ["BlockRemoved", [12]],
+        ["AllBlocksCleared"],
+    ]
+)
 
 
 @settings(max_examples=500, deadline=None)
