@@ -821,6 +821,62 @@ fail:
     return NULL;
 }
 
+PyDoc_STRVAR(release_all_doc,
+"release_all(by_engine_hash, engine_prefix, engine_refs, blocks, bit, /)\n--\n\n"
+"PrefixContext.clear_slot's loop for one tier: forget every engine hash the owner holds\n"
+"(one holder fewer in ``engine_prefix``/``engine_refs``), clear ``bit`` from each of its\n"
+"prefixes' masks in ``blocks`` (the entry goes with the last bit), and empty\n"
+"``by_engine_hash``. Returns how many engine hashes it held.");
+
+static PyObject *release_all(PyObject *module, PyObject *const *args, Py_ssize_t nargs) {
+    if (check_args(args, nargs, "hhdm.") < 0) return NULL;
+    Map *by_engine_hash = (Map *)args[0], *engine_prefix = (Map *)args[1];
+    Map *blocks = (Map *)args[3];
+    PyObject *engine_refs = args[2], *bit = args[4];
+    PyObject *others = PyNumber_Invert(bit);
+    if (others == NULL) return NULL;
+    Py_ssize_t held = map_length(by_engine_hash);
+    uint64_t zero_value = by_engine_hash->zero_value;
+    for (Py_ssize_t i = -1; i < by_engine_hash->capacity; i++) {
+        uint64_t engine_hash, prefix_hash, old, mask;
+        if (i < 0) {  /* the key 0, kept beside the table */
+            if (!by_engine_hash->has_zero) continue;
+            engine_hash = 0, prefix_hash = zero_value;
+        } else {
+            if (by_engine_hash->entries[i].key == 0) continue;
+            engine_hash = by_engine_hash->entries[i].key;
+            prefix_hash = by_engine_hash->entries[i].value;
+        }
+        int shared = 0;
+        if (PyDict_GET_SIZE(engine_refs)) {
+            PyObject *key = PyLong_FromUnsignedLongLong(engine_hash);
+            shared = key == NULL ? -1 : PyDict_Contains(engine_refs, key);
+            if (shared > 0) shared = add_count(engine_refs, key, -1) < 0 ? -1 : 1;
+            Py_XDECREF(key);
+            if (shared < 0) goto fail;
+        }
+        if (!shared) map_erase(engine_prefix, engine_hash, &old);
+        if (!map_lookup(blocks, prefix_hash, &mask)) continue;  /* unset already (extra_refs) */
+        if ((PyObject *)(uintptr_t)mask == bit) {
+            if (map_erase(blocks, prefix_hash, &old)) release_value(blocks, old);
+            continue;
+        }
+        PyObject *left = PyNumber_And((PyObject *)(uintptr_t)mask, others);
+        if (left == NULL) goto fail;
+        int kept = PyObject_IsTrue(left);
+        int result = kept < 0 ? -1 : kept ? map_set(blocks, prefix_hash, left) : 0;
+        Py_DECREF(left);
+        if (result < 0) goto fail;
+        if (!kept && map_erase(blocks, prefix_hash, &old)) release_value(blocks, old);
+    }
+    map_clear_all(by_engine_hash);
+    Py_DECREF(others);
+    return PyLong_FromSsize_t(held);
+fail:
+    Py_DECREF(others);
+    return NULL;
+}
+
 /* -- decoding ----------------------------------------------------------------------------- */
 
 PyDoc_STRVAR(u64_hashes_doc,
@@ -935,6 +991,7 @@ static PyMethodDef native_methods[] = {
     {"chain_hashes", (PyCFunction)(void (*)(void))chain_hashes, METH_FASTCALL, chain_hashes_doc},
     {"hold", (PyCFunction)(void (*)(void))hold, METH_FASTCALL, hold_doc},
     {"release_many", (PyCFunction)(void (*)(void))release_many, METH_FASTCALL, release_many_doc},
+    {"release_all", (PyCFunction)(void (*)(void))release_all, METH_FASTCALL, release_all_doc},
     {"u64_hashes", u64_hashes, METH_O, u64_hashes_doc},
     {"int32_tokens", int32_tokens, METH_O, int32_tokens_doc},
     {NULL, NULL, 0, NULL},

@@ -59,5 +59,13 @@ def release_many(
     engine_hashes: Sequence[EngineHash],
     /,
 ) -> int: ...
+def release_all(
+    by_engine_hash: HashMap[EngineHash, PrefixHash],
+    engine_prefix: HashMap[EngineHash, PrefixHash],
+    engine_refs: dict[EngineHash, int],
+    blocks: MaskMap[PrefixHash],
+    bit: int,
+    /,
+) -> int: ...
 def u64_hashes(values: list[object], /) -> list[int] | None: ...
 def int32_tokens(raw: bytes | bytearray | memoryview, /) -> bytes | None: ...

@@ -215,3 +215,18 @@ def test_chain_hashes_reads_an_int32_array_in_place() -> None:
     tokens = list(range(100, 164))
     assert chain_hashes(7, array("i", tokens), 16) == chain_hashes(7, tokens, 16)
     assert chain_hashes(7, array("q", tokens), 16) == chain_hashes(7, tokens, 16)  # one by one
+
+
+def test_release_all_forgets_every_block_of_an_owner_and_keeps_the_others() -> None:
+    """Two engine hashes of one owner on one prefix (an extra reference), and a prefix
+    another owner holds too: that one keeps the other owner's bit."""
+    by_engine, copies, extra, engine_prefix, refs, blocks = maps = _context()
+    assert _native.hold(*maps, 1, [10, 11, 12], [70, 70, 71]) == 3
+    other = _native.HashMap()
+    assert _native.hold(other, {}, {}, engine_prefix, refs, blocks, 2, [12, 0], [71, 72]) == 2
+    assert refs == {12: 1} and blocks == {70: 1, 71: 3, 72: 2}
+    assert _native.release_all(by_engine, engine_prefix, refs, blocks, 1) == 3
+    assert len(by_engine) == 0 and refs == {}
+    assert engine_prefix == {12: 71, 0: 72} and blocks == {71: 2, 72: 2}
+    assert _native.release_all(other, engine_prefix, refs, blocks, 2) == 2
+    assert len(engine_prefix) == len(blocks) == 0
