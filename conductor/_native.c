@@ -759,6 +759,24 @@ fail:
     return NULL;
 }
 
+/* Clear ``bit`` (``others`` = ~bit) from ``mask``, the mask ``blocks`` holds for the
+ * prefix; the entry goes with its last bit. */
+static int unset_bit(Map *blocks, uint64_t prefix_hash, uint64_t mask, PyObject *bit,
+                     PyObject *others) {
+    uint64_t old;
+    if ((PyObject *)(uintptr_t)mask == bit) {  /* its owner's own bit object: the last bit */
+        if (map_erase(blocks, prefix_hash, &old)) release_value(blocks, old);
+        return 0;
+    }
+    PyObject *left = PyNumber_And((PyObject *)(uintptr_t)mask, others);
+    if (left == NULL) return -1;
+    int kept = PyObject_IsTrue(left);
+    int result = kept < 0 ? -1 : kept ? map_set(blocks, prefix_hash, left) : 0;
+    Py_DECREF(left);
+    if (result == 0 && !kept && map_erase(blocks, prefix_hash, &old)) release_value(blocks, old);
+    return result;
+}
+
 PyDoc_STRVAR(release_many_doc,
 "release_many(by_engine_hash, engine_prefix, engine_refs, blocks, bit, engine_hashes, /)\n"
 "--\n\n"
@@ -800,17 +818,7 @@ static PyObject *release_many(PyObject *module, PyObject *const *args, Py_ssize_
             PyErr_Format(PyExc_KeyError, "prefix %llu", (unsigned long long)prefix_hash);
             goto fail;
         }
-        if ((PyObject *)(uintptr_t)mask == args[4]) {  /* its owner's own bit: the last one */
-            if (map_erase(blocks, prefix_hash, &old)) release_value(blocks, old);
-            continue;
-        }
-        PyObject *left = PyNumber_And((PyObject *)(uintptr_t)mask, others);
-        if (left == NULL) goto fail;
-        int kept = PyObject_IsTrue(left);
-        int result = kept < 0 ? -1 : kept ? map_set(blocks, prefix_hash, left) : 0;
-        Py_DECREF(left);
-        if (result < 0) goto fail;
-        if (!kept && map_erase(blocks, prefix_hash, &old)) release_value(blocks, old);
+        if (unset_bit(blocks, prefix_hash, mask, args[4], others) < 0) goto fail;
     }
     Py_DECREF(others);
     Py_DECREF(seq);
@@ -857,17 +865,7 @@ static PyObject *release_all(PyObject *module, PyObject *const *args, Py_ssize_t
         }
         if (!shared) map_erase(engine_prefix, engine_hash, &old);
         if (!map_lookup(blocks, prefix_hash, &mask)) continue;  /* unset already (extra_refs) */
-        if ((PyObject *)(uintptr_t)mask == bit) {
-            if (map_erase(blocks, prefix_hash, &old)) release_value(blocks, old);
-            continue;
-        }
-        PyObject *left = PyNumber_And((PyObject *)(uintptr_t)mask, others);
-        if (left == NULL) goto fail;
-        int kept = PyObject_IsTrue(left);
-        int result = kept < 0 ? -1 : kept ? map_set(blocks, prefix_hash, left) : 0;
-        Py_DECREF(left);
-        if (result < 0) goto fail;
-        if (!kept && map_erase(blocks, prefix_hash, &old)) release_value(blocks, old);
+        if (unset_bit(blocks, prefix_hash, mask, bit, others) < 0) goto fail;
     }
     map_clear_all(by_engine_hash);
     Py_DECREF(others);
