@@ -300,30 +300,57 @@ static int map_resize(Map *map, Py_ssize_t capacity) {
     return 0;
 }
 
+/* The value slot of ``key``; an absent key is added first, its value 0 for the caller to
+ * set at once (``*created`` says which). NULL on error. One probe for a lookup and an
+ * insertion: at millions of keys, each probe of a large table is a cache miss. */
+static uint64_t *map_value_slot(Map *map, uint64_t key, int *created) {
+    if (key == 0) {
+        *created = !map->has_zero;
+        if (*created) {
+            map->has_zero = 1;
+            map->zero_value = 0;
+            map->version++;
+        }
+        return &map->zero_value;
+    }
+    size_t mask = (size_t)map->capacity - 1;
+    Entry *free_entry = NULL;
+    for (size_t i = map->capacity ? home_of(key, map->capacity) : 0; map->capacity;
+         i = (i + 1) & mask) {
+        Entry *entry = &map->entries[i];
+        if (entry->key == key) {
+            *created = 0;
+            return &entry->value;
+        }
+        if (entry->key == 0) {
+            free_entry = entry;
+            break;
+        }
+    }
+    if (4 * (map->used + 1) > 3 * map->capacity) {
+        if (map_resize(map, map->capacity ? 2 * map->capacity : 8) < 0) return NULL;
+        mask = (size_t)map->capacity - 1;
+        size_t i = home_of(key, map->capacity);
+        while (map->entries[i].key != 0) i = (i + 1) & mask;
+        free_entry = &map->entries[i];
+    }
+    free_entry->key = key;
+    free_entry->value = 0;
+    map->used++;
+    map->version++;
+    *created = 1;
+    return &free_entry->value;
+}
+
 /* Store ``value`` under ``key``; a value it replaces goes to ``*old`` (returns 1), a new
  * key returns 0, an error -1. The map takes no reference: the caller keeps them right. */
 static int map_insert(Map *map, uint64_t key, uint64_t value, uint64_t *old) {
-    if (key == 0) {
-        int had = map->has_zero;
-        if (had) *old = map->zero_value;
-        else map->version++;
-        map->has_zero = 1;
-        map->zero_value = value;
-        return had;
-    }
-    Entry *entry = map_find(map, key);
-    if (entry != NULL) {
-        *old = entry->value;
-        entry->value = value;
-        return 1;
-    }
-    if (4 * (map->used + 1) > 3 * map->capacity
-        && map_resize(map, map->capacity ? 2 * map->capacity : 8) < 0)
-        return -1;
-    place(map->entries, map->capacity, key, value);
-    map->used++;
-    map->version++;
-    return 0;
+    int created;
+    uint64_t *slot = map_value_slot(map, key, &created);
+    if (slot == NULL) return -1;
+    if (!created) *old = *slot;
+    *slot = value;
+    return !created;
 }
 
 /* Remove ``key``; its value goes to ``*old`` (returns 1), or it was absent (0). */
@@ -700,6 +727,10 @@ PyDoc_STRVAR(hold_doc,
 
 static PyObject *hold(PyObject *module, PyObject *const *args, Py_ssize_t nargs) {
     if (check_args(args, nargs, "hddhdm...") < 0) return NULL;
+    if (args[0] == args[3]) {  /* one map's slot would move while the other's is filled */
+        PyErr_SetString(PyExc_ValueError, "by_engine_hash and engine_prefix are one map");
+        return NULL;
+    }
     Map *by_engine_hash = (Map *)args[0], *engine_prefix = (Map *)args[3];
     Map *blocks = (Map *)args[5];
     PyObject *copies = args[1], *extra_refs = args[2], *engine_refs = args[4], *bit = args[6];
@@ -717,25 +748,33 @@ static PyObject *hold(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
     Py_ssize_t added = 0;
     for (; added < count; added++) {
         PyObject *engine_object = engine_hashes[added], *prefix_object = prefix_hashes[added];
-        uint64_t engine_hash, prefix_hash, held, mask;
+        uint64_t engine_hash, prefix_hash;
         if (required_key(engine_object, &engine_hash) < 0
             || required_key(prefix_object, &prefix_hash) < 0)
             goto fail;
-        if (map_lookup(by_engine_hash, engine_hash, &held)) {  /* one more physical copy */
+        int created;
+        uint64_t *slot = map_value_slot(by_engine_hash, engine_hash, &created);
+        if (slot == NULL) goto fail;
+        if (!created) {  /* one more physical copy of a block it holds */
             if (add_count(copies, engine_object, 1) < 0) goto fail;
             continue;
         }
-        if (map_insert(by_engine_hash, engine_hash, prefix_hash, &held) < 0) goto fail;
-        if (map_lookup(engine_prefix, engine_hash, &held)) {
-            if (add_count(engine_refs, engine_object, 1) < 0) goto fail;
-        } else if (map_insert(engine_prefix, engine_hash, prefix_hash, &held) < 0) {
+        *slot = prefix_hash;
+        slot = map_value_slot(engine_prefix, engine_hash, &created);
+        if (slot == NULL) goto fail;
+        if (created) {
+            *slot = prefix_hash;
+        } else if (add_count(engine_refs, engine_object, 1) < 0) {
             goto fail;
         }
-        if (!map_lookup(blocks, prefix_hash, &mask)) {
-            if (map_set(blocks, prefix_hash, bit) < 0) goto fail;
+        slot = map_value_slot(blocks, prefix_hash, &created);
+        if (slot == NULL) goto fail;
+        if (created) {
+            *slot = (uint64_t)(uintptr_t)Py_NewRef(bit);
             continue;
         }
-        PyObject *both = PyNumber_And((PyObject *)(uintptr_t)mask, bit);
+        PyObject *mask = (PyObject *)(uintptr_t)*slot;
+        PyObject *both = PyNumber_And(mask, bit);
         if (both == NULL) goto fail;
         int mine = PyObject_IsTrue(both);
         Py_DECREF(both);
@@ -744,11 +783,10 @@ static PyObject *hold(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
             if (add_count(extra_refs, prefix_object, 1) < 0) goto fail;
             continue;
         }
-        PyObject *joined = PyNumber_Or((PyObject *)(uintptr_t)mask, bit);
+        PyObject *joined = PyNumber_Or(mask, bit);
         if (joined == NULL) goto fail;
-        int stored = map_set(blocks, prefix_hash, joined);
-        Py_DECREF(joined);
-        if (stored < 0) goto fail;
+        *slot = (uint64_t)(uintptr_t)joined;  /* the map takes the new mask's reference */
+        Py_DECREF(mask);
     }
     Py_DECREF(engine_seq);
     Py_DECREF(prefix_seq);
