@@ -125,21 +125,22 @@ static int token_bits(PyObject *token, uint32_t *bits) {
     return 0;
 }
 
-/* An array.array of C ints of 4 bytes (what the decoders give as token ids). */
-static int is_int32_array(PyObject *object) {
+/* The items of an array.array('i') (what the decoders give as token ids) in ``view``:
+ * 1 when ``object`` is one (the caller releases the view), 0 when not. */
+static int int32_array_view(PyObject *object, Py_buffer *view) {
 #if defined(__BYTE_ORDER__) && __BYTE_ORDER__ == __ORDER_BIG_ENDIAN__
     return 0;  /* its items are big-endian: read one by one as a sequence */
 #endif
     if (!PyObject_CheckBuffer(object) || PyByteArray_Check(object) || PyMemoryView_Check(object))
         return 0;
-    Py_buffer view;
-    if (PyObject_GetBuffer(object, &view, PyBUF_FORMAT) < 0) {
+    if (PyObject_GetBuffer(object, view, PyBUF_FORMAT) < 0) {
         PyErr_Clear();
         return 0;
     }
-    int int32 = view.itemsize == 4 && view.format != NULL && strcmp(view.format, "i") == 0;
-    PyBuffer_Release(&view);
-    return int32;
+    if (view->itemsize == 4 && view->format != NULL && strcmp(view->format, "i") == 0)
+        return 1;
+    PyBuffer_Release(view);
+    return 0;
 }
 
 PyDoc_STRVAR(chain_hashes_doc,
@@ -168,8 +169,7 @@ static PyObject *chain_hashes(PyObject *module, PyObject *const *args, Py_ssize_
     if (PyBytes_Check(tokens)) {
         packed = (const uint8_t *)PyBytes_AS_STRING(tokens);
         count = PyBytes_GET_SIZE(tokens) / 4;
-    } else if (is_int32_array(tokens)) {  /* an array('i'): its items are the int32 values */
-        if (PyObject_GetBuffer(tokens, &view, PyBUF_SIMPLE) < 0) return NULL;
+    } else if (int32_array_view(tokens, &view)) {  /* its items are the int32 values */
         packed = view.buf;
         count = view.len / 4;
     } else {
@@ -815,6 +815,22 @@ static int unset_bit(Map *blocks, uint64_t prefix_hash, uint64_t mask, PyObject 
     return result;
 }
 
+/* One holder fewer of ``engine_hash``: a count less in ``engine_refs`` while others hold
+ * it, else its entry in ``engine_prefix`` goes. ``object`` is its int, or NULL (made only
+ * if ``engine_refs`` holds anything). 1 when released, 0 when it had no entry, -1 on error. */
+static int release_engine_hash(Map *engine_prefix, PyObject *engine_refs,
+                               uint64_t engine_hash, PyObject *object) {
+    if (PyDict_GET_SIZE(engine_refs)) {
+        PyObject *key = object ? Py_NewRef(object) : PyLong_FromUnsignedLongLong(engine_hash);
+        int shared = key == NULL ? -1 : PyDict_Contains(engine_refs, key);
+        if (shared > 0) shared = add_count(engine_refs, key, -1) < 0 ? -1 : 1;
+        Py_XDECREF(key);
+        if (shared) return shared;
+    }
+    uint64_t old;
+    return map_erase(engine_prefix, engine_hash, &old);
+}
+
 PyDoc_STRVAR(release_many_doc,
 "release_many(by_engine_hash, engine_prefix, engine_refs, blocks, bit, engine_hashes, /)\n"
 "--\n\n"
@@ -839,19 +855,14 @@ static PyObject *release_many(PyObject *module, PyObject *const *args, Py_ssize_
     PyObject **engine_hashes = PySequence_Fast_ITEMS(seq);
     for (Py_ssize_t i = 0; i < count; i++) {
         PyObject *engine_object = engine_hashes[i];
-        uint64_t engine_hash, prefix_hash, old, mask;
+        uint64_t engine_hash, prefix_hash, mask;
         int found = key_of(engine_object, &engine_hash);
         if (found < 0) goto fail;
         if (!found || !map_erase(by_engine_hash, engine_hash, &prefix_hash)) continue;
         released++;
-        int shared = PyDict_GET_SIZE(engine_refs) ? PyDict_Contains(engine_refs, engine_object) : 0;
-        if (shared < 0) goto fail;
-        if (shared) {
-            if (add_count(engine_refs, engine_object, -1) < 0) goto fail;
-        } else if (!map_erase(engine_prefix, engine_hash, &old)) {
-            PyErr_SetObject(PyExc_KeyError, engine_object);
-            goto fail;
-        }
+        int held = release_engine_hash(engine_prefix, engine_refs, engine_hash, engine_object);
+        if (held == 0) PyErr_SetObject(PyExc_KeyError, engine_object);
+        if (held <= 0) goto fail;
         if (!map_lookup(blocks, prefix_hash, &mask)) {
             PyErr_Format(PyExc_KeyError, "prefix %llu", (unsigned long long)prefix_hash);
             goto fail;
@@ -884,7 +895,7 @@ static PyObject *release_all(PyObject *module, PyObject *const *args, Py_ssize_t
     Py_ssize_t held = map_length(by_engine_hash);
     uint64_t zero_value = by_engine_hash->zero_value;
     for (Py_ssize_t i = -1; i < by_engine_hash->capacity; i++) {
-        uint64_t engine_hash, prefix_hash, old, mask;
+        uint64_t engine_hash, prefix_hash, mask;
         if (i < 0) {  /* the key 0, kept beside the table */
             if (!by_engine_hash->has_zero) continue;
             engine_hash = 0, prefix_hash = zero_value;
@@ -893,15 +904,7 @@ static PyObject *release_all(PyObject *module, PyObject *const *args, Py_ssize_t
             engine_hash = by_engine_hash->entries[i].key;
             prefix_hash = by_engine_hash->entries[i].value;
         }
-        int shared = 0;
-        if (PyDict_GET_SIZE(engine_refs)) {
-            PyObject *key = PyLong_FromUnsignedLongLong(engine_hash);
-            shared = key == NULL ? -1 : PyDict_Contains(engine_refs, key);
-            if (shared > 0) shared = add_count(engine_refs, key, -1) < 0 ? -1 : 1;
-            Py_XDECREF(key);
-            if (shared < 0) goto fail;
-        }
-        if (!shared) map_erase(engine_prefix, engine_hash, &old);
+        if (release_engine_hash(engine_prefix, engine_refs, engine_hash, NULL) < 0) goto fail;
         if (!map_lookup(blocks, prefix_hash, &mask)) continue;  /* unset already (extra_refs) */
         if (unset_bit(blocks, prefix_hash, mask, bit, others) < 0) goto fail;
     }

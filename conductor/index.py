@@ -440,18 +440,14 @@ class PrefixContext:
         single = engines.single
         for indices, blocks in stops:
             gpu, cpu, disk = (n * size for n in blocks)
-            stopped_here: dict[int, InstanceMatch] = {}  # DP rank -> the group's answer
             for index in indices:
                 owner = single.get(index)
                 if owner is not None:  # its answer is this slot's alone
                     name, rank = owner
-                    match = stopped_here.get(rank)
-                    if match is None:  # shared: most of a fleet stops where others do
-                        key = (rank, gpu, cpu, disk)
-                        match = alike.get(key)
-                        if match is None:
-                            match = alike[key] = InstanceMatch(gpu, cpu, disk, {rank: key[1:]})
-                        stopped_here[rank] = match
+                    key = (rank, gpu, cpu, disk)
+                    match = alike.get(key)  # shared: most of a fleet stops where others do
+                    if match is None:
+                        match = alike[key] = InstanceMatch(gpu, cpu, disk, {rank: key[1:]})
                     matches[name] = match
                     continue
                 slot = self._by_index[index]
