@@ -38,6 +38,20 @@ class MaskMap(_Map[K, int]): ...
 def chain_hashes(
     parent: int, token_ids: Sequence[int] | bytes, block_size: int, /
 ) -> list[int]: ...
+
+# what hold and release_many change: one owner's blocks on one tier (by_engine_hash,
+# copies, extra_refs), the context's engine_prefix and engine_refs, the tier's blocks, the
+# owner's bit (PrefixContext._holder)
+HolderArgs = tuple[
+    HashMap[EngineHash, PrefixHash],
+    dict[EngineHash, int],
+    dict[PrefixHash, int],
+    HashMap[EngineHash, PrefixHash],
+    dict[EngineHash, int],
+    MaskMap[PrefixHash],
+    int,
+]
+
 def hold(
     by_engine_hash: HashMap[EngineHash, PrefixHash],
     copies: dict[EngineHash, int],
@@ -52,6 +66,8 @@ def hold(
 ) -> int: ...
 def release_many(
     by_engine_hash: HashMap[EngineHash, PrefixHash],
+    copies: dict[EngineHash, int],
+    extra_refs: dict[PrefixHash, int],
     engine_prefix: HashMap[EngineHash, PrefixHash],
     engine_refs: dict[EngineHash, int],
     blocks: MaskMap[PrefixHash],

@@ -35,7 +35,7 @@ through frozen views (``ContextView``, ``StorePoolView``) and counts, never its 
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from collections.abc import Set as AbstractSet
 from dataclasses import dataclass, field
 
@@ -47,6 +47,7 @@ from .wire.events import (
     BlockRemoved,
     BlockStored,
     EngineHash,
+    Event,
     EventBatch,
     Tier,
 )
@@ -270,10 +271,23 @@ class PrefixContext:
     ) -> int:
         """Record that ``slot`` holds these blocks on ``tier``; returns how many were stored.
 
-        The ingestion hot path, one call per stored event: the loop is ``_native.hold``.
+        One call per stored event off the C lane: the loop is ``_native.hold``.
         """
+        return _native.hold(*self._holder(slot, tier), engine_hashes, prefix_hashes)
+
+    def release(self, slot: _Slot, tier: Tier, engine_hash: EngineHash) -> bool:
+        return self.release_many(slot, tier, (engine_hash,)) == 1
+
+    def release_many(self, slot: _Slot, tier: Tier, engine_hashes: Sequence[EngineHash]) -> int:
+        """One copy fewer of each block ``slot`` holds on ``tier``; returns how many it held
+        (the loop is ``_native.release_many``)."""
+        return _native.release_many(*self._holder(slot, tier), engine_hashes)
+
+    def _holder(self, slot: _Slot, tier: Tier) -> _native.HolderArgs:
+        """What holding or releasing ``slot``'s blocks on ``tier`` changes, as the C loops
+        take it."""
         holdings = slot.holdings[tier]
-        return _native.hold(
+        return (
             holdings.by_engine_hash,
             holdings.copies,
             holdings.extra_refs,
@@ -281,69 +295,12 @@ class PrefixContext:
             self._engine_refs,
             self.blocks[tier],
             slot.bit,
-            engine_hashes,
-            prefix_hashes,
-        )
-
-    def release(self, slot: _Slot, tier: Tier, engine_hash: EngineHash) -> bool:
-        holdings = slot.holdings[tier]
-        copies = holdings.copies.get(engine_hash)
-        if copies:  # another copy of the same block stays cached
-            if copies == 1:
-                del holdings.copies[engine_hash]
-            else:
-                holdings.copies[engine_hash] = copies - 1
-            return True
-        prefix_hash = holdings.by_engine_hash.pop(engine_hash, None)
-        if prefix_hash is None:
-            return False
-        self._release_engine_hash(engine_hash)
-        extra = holdings.extra_refs.get(prefix_hash)
-        if extra:
-            if extra == 1:
-                del holdings.extra_refs[prefix_hash]
-            else:
-                holdings.extra_refs[prefix_hash] = extra - 1
-            return True
-        self._unset(tier, prefix_hash, slot.bit)
-        return True
-
-    def release_many(self, slot: _Slot, tier: Tier, engine_hashes: Sequence[EngineHash]) -> int:
-        """``release`` each hash in turn; returns how many were held. The removal hot path:
-        an owner without copies or duplicate prefixes is handled inline."""
-        holdings = slot.holdings[tier]
-        if holdings.copies or holdings.extra_refs:
-            return sum(self.release(slot, tier, engine_hash) for engine_hash in engine_hashes)
-        return _native.release_many(
-            holdings.by_engine_hash,
-            self.engine_prefix,
-            self._engine_refs,
-            self.blocks[tier],
-            slot.bit,
-            engine_hashes,
         )
 
     def evict(self, slot: _Slot, tier: Tier, engine_hash: EngineHash) -> None:
         """Forget every copy of a block (its one key left the store, whoever saved it)."""
         slot.holdings[tier].copies.pop(engine_hash, None)
         self.release(slot, tier, engine_hash)
-
-    def _release_engine_hash(self, engine_hash: EngineHash) -> None:
-        extra = self._engine_refs.get(engine_hash)
-        if extra is None:
-            del self.engine_prefix[engine_hash]
-        elif extra == 1:
-            del self._engine_refs[engine_hash]
-        else:
-            self._engine_refs[engine_hash] = extra - 1
-
-    def _unset(self, tier: Tier, prefix_hash: PrefixHash, bit: int) -> None:
-        blocks = self.blocks[tier]
-        mask = blocks[prefix_hash] & ~bit
-        if mask:
-            blocks[prefix_hash] = mask
-        else:
-            del blocks[prefix_hash]
 
     def clear_slot(self, slot: _Slot) -> int:
         """Forget every block of ``slot``; returns how many engine blocks it held."""
@@ -596,11 +553,16 @@ class PrefixCacheTable:
         # kv_store -> engine hashes its pools received since its running check began
         self._store_checks: dict[str, set[EngineHash]] = {}
         self.stores_down: set[str] = set()  # their CPU events are dropped, their pools empty
+        # (stream, DP rank, event LoRA) -> the context and engine slot its stored events go
+        # to, once they went there: what _store would look up again for every event. Only
+        # remove_stream drops slots and contexts; it (and a new registration) empties it.
+        self._targets: dict[tuple[str, int, str | None], tuple[PrefixContext, _Slot]] = {}
 
     # -- membership ----------------------------------------------------------------------
     def add_stream(self, source: StreamSource) -> None:
         """Make ``source``'s instance a member of its context (listed, zero hits)."""
         self._sources[source.key] = source
+        self._targets.clear()
         self._stream_slots.setdefault(source.key, {})
         self._stream_contexts.setdefault(source.key, set())
         self._slot_for(source, source.context_key(), source.dp_rank)
@@ -612,6 +574,7 @@ class PrefixCacheTable:
         them while another registration names that store in the context.
         """
         source = self._sources.pop(key, None)
+        self._targets.clear()
         kv_store = source.kv_store if source else ""
         if kv_store and all(s.kv_store != kv_store for s in self._sources.values()):
             self.stores_down.discard(kv_store)  # the last one naming it: nothing is kept
@@ -747,19 +710,30 @@ class PrefixCacheTable:
 
     # -- ingestion -----------------------------------------------------------------------
     def apply(self, key: str, batch: EventBatch, stats: ApplyStats | None = None) -> ApplyStats:
-        """Apply one decoded batch (or part of one) of the stream ``key`` in order, in one
-        step; what it did is added to ``stats`` when given."""
+        """Apply one decoded batch of the stream ``key`` in order, in one step; what it did
+        is added to ``stats`` when given."""
+        return self.apply_events(key, batch.events, batch.dp_rank, stats)
+
+    def apply_events(
+        self,
+        key: str,
+        events: Iterable[Event],
+        dp_rank: int | None = None,
+        stats: ApplyStats | None = None,
+    ) -> ApplyStats:
+        """``apply`` for some of a batch's events (``dp_rank`` is the batch's): the manager
+        applies a batch in steps."""
         source = self._sources[key]
-        dp_rank = source.dp_rank if batch.dp_rank is None else batch.dp_rank
+        rank = source.dp_rank if dp_rank is None else dp_rank
         stats = ApplyStats() if stats is None else stats
-        for event in batch.events:
+        for event in events:
             stats.events += 1
             if isinstance(event, BlockStored):
-                self._store(source, dp_rank, event, stats)
+                self._store(source, rank, event, stats)
             elif isinstance(event, BlockRemoved):
-                self._remove(source, dp_rank, event, stats)
+                self._remove(source, rank, event, stats)
             elif isinstance(event, AllBlocksCleared):
-                self.clear_stream(key, dp_rank)
+                self.clear_stream(key, rank)
                 stats.clears += 1
         return stats
 
@@ -781,16 +755,24 @@ class PrefixCacheTable:
         if saved and source.kv_store in self.stores_down:
             stats.drop("kv_store_down")
             return
-        context_key = source.context_key(event.lora_name)
-        limit = self._over_limit(source, context_key, dp_rank)
-        if limit:
-            stats.drop(limit)
-            return
+        target_key = (source.key, dp_rank, event.lora_name)
+        target = self._targets.get(target_key)
+        if target is None:
+            context_key = source.context_key(event.lora_name)
+            limit = self._over_limit(source, context_key, dp_rank)
+            if limit:
+                stats.drop(limit)
+                return
+            known = self.contexts.get(context_key)
+        else:
+            known = target[0]
         owner = (source.instance_id, dp_rank)
-        prefixes = self._prefixes(self.contexts.get(context_key), owner, source, event, stats)
+        prefixes = self._prefixes(known, owner, source, event, stats)
         if not prefixes:
             return  # counted by _prefixes; nothing created for a rejected event
-        context, slot = self._slot_for(source, context_key, dp_rank)
+        if target is None:
+            target = self._targets[target_key] = self._slot_for(source, context_key, dp_rank)
+        context, slot = target
         if saved:
             slot = context.store_pool(source.kv_store)
             announced = self._store_checks.get(source.kv_store)

@@ -9,7 +9,7 @@ import resource
 import time
 from bisect import insort
 from collections.abc import Iterator
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import Any
 
 import psutil
@@ -433,9 +433,9 @@ class ServiceManager:
             if start and time.perf_counter() - step_began >= self.loop_share.step_s:
                 yield
                 step_began = time.perf_counter()
-            part = replace(batch, events=events[start : start + EVENTS_PER_CLOCK_READ])
+            part = events[start : start + EVENTS_PER_CLOCK_READ]
             try:
-                self.table.apply(key, part, stats)
+                self.table.apply_events(key, part, batch.dp_rank, stats)
             except Exception:  # a bug must cost one batch, never the stream's reader task
                 self.metrics.streams.inc("decode_errors", key, label="apply")
                 log.exception("stream=%s seq=%d batch could not be applied", key, message.seq)

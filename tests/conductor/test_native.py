@@ -35,7 +35,7 @@ def test_hold_and_release_many_refuse_arguments_of_another_kind() -> None:
     with pytest.raises(TypeError, match="argument 6 must be a conductor._native.MaskMap"):
         _native.hold(*maps, {}, 1, [1], [2])  # type: ignore[arg-type]
     with pytest.raises(TypeError, match="argument 1 must be a conductor._native.HashMap"):
-        _native.release_many({}, _native.HashMap(), {}, _native.MaskMap(), 1, [1])  # type: ignore[arg-type]
+        _native.release_many({}, {}, {}, _native.HashMap(), {}, _native.MaskMap(), 1, [1])  # type: ignore[arg-type]
     with pytest.raises(TypeError, match=r"takes 9 arguments \(2 given\)"):
         _native.hold(_native.HashMap(), {})  # type: ignore[call-arg]
 
@@ -50,7 +50,21 @@ def test_hold_stops_at_the_shorter_sequence_and_release_skips_what_is_not_held()
     assert _native.hold(*maps, 2, [10, 11], [7]) == 1
     assert dict(by_engine.items()) == dict(engine_prefix.items()) == {10: 7}
     assert dict(blocks.items()) == {7: 2}
-    assert _native.release_many(by_engine, engine_prefix, refs, blocks, 2, [99, 10, 10]) == 1
+    assert _native.release_many(*maps, 2, [99, 10, 10]) == 1
+    assert len(by_engine) == len(engine_prefix) == len(blocks) == 0
+
+
+def test_release_many_takes_copies_and_extra_references_first() -> None:
+    """A block held twice loses a copy first; a prefix the owner holds under two engine
+    hashes keeps its bit until the last of them goes."""
+    by_engine, copies, extra, engine_prefix, refs, blocks = maps = _context()
+    assert _native.hold(*maps, 4, [10, 10, 11], [70, 70, 70]) == 3
+    assert copies == {10: 1} and extra == {70: 1} and blocks == {70: 4}
+    assert _native.release_many(*maps, 4, [10]) == 1  # the copy
+    assert copies == {} and by_engine == {10: 70, 11: 70}
+    assert _native.release_many(*maps, 4, [11]) == 1  # the extra reference
+    assert extra == {} and blocks == {70: 4} and engine_prefix == {10: 70}
+    assert _native.release_many(*maps, 4, [10, 10]) == 1  # the last one: the bit goes
     assert len(by_engine) == len(engine_prefix) == len(blocks) == 0
 
 
