@@ -64,7 +64,6 @@ VOCAB = 128_000
 PUB_SNDHWM = 1_000_000  # far above what we queue: a PUB at its HWM drops silently
 SETUP_WINDOW_BATCHES = 250  # batches in flight while building an index (bounds the backlog)
 MEMORY_TARGET_BLOCKS = 1_000_000
-POLL_S = float(__import__("os").environ.get("POLL_S", "0.002"))
 JSON_TYPE = "application/json"
 MSGPACK_TYPE = "application/msgpack"  # the service answers msgpack to msgpack requests
 DEFAULT_JSON = Path(__file__).resolve().parent / "results" / "conductor.json"
@@ -614,7 +613,7 @@ def bench_ingest(
             for payload in payloads:
                 publisher.send(payload)
             sent = time.perf_counter()
-            for _ in deadline_loop(timeout, "the last ingested prompt to be queryable", POLL_S):
+            for _ in deadline_loop(timeout, "the last ingested prompt to be queryable"):
                 t0 = time.perf_counter()
                 done = matched(client, last_body, "i0") == EVENT_TOKENS
                 slowest_poll = max(slowest_poll, time.perf_counter() - t0)

@@ -85,3 +85,29 @@ def release_all(
 ) -> int: ...
 def u64_hashes(values: list[object], /) -> list[int] | None: ...
 def int32_tokens(raw: bytes | bytearray | memoryview, /) -> bytes | None: ...
+
+class PackedBatch:
+    """An event batch pack_batch read into C buffers: len() events."""
+
+    timestamp: float
+    dp_rank: int | None
+    removals: int
+    def __len__(self) -> int: ...
+    def apply(
+        self,
+        start: int,
+        stop: int,
+        block_size: int,
+        root: int,
+        owner_tiers: tuple[HashMap[EngineHash, PrefixHash], ...],
+        by_engine_hash: HashMap[EngineHash, PrefixHash],
+        copies: dict[EngineHash, int],
+        extra_refs: dict[PrefixHash, int],
+        engine_prefix: HashMap[EngineHash, PrefixHash],
+        engine_refs: dict[EngineHash, int],
+        blocks: MaskMap[PrefixHash],
+        bit: int,
+        /,
+    ) -> tuple[int, int, int, int]: ...
+
+def pack_batch(payload: bytes, block_size: int, /) -> PackedBatch | None: ...

@@ -40,7 +40,7 @@ from collections.abc import Set as AbstractSet
 from dataclasses import dataclass, field
 
 from . import _native
-from ._native import HashMap, MaskMap
+from ._native import HashMap, MaskMap, PackedBatch
 from .hashing import PrefixHash, chain_hashes, prefix_hashes, salt_root
 from .wire.events import (
     AllBlocksCleared,
@@ -107,8 +107,9 @@ class ApplyStats:
     dropped: dict[str, int] = field(default_factory=dict)
     foreign_block_size: int | None = None  # what mismatched events carry (the last one seen)
 
-    def drop(self, reason: str) -> None:
-        self.dropped[reason] = self.dropped.get(reason, 0) + 1
+    def drop(self, reason: str, events: int = 1) -> None:
+        if events:
+            self.dropped[reason] = self.dropped.get(reason, 0) + events
 
 
 @dataclass(frozen=True, slots=True)
@@ -282,6 +283,17 @@ class PrefixContext:
         """One copy fewer of each block ``slot`` holds on ``tier``; returns how many it held
         (the loop is ``_native.release_many``)."""
         return _native.release_many(*self._holder(slot, tier), engine_hashes)
+
+    def apply_packed(
+        self, slot: _Slot, packed: PackedBatch, start: int, stop: int, block_size: int, root: int
+    ) -> tuple[int, int, int, int]:
+        """Events [start, stop) of a packed batch for ``slot``'s GPU blocks, chained from
+        ``root`` (the loop is ``PackedBatch.apply``): (blocks stored, blocks removed, events
+        orphaned, events whose token count does not fit their hashes)."""
+        owner_tiers = tuple(holdings.by_engine_hash for holdings in slot.holdings)
+        return packed.apply(
+            start, stop, block_size, root, owner_tiers, *self._holder(slot, Tier.GPU)
+        )
 
     def _holder(self, slot: _Slot, tier: Tier) -> _native.HolderArgs:
         """What holding or releasing ``slot``'s blocks on ``tier`` changes, as the C loops
@@ -736,6 +748,36 @@ class PrefixCacheTable:
                 self.clear_stream(key, rank)
                 stats.clears += 1
         return stats
+
+    def apply_packed(
+        self, key: str, packed: PackedBatch, start: int, stop: int, stats: ApplyStats
+    ) -> bool:
+        """``apply_events`` for events [start, stop) of a batch the C lane read; False (and
+        nothing applied) when the stream is not in the state the lane covers, and the
+        caller must decode the batch: the lane applies what ``_store`` and ``_remove`` do
+        for an engine's own GPU blocks once its first stored event made its slot, in a
+        context where no other of the stream's slots at that rank, and no other tier of
+        this one, could take a removal."""
+        source = self._sources[key]
+        rank = source.dp_rank if packed.dp_rank is None else packed.dp_rank
+        target = self._targets.get((key, rank, None))
+        if target is None or source.shared_pool:
+            return False
+        context, slot = target
+        if packed.removals and not (
+            self._stream_slots[key].get(rank) == {(context.key, (slot.instance_id, rank))}
+            and not slot.holdings[Tier.CPU].by_engine_hash
+            and not slot.holdings[Tier.DISK].by_engine_hash
+        ):
+            return False
+        root = salt_root(source.salt)
+        counts = context.apply_packed(slot, packed, start, stop, source.block_size, root)
+        stats.events += stop - start
+        stats.blocks_stored += counts[0]
+        stats.blocks_removed += counts[1]
+        stats.orphaned += counts[2]
+        stats.drop("token_count_mismatch", counts[3])
+        return True
 
     def _store(
         self, source: StreamSource, dp_rank: int, event: BlockStored, stats: ApplyStats

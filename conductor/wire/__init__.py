@@ -3,7 +3,7 @@
 Every accepted format, byte by byte, with its source: docs/wire.md.
 """
 
-from .decode import decode_any_layout, decode_batch
+from .decode import decode_any_layout, decode_batch, pack_batch
 from .events import (
     AllBlocksCleared,
     BlockRemoved,
@@ -31,6 +31,7 @@ __all__ = [
     "decode_any_layout",
     "decode_batch",
     "normalize_hash",
+    "pack_batch",
     "parse_live",
     "parse_medium",
     "parse_replay",

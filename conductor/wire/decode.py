@@ -7,13 +7,16 @@ event is rejected with a reason; the rest of its batch survives.
 
 The common layouts (a batch of well-formed vLLM / SGLang maps, or of vLLM <= 0.23 arrays)
 first go through msgspec's typed decoder (``typed.py``), which takes a batch whole or not
-at all.
+at all. Before either, the service offers a batch to the C lane (``pack_batch``), which
+reads the plainest batches (GPU blocks of the registered block size, no LoRA, salt or
+group) into C buffers that the index applies without a Python object per event.
 """
 
 from __future__ import annotations
 
 import msgpack
 
+from .. import _native
 from . import mooncake, vllm
 from .events import DecodeError, Event, EventBatch
 from .typed import decode_typed_batch
@@ -31,6 +34,14 @@ def _decode_event(event: object, legacy_mooncake: bool) -> Event:
             return mooncake.decode_legacy_event(event)
         return vllm.decode_array_event(event)
     raise DecodeError(f"event must be a map or an array, got {type(event).__name__}")
+
+
+def pack_batch(payload: bytes, topic: bytes, block_size: int) -> _native.PackedBatch | None:
+    """The batch read for the C lane (``PrefixCacheTable.apply_packed``); None: it needs
+    ``decode_batch`` (another layout or topic, an event the lane does not take, an error)."""
+    if topic == LEGACY_MOONCAKE_TOPIC:
+        return None
+    return _native.pack_batch(payload, block_size)
 
 
 def decode_batch(payload: bytes, topic: bytes = b"") -> EventBatch:

@@ -33,6 +33,7 @@ from conductor.index import (
     StorePoolView,
     StreamSource,
 )
+from conductor.wire import decode_batch, pack_batch
 from conductor.wire.events import (
     AllBlocksCleared,
     BlockRemoved,
@@ -41,6 +42,7 @@ from conductor.wire.events import (
     EventBatch,
     Tier,
 )
+from publishers.encoding import encode_batch
 
 BS = 4
 MODEL = "m"
@@ -1372,8 +1374,9 @@ class ModelCheck:
     OPS = ("store", "tokenless", "remove", "clear", "toggle", "clear_store", "restart", "check")
     OP_WEIGHTS = (45, 10, 30, 5, 5, 2, 2, 5)
 
-    def __init__(self, seed: int) -> None:
+    def __init__(self, seed: int, lane: bool = False) -> None:
         self.seed = seed
+        self.lane = lane
         self.rng = random.Random(seed)
         self.prompts = _mc_prompts(self.rng, 8)
         self.table = PrefixCacheTable()
@@ -1428,20 +1431,20 @@ class ModelCheck:
         key = self.sources[instance].key
         if op in ("store", "tokenless") and self.model.drops(instance, tier):
             event = stored(hashes, _flat(p[start:end]), tier=tier_choice)
-            stats = self.table.apply(key, batch(event, dp_rank=batch_rank))
+            stats = self.apply(key, batch(event, dp_rank=batch_rank))
             assert (stats.blocks_stored, stats.dropped) == (0, {"kv_store_down": 1}), op
             self.seen["dropped_store_down"] += 1
         elif op == "store":
             parent_hash = mc_engine_hash(p[:start], rng.randrange(2)) if start else None
             placed = self.model.store(instance, rank, tier, blocks, parent_hash)
             event = stored(hashes, _flat(p[start:end]), parent_hash, tier=tier_choice)
-            stats = self.table.apply(key, batch(event, dp_rank=batch_rank))
+            stats = self.apply(key, batch(event, dp_rank=batch_rank))
             assert stats.orphaned == (0 if placed else 1), self.where(op)
             self.seen["orphan" if not placed else "store"] += 1
         elif op == "tokenless":
             placed_n = self.model.store_tokenless(instance, rank, tier, hashes)
             event = stored(hashes, [], None, tier=tier_choice)
-            stats = self.table.apply(key, batch(event, dp_rank=batch_rank))
+            stats = self.apply(key, batch(event, dp_rank=batch_rank))
             assert stats.dropped == (
                 {} if placed_n == len(hashes) else {"unknown_block_without_tokens": 1}
             ), self.where(op)
@@ -1449,11 +1452,25 @@ class ModelCheck:
         elif op == "remove":
             picked = [h for h in hashes if rng.random() < 0.7]
             self.model.remove(instance, rank, tier_choice, picked)
-            self.table.apply(key, batch(removed(picked, tier=tier_choice), dp_rank=batch_rank))
+            self.apply(key, batch(removed(picked, tier=tier_choice), dp_rank=batch_rank))
         else:
             self.model.clear(instance, rank)
-            self.table.apply(key, batch(AllBlocksCleared(), dp_rank=batch_rank))
+            self.apply(key, batch(AllBlocksCleared(), dp_rank=batch_rank))
         return op
+
+    def apply(self, key: str, events: EventBatch) -> ApplyStats:
+        """The batch as the service applies it: with ``lane``, encoded as a vLLM engine
+        sends it and offered to the C lane first; the decoders take what it declines."""
+        if not self.lane:
+            return self.table.apply(key, events)
+        layout = self.rng.choice(("vllm", "vllm-legacy"))
+        payload = encode_batch(events.events, 0.0, events.dp_rank, layout)
+        stats = ApplyStats()
+        packed = pack_batch(payload, b"", MC_BS)
+        if packed is not None and self.table.apply_packed(key, packed, 0, len(packed), stats):
+            self.seen["lane_removal" if packed.removals else "lane_store"] += 1
+            return stats
+        return self.table.apply(key, decode_batch(payload), stats)
 
     def check_store(self, kv_store: str) -> None:
         """A store check: its key list is taken, up to three operations happen while it
@@ -1538,20 +1555,24 @@ class ModelCheck:
             self.seen["store_only_hit"] += match.cpu > 0 and not own
 
 
-@pytest.mark.parametrize("seed", [1, 2, 3])
-def test_randomized_against_reference_model(seed: int) -> None:
+@pytest.mark.parametrize(
+    ("seed", "lane"), [(1, False), (2, False), (3, False), (4, True), (5, True)]
+)
+def test_randomized_against_reference_model(seed: int, lane: bool) -> None:
     """Random store/remove/clear/unregister sequences on 3 engines and a store pool; each
     engine registers with no kv_store or one of two, so kv_store pools come and go, and
     the stores are checked (blocks evicted, blocks saved during a check, failed checks).
 
     After every step each prompt is queried by tokens and by engine hashes, and the answer
     must equal the naive model's; the table's internal bookkeeping must stay exact. At the
-    end every stream is unregistered and nothing may be left behind.
+    end every stream is unregistered and nothing may be left behind. With ``lane`` every
+    batch is encoded and offered to the C lane first, as the service does.
     """
-    mc = ModelCheck(seed)
+    mc = ModelCheck(seed, lane)
     for _ in range(2000):
         mc.check(mc.step())
     for case in (
+        *(("lane_store", "lane_removal") if lane else ()),
         "store",
         "orphan",
         "tokenless_placed",
