@@ -137,6 +137,11 @@ async def read_body(request: web.Request, limit: int, timeout: float) -> bytes:
     """The body, at most ``limit`` bytes (413) and within ``timeout`` seconds (408)."""
     if request.content_length is not None and request.content_length > limit:
         raise ApiError(413, f"request body too large (limit {limit} bytes on {request.path})")
+    if request.content.is_eof():  # it came whole with the headers: no wait, no timer
+        whole = request.content.read_nowait()
+        if len(whole) > limit:
+            raise ApiError(413, f"request body too large (limit {limit} bytes)")
+        return whole
     body = bytearray()
     try:
         async with asyncio.timeout(timeout):
@@ -149,7 +154,14 @@ async def read_body(request: web.Request, limit: int, timeout: float) -> bytes:
     return bytes(body)
 
 
-async def parse_body(request: web.Request, model: type[Body], limits: HttpLimits) -> Body:
+async def parse_body(
+    request: web.Request,
+    model: type[Body],
+    limits: HttpLimits,
+    from_json: Callable[[bytes], Body] | None = None,
+) -> Body:
+    """The request's body as ``model`` (msgpack or JSON, ``from_json`` parsing JSON when
+    given), or a precise 400 naming the first field in error."""
     body = await read_body(request, limits.body_bytes(request.path), limits.body_timeout_s)
     try:
         if request.content_type == MSGPACK:
@@ -158,7 +170,7 @@ async def parse_body(request: web.Request, model: type[Body], limits: HttpLimits
             except Exception:
                 raise ApiError(400, "Invalid msgpack") from None
             return model.model_validate(data)
-        return model.model_validate_json(body)
+        return (from_json or model.model_validate_json)(body)
     except ValidationError as error:
         first = error.errors()[0]
         if first["type"] == "json_invalid":
@@ -252,7 +264,7 @@ class ConductorApi:
 
     async def query(self, request: web.Request) -> web.Response:
         started = time.perf_counter()
-        body = await parse_body(request, QueryRequest, self.options.limits)
+        body = await parse_body(request, QueryRequest, self.options.limits, QueryRequest.from_json)
         _at_most(len(body.token_ids) // 4, self.options.limits.max_query_tokens, "token_ids")
         matches = self.table.match_tokens(
             body.context_key(), body.token_ids, body.cache_salt or "", body.instance_id

@@ -31,6 +31,7 @@ from pydantic import (
 )
 from yarl import URL
 
+from ._native import json_int32_field
 from .hashing import pack_int32
 from .index import ContextKey, StreamSource
 from .runtime import log_level
@@ -240,6 +241,17 @@ class QueryRequest(_QueryBase):
 
     token_ids: Annotated[bytes, BeforeValidator(_int32_token_bytes)]
     cache_salt: str | None = None
+
+    @classmethod
+    def from_json(cls, body: bytes) -> QueryRequest:
+        """``model_validate_json``, but a plain token array is read in place by C (4,096
+        ids: ~10 us, not ~150 us as Python ints); the rest, and anything unusual, is
+        pydantic's, with its errors."""
+        split = json_int32_field(body, "token_ids")
+        if split is None:
+            return cls.model_validate_json(body)
+        rest, token_ids = split
+        return cls.model_validate_json(rest).model_copy(update={"token_ids": token_ids})
 
 
 class QueryByHashRequest(_QueryBase):

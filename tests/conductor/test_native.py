@@ -6,6 +6,7 @@ index's loops by every index test and the randomized model check in test_index.p
 
 from __future__ import annotations
 
+import json
 from array import array
 from pathlib import Path
 from typing import Any
@@ -14,8 +15,10 @@ import msgpack
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from pydantic import ValidationError
 
 from conductor import _native
+from conductor.config import QueryRequest
 from conductor.hashing import chain_hashes, token_bytes
 from conductor.wire.events import MASK64
 
@@ -244,3 +247,82 @@ def test_release_all_forgets_every_block_of_an_owner_and_keeps_the_others() -> N
     assert engine_prefix == {12: 71, 0: 72} and blocks == {71: 2, 72: 2}
     assert _native.release_all(other, engine_prefix, refs, blocks, 2) == 2
     assert len(engine_prefix) == len(blocks) == 0
+
+
+# -- a JSON prompt's token ids read in place ---------------------------------------------------
+JSON_TOKEN = st.one_of(
+    st.integers(-(2**31), 2**31 - 1),
+    st.integers(-(2**40), 2**40),
+    st.floats(allow_nan=False, allow_infinity=False),
+    st.sampled_from(["1", None, True, [1], {"a": 1}]),
+)
+JSON_VALUE = st.one_of(st.none(), st.booleans(), st.integers(), st.text(max_size=5), st.floats())
+
+
+@st.composite
+def query_bodies(draw: st.DrawFn) -> bytes:
+    """/query bodies, mostly valid, spelt with any spacing; the token array sometimes odd."""
+    fields: dict[str, Any] = {"model": draw(st.sampled_from(["m", "m", 'q"uote\\', "", 5]))}
+    fields["block_size"] = draw(st.sampled_from([16, 16, 16, 0, "16", 1.5]))
+    tokens = st.integers(-(2**31), 2**31 - 1)
+    fields["token_ids"] = draw(st.lists(st.one_of(tokens, tokens, JSON_TOKEN), max_size=6))
+    for name in draw(st.lists(st.sampled_from(["instance_id", "cache_salt", "tenant_id", "x"]))):
+        fields[name] = draw(st.one_of(st.text(max_size=5), JSON_VALUE))
+    order = draw(st.permutations(list(fields)))
+    space = draw(st.sampled_from(["", " ", "\n\t ", "  "]))
+    text = (
+        "{"
+        + space
+        + f",{space}".join(
+            f"{json.dumps(k)}{space}:{space}{json.dumps(fields[k], separators=(',' + space, ':'))}"
+            for k in order
+        )
+        + space
+        + "}"
+    )
+    if draw(st.integers(0, 9)) == 0:
+        text = text.replace('"token_ids"', '"token_ids": [1], "token_ids"', 1)
+    if draw(st.integers(0, 9)) == 0:
+        text = text[: draw(st.integers(0, len(text)))]
+    return text.encode()
+
+
+def _outcome(parse: Any, body: bytes) -> Any:
+    try:
+        return parse(body).model_dump()
+    except ValidationError as error:
+        return [(e["type"], e["loc"], e["msg"]) for e in error.errors()]
+
+
+@settings(max_examples=500, deadline=None)
+@given(query_bodies())
+def test_query_json_reads_tokens_in_place_with_pydantic_s_answer(body: bytes) -> None:
+    """The same request, or the same errors, as pydantic parsing the whole body."""
+    assert _outcome(QueryRequest.from_json, body) == _outcome(
+        QueryRequest.model_validate_json, body
+    )
+
+
+def test_json_int32_field_reads_only_a_flat_object_with_one_int32_array() -> None:
+    read = _native.json_int32_field
+    assert read(b' {"a": "x\\"y", "t" : [1, -2 ,0, 2147483647, -2147483648] } ', "t") == (
+        b' {"a": "x\\"y", "t" : [] } ',
+        array("i", [1, -2, 0, 2**31 - 1, -(2**31)]).tobytes(),
+    )
+    assert read(b'{"t": []}', "t") == (b'{"t": []}', b"")
+    for declined in (
+        b'{"t": [2147483648]}',  # beyond int32
+        b'{"t": [1.0]}',
+        b'{"t": [1e3]}',
+        b'{"t": [01]}',
+        b'{"t": [-]}',
+        b'{"t": [1,]}',
+        b'{"t": [1], "t": [2]}',
+        b'{"\\u0074": [1]}',  # an escaped name may be the key
+        b'{"n": {"t": [1]}, "t": [1]}',  # nested values are the general parser's
+        b'{"t": [1]} x',
+        b'{"t": [1]',
+        b"[1]",
+        b'{"u": [1]}',
+    ):
+        assert read(declined, "t") is None, declined
