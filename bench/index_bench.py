@@ -5,7 +5,9 @@
 Ours is driven through its real entry points: ``PrefixCacheTable.apply`` with decoded
 batches of ``BlockStored`` events that carry token ids (so every ingested block is hashed,
 as the service does), ``match_tokens`` for a prompt (hashing included) and
-``PrefixContext.match`` for the walk alone. Dynamo (``pip install -e '.[index-bench]'``)
+``PrefixContext.match`` for the walk alone; ``ours-wire`` is the same index fed the
+batches as a vLLM engine's msgpack bytes, through the service's C lane (``pack_batch``,
+``apply_packed``), decoding included. Dynamo (``pip install -e '.[index-bench]'``)
 is driven through its Python bindings: ``apply_event`` with the JSON ``KvCacheEvent`` they
 parse, whose blocks already carry their ``tokens_hash`` (the publisher hashes, so its ingest
 figure leaves hashing out; its hashing is timed alone and folded in as a second figure),
@@ -35,8 +37,10 @@ from typing import Any, Protocol
 from bench.conductor_bench import CpuSample
 from bench.stats import percentile, rss_bytes
 from conductor.hashing import prefix_hashes
-from conductor.index import ContextKey, PrefixCacheTable, StreamSource
+from conductor.index import ApplyStats, ContextKey, PrefixCacheTable, StreamSource
+from conductor.wire import pack_batch
 from conductor.wire.events import BlockRemoved, BlockStored, Event, EventBatch
+from publishers.encoding import encode_batch
 
 BLOCK_SIZE = 16
 BLOCKS_PER_EVENT = 16  # one prompt of 256 tokens per event, as the service benchmark sends
@@ -130,6 +134,37 @@ class Ours:
         return _blocks(self.table.match_tokens(CONTEXT, tokens) or {})
 
 
+class OursWire(Ours):
+    """``Ours`` fed each batch as a vLLM engine sends it (msgpack bytes), the service's way:
+    through the C lane, or decoded when the lane declines it. The figure to set against
+    Dynamo's, whose events are parsed from JSON bytes too."""
+
+    name = "ours-wire"
+
+    def __init__(self, instances: int) -> None:
+        super().__init__(instances)
+        primer = [0] * BLOCK_SIZE  # the lane takes a stream once its engine slot exists
+        for i in range(instances):
+            self.table.apply(f"s{i}", EventBatch(0.0, [BlockStored([2**63 + i], None, primer)]))
+
+    def stored(self, instance: int, batch: Sequence[Prompt]) -> Any:
+        key, events = super().stored(instance, batch)
+        return key, encode_batch(events.events, 0.0, None)
+
+    def removed(self, instance: int, batch: Sequence[Prompt]) -> Any:
+        key, events = super().removed(instance, batch)
+        return key, encode_batch(events.events, 0.0, None)
+
+    def apply(self, instance: int, payload: Any) -> None:
+        key, wire = payload
+        stats = ApplyStats()
+        packed = pack_batch(wire, b"", BLOCK_SIZE)
+        if packed is None or not self.table.apply_packed(key, packed, 0, len(packed), stats):
+            raise RuntimeError("the C lane declined a plain vLLM batch")
+        if stats.dropped or stats.orphaned:
+            raise RuntimeError(f"ours dropped events: {stats}")
+
+
 def _blocks(matches: dict[str, Any]) -> dict[int, int]:
     return {int(name[1:]): match.gpu // BLOCK_SIZE for name, match in matches.items()}
 
@@ -193,8 +228,11 @@ def dynamo_version() -> str | None:
     return version("ai-dynamo-runtime")
 
 
+INDEXES: dict[str, Callable[[int], Index]] = {"ours": Ours, "ours-wire": OursWire, "dynamo": Dynamo}
+
+
 def make_index(name: str, instances: int) -> Index:
-    return Ours(instances) if name == "ours" else Dynamo(instances)
+    return INDEXES[name](instances)
 
 
 def payloads(
@@ -367,7 +405,8 @@ def report(results: dict[str, Any], sizes: Sizes) -> None:
                 f"{c['load']['other_cores'] + c['load']['steal_cores']:>6.2f}"
             )
     print("  (ours' ingest includes hashing the tokens; Dynamo's does not, '+hash/s' adds its")
-    print("   hashing of the same blocks; times in µs; bg cpu = cores used by others: noise)")
+    print("   hashing of the same blocks; ours-wire starts from vLLM's msgpack bytes, Dynamo")
+    print("   from JSON bytes; times in µs; bg cpu = cores used by others: noise)")
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -386,7 +425,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     version = None if args.no_dynamo else dynamo_version()
     if version is None and not args.no_dynamo:
         print("Dynamo's bindings are not installed (pip install ai-dynamo-runtime): ours only")
-    results = run(sizes, ["ours"] + (["dynamo"] if version else []))
+    results = run(sizes, ["ours", "ours-wire"] + (["dynamo"] if version else []))
     report(results, sizes)
     document = {
         "sizes": sizes.__dict__,
