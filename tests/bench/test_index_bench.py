@@ -15,7 +15,7 @@ from bench import index_bench
 from bench.index_bench import Sizes, dynamo_version, memory, query_index, run, throughput
 
 TINY = Sizes(ingest_blocks=640, runs=1, query_blocks=320, queries=5, memory_blocks=640)
-NAMES = ["ours"] + (["dynamo"] if dynamo_version() else [])
+NAMES = ["ours", "ours-wire"] + (["dynamo"] if dynamo_version() else [])
 
 
 @pytest.mark.parametrize("name", NAMES)
