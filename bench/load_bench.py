@@ -66,7 +66,7 @@ from bench.load_streams import (
     query_prompt,
     worker_main,
 )
-from bench.soak import lag_buckets, worst_bucket
+from bench.soak import LAG_METRIC, lag_buckets, worst_bucket
 from bench.stats import bucket_quantile, rss_bytes
 from bench.trace_sim import load_trace, prompt_tokens, trace_path
 from conductor.api import HITS_ONLY_HEADER
@@ -209,10 +209,13 @@ COUNTERS = {
 MUST_BE_ZERO = ("gaps_unrepaired", "replays_failed", "dropped", "orphaned", "decode_errors")
 
 
-def histogram_delta(before: str, after: str) -> list[tuple[float, float]]:
-    """The loop-lag histogram's cumulative buckets between two scrapes."""
-    start = dict(lag_buckets(before))
-    return [(le, count - start.get(le, 0.0)) for le, count in lag_buckets(after)]
+FULL_GC = 'conductor_gc_pause_seconds_bucket{generation="2",'  # full collections
+
+
+def histogram_delta(before: str, after: str, series: str = LAG_METRIC) -> list[tuple[float, float]]:
+    """The loop-lag histogram's (or ``series``') cumulative buckets between two scrapes."""
+    start = dict(lag_buckets(before, series))
+    return [(le, count - start.get(le, 0.0)) for le, count in lag_buckets(after, series)]
 
 
 def window(before: Snapshot, after: Snapshot) -> dict[str, Any]:
@@ -221,6 +224,7 @@ def window(before: Snapshot, after: Snapshot) -> dict[str, Any]:
     delta = {key: after.counter(name) - before.counter(name) for key, name in COUNTERS.items()}
     conductor_s = after.conductor_cpu - before.conductor_cpu
     lag = histogram_delta(before.metrics, after.metrics)
+    full_gc = histogram_delta(before.metrics, after.metrics, FULL_GC)
     load = after.machine.load_since(before.machine)
     blocks = delta["blocks_stored"]
     return {
@@ -234,6 +238,8 @@ def window(before: Snapshot, after: Snapshot) -> dict[str, Any]:
         "background_cores": load["other_cores"] + load["steal_cores"],
         "loop_lag_p99_ms": 1000 * bucket_quantile(lag, 0.99) if lag else math.nan,
         "loop_lag_worst_bucket_ms": 1000 * (worst_bucket(lag) or 0.0),
+        "full_gcs": full_gc[-1][1] if full_gc else 0.0,
+        "full_gc_worst_bucket_ms": 1000 * (worst_bucket(full_gc) or 0.0),
         "server_query": server_side(before.metrics, after.metrics),
         "metrics_scrape_ms": 1000 * after.scrape_s,
     }
@@ -524,7 +530,8 @@ def print_window(label: str, w: dict[str, Any]) -> None:
         f"= {w['conductor_cpu_ms_per_1k_blocks']:.2f} CPU-ms / 1k blocks; clients "
         f"{w['client_cores']:.2f} cores; bg cpu {w['background_cores']:.2f}\n"
         f"    loop lag p99~ {w['loop_lag_p99_ms']:.1f} ms, worst bucket <= "
-        f"{w['loop_lag_worst_bucket_ms']:.0f} ms; gaps {c['gaps']:.0f} (unrepaired "
+        f"{w['loop_lag_worst_bucket_ms']:.0f} ms; full GCs {w['full_gcs']:.0f} (worst <= "
+        f"{w['full_gc_worst_bucket_ms']:.0f} ms); gaps {c['gaps']:.0f} (unrepaired "
         f"{c['gaps_unrepaired']:.0f}), replays {c['replays_requested']:.0f}; /metrics scrape "
         f"{w['metrics_scrape_ms']:.1f} ms"
     )

@@ -311,11 +311,12 @@ class Soak:
         }
 
 
-def lag_buckets(metrics: str) -> list[tuple[float, float]]:
-    """``(le, cumulative count)`` of the conductor's loop-lag histogram, ``[]`` if absent."""
+def lag_buckets(metrics: str, series: str = LAG_METRIC) -> list[tuple[float, float]]:
+    """``(le, cumulative count)`` of the conductor's loop-lag histogram (or of another
+    histogram series: its name and the labels before ``le``), ``[]`` if absent."""
     buckets = []
     for line in metrics.splitlines():
-        if line.startswith(LAG_METRIC):
+        if line.startswith(series):
             bound = line.split('le="', 1)[1].split('"', 1)[0]
             buckets.append((float(bound), float(line.rsplit(" ", 1)[1])))
     return sorted(buckets)

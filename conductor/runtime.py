@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import gc
 import logging
 import os
 import time
@@ -117,6 +118,50 @@ class LoopLagMonitor:
             lag = max(0.0, time.perf_counter() - asked - self.interval)
             self.worst = max(self.worst, lag)
             self.histogram.observe(lag)
+
+
+class GcPauseMonitor:
+    """Times the garbage collector's pauses: a full collection over a million long-lived
+    objects holds the event loop for a noticeable while, and shows in query tails.
+
+    Records each collection in ``{prefix}_gc_pause_seconds`` (label ``generation``), logs
+    one slower than ``warn_s``, keeps the longest in ``worst``. Installed by ``start``
+    (a ``gc.callbacks`` hook), removed by ``stop``.
+    """
+
+    def __init__(self, registry: CollectorRegistry, prefix: str, warn_s: float = 0.1) -> None:
+        self.histogram = Histogram(
+            f"{prefix}_gc_pause_seconds",
+            "How long each garbage collection paused the process",
+            ["generation"],
+            buckets=LAG_BUCKETS,
+            registry=registry,
+        )
+        self.warn_s = warn_s
+        self.worst = 0.0
+        self._began = 0.0
+
+    def start(self) -> None:
+        gc.callbacks.append(self._callback)
+
+    def stop(self) -> None:
+        if self._callback in gc.callbacks:
+            gc.callbacks.remove(self._callback)
+
+    def _callback(self, phase: str, info: dict[str, int]) -> None:
+        if phase == "start":
+            self._began = time.perf_counter()
+            return
+        pause = time.perf_counter() - self._began
+        self.worst = max(self.worst, pause)
+        self.histogram.labels(str(info["generation"])).observe(pause)
+        if pause > self.warn_s:
+            logging.getLogger(__name__).warning(
+                "garbage collection of generation %d paused %.0f ms (%d objects collected)",
+                info["generation"],
+                1000 * pause,
+                info["collected"],
+            )
 
 
 class SupervisedTask:

@@ -24,7 +24,7 @@ from .kv_store_watch import StoreWatch
 from .manager import RegistrationConflict, RegistrationFailed, ServiceManager, StreamLimits
 from .metrics import ConductorMetrics
 from .persistence import StateFile
-from .runtime import LoopLagMonitor
+from .runtime import GcPauseMonitor, LoopLagMonitor
 from .security import BearerAuth, EndpointAllowlist, EndpointRefused
 
 log = logging.getLogger("conductor")
@@ -76,13 +76,17 @@ def create_app(
     app[MANAGER] = manager
     app[GUARD] = guard
     lag = LoopLagMonitor(metrics.registry, "conductor")
-    app.cleanup_ctx.append(_running(manager, lag, config.registrations(), state_file, allowlist))
+    gc_pauses = GcPauseMonitor(metrics.registry, "conductor")
+    app.cleanup_ctx.append(
+        _running(manager, lag, gc_pauses, config.registrations(), state_file, allowlist)
+    )
     return app
 
 
 def _running(
     manager: ServiceManager,
     lag: LoopLagMonitor,
+    gc_pauses: GcPauseMonitor,
     registrations: list[Registration],
     state: StateFile | None,
     allowlist: EndpointAllowlist,
@@ -96,8 +100,10 @@ def _running(
             if state is not None:
                 await restore(manager, state, allowlist)
             lag.start()
+            gc_pauses.start()
             yield
         finally:
+            gc_pauses.stop()
             await lag.stop()
             await manager.close()
 

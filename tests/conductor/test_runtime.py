@@ -4,12 +4,21 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import gc
+import logging
 import time
 
 import pytest
 from prometheus_client import CollectorRegistry, Counter
 
-from conductor.runtime import LoopLagMonitor, LoopShare, SupervisedTask, add_common_flags, log_level
+from conductor.runtime import (
+    GcPauseMonitor,
+    LoopLagMonitor,
+    LoopShare,
+    SupervisedTask,
+    add_common_flags,
+    log_level,
+)
 
 
 async def test_loop_lag_sees_a_blocking_callback() -> None:
@@ -92,3 +101,22 @@ async def test_loop_share_survives_a_cancelled_waiter():
     waiters[0].cancel()
     done, pending = await asyncio.wait(waiters[1:], timeout=1)
     assert not pending and all(task.exception() is None for task in done)
+
+
+def test_gc_pauses_are_timed_per_generation_and_a_slow_one_is_logged(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    registry = CollectorRegistry()
+    monitor = GcPauseMonitor(registry, "test", warn_s=0.0)
+    monitor.start()
+    try:
+        with caplog.at_level(logging.WARNING, "conductor.runtime"):
+            gc.collect(2)
+    finally:
+        monitor.stop()
+    assert monitor._callback not in gc.callbacks
+    count = registry.get_sample_value("test_gc_pause_seconds_count", {"generation": "2"})
+    assert count == 1 and monitor.worst > 0
+    assert "garbage collection of generation 2 paused" in caplog.text
+    gc.collect(2)  # stopped: not counted
+    assert registry.get_sample_value("test_gc_pause_seconds_count", {"generation": "2"}) == 1
