@@ -235,10 +235,24 @@ typedef struct {
 } Entry;
 
 typedef struct {
-    PyObject_HEAD
     Entry *entries;  /* NULL while capacity is 0 */
     Py_ssize_t capacity;  /* 0 or a power of two */
-    Py_ssize_t used;  /* entries in the table, the key 0 not counted */
+    Py_ssize_t used;  /* entries in the table */
+} Table;
+
+/* A map grows by doubling a table, which rehashes all its keys at once: ~160 ms for 3M
+ * keys, a stall every query would wait out. So a map of SHARD_AT keys splits into SHARDS
+ * tables, chosen by a key's top hash bits, that grow one at a time: a doubling then moves
+ * 1/SHARDS of the keys (~1 ms at 3M). Small maps (most: an owner's blocks) stay one table. */
+#define SHARD_BITS 8
+#define SHARDS (1 << SHARD_BITS)
+#define SHARD_AT 65536
+
+typedef struct {
+    PyObject_HEAD
+    Table one;  /* the table while the map is not split */
+    Table *shards;  /* NULL, or SHARDS tables once it split */
+    Py_ssize_t used;  /* keys in the tables, the key 0 not counted */
     int has_zero;
     uint64_t zero_value;
     uint64_t version;  /* bumped when a key comes or goes: iterators check it */
@@ -249,24 +263,47 @@ static PyTypeObject MaskMapType;
 
 #define HOLDS_OBJECTS(map) Py_IS_TYPE((PyObject *)(map), &MaskMapType)
 
-static inline size_t home_of(uint64_t key, Py_ssize_t capacity) {
+static inline uint64_t mix(uint64_t key) {
     key ^= key >> 30;  /* splitmix64's finalizer: keys that share low bits spread too */
     key *= 0xBF58476D1CE4E5B9ULL;
     key ^= key >> 27;
     key *= 0x94D049BB133111EBULL;
-    key ^= key >> 31;
-    return (size_t)key & (size_t)(capacity - 1);
+    return key ^ (key >> 31);
+}
+
+/* A key's first slot in a table: the low bits of its mix (its shard: the top bits). */
+static inline size_t home_of(uint64_t key, Py_ssize_t capacity) {
+    return (size_t)mix(key) & (size_t)(capacity - 1);
+}
+
+static inline Table *table_of(const Map *map, uint64_t key) {
+    return map->shards ? &map->shards[mix(key) >> (64 - SHARD_BITS)] : (Table *)&map->one;
 }
 
 /* The entry of ``key`` (not 0), or NULL. */
 static Entry *map_find(const Map *map, uint64_t key) {
-    if (map->capacity == 0) return NULL;
-    size_t mask = (size_t)map->capacity - 1;
-    for (size_t i = home_of(key, map->capacity);; i = (i + 1) & mask) {
-        Entry *entry = &map->entries[i];
+    const Table *table = table_of(map, key);
+    if (table->capacity == 0) return NULL;
+    size_t mask = (size_t)table->capacity - 1;
+    for (size_t i = home_of(key, table->capacity);; i = (i + 1) & mask) {
+        Entry *entry = &table->entries[i];
         if (entry->key == key) return entry;
         if (entry->key == 0) return NULL;
     }
+}
+
+/* The next occupied entry from (*shard, *position) on, both moved past it; NULL at the end.
+ * The way every walk over a whole map goes (iterators, clearing, release_all). */
+static Entry *next_entry(const Map *map, Py_ssize_t *shard, Py_ssize_t *position) {
+    Py_ssize_t tables = map->shards ? SHARDS : 1;
+    for (; *shard < tables; (*shard)++, *position = 0) {
+        const Table *table = map->shards ? &map->shards[*shard] : &map->one;
+        while (*position < table->capacity) {
+            Entry *entry = &table->entries[(*position)++];
+            if (entry->key != 0) return entry;
+        }
+    }
+    return NULL;
 }
 
 static int map_lookup(const Map *map, uint64_t key, uint64_t *value) {
@@ -286,20 +323,56 @@ static void place(Entry *entries, Py_ssize_t capacity, uint64_t key, uint64_t va
     entries[i].value = value;
 }
 
-static int map_resize(Map *map, Py_ssize_t capacity) {
+static int table_resize(Table *table, Py_ssize_t capacity) {
     Entry *entries = PyMem_Calloc((size_t)capacity, sizeof(Entry));
     if (entries == NULL) {
         PyErr_NoMemory();
         return -1;
     }
-    for (Py_ssize_t i = 0; i < map->capacity; i++) {
-        if (map->entries[i].key != 0)
-            place(entries, capacity, map->entries[i].key, map->entries[i].value);
+    for (Py_ssize_t i = 0; i < table->capacity; i++) {
+        if (table->entries[i].key != 0)
+            place(entries, capacity, table->entries[i].key, table->entries[i].value);
     }
-    PyMem_Free(map->entries);
-    map->entries = entries;
-    map->capacity = capacity;
+    PyMem_Free(table->entries);
+    table->entries = entries;
+    table->capacity = capacity;
     return 0;
+}
+
+/* Room for one more key in ``table``: doubled when 3/4 full. */
+static int table_reserve(Table *table) {
+    if (4 * (table->used + 1) <= 3 * table->capacity) return 0;
+    return table_resize(table, table->capacity ? 2 * table->capacity : 8);
+}
+
+/* The one table's keys dealt to SHARDS tables, each about half full. */
+static int map_split(Map *map) {
+    Table *shards = PyMem_Calloc(SHARDS, sizeof(Table));
+    if (shards == NULL) {
+        PyErr_NoMemory();
+        return -1;
+    }
+    Py_ssize_t capacity = 8;
+    while (capacity < 2 * (map->used / SHARDS + 1)) capacity *= 2;
+    for (Py_ssize_t i = 0; i < SHARDS; i++) {
+        if (table_resize(&shards[i], capacity) < 0) goto fail;
+    }
+    for (Py_ssize_t i = 0; i < map->one.capacity; i++) {
+        Entry *entry = &map->one.entries[i];
+        if (entry->key == 0) continue;
+        Table *table = &shards[mix(entry->key) >> (64 - SHARD_BITS)];
+        if (table_reserve(table) < 0) goto fail;
+        place(table->entries, table->capacity, entry->key, entry->value);
+        table->used++;
+    }
+    PyMem_Free(map->one.entries);
+    map->one = (Table){NULL, 0, 0};
+    map->shards = shards;
+    return 0;
+fail:
+    for (Py_ssize_t i = 0; i < SHARDS; i++) PyMem_Free(shards[i].entries);
+    PyMem_Free(shards);
+    return -1;
 }
 
 /* The value slot of ``key``; an absent key is added first, its value 0 for the caller to
@@ -315,11 +388,12 @@ static uint64_t *map_value_slot(Map *map, uint64_t key, int *created) {
         }
         return &map->zero_value;
     }
-    size_t mask = (size_t)map->capacity - 1;
+    Table *table = table_of(map, key);
+    size_t mask = (size_t)table->capacity - 1;
     Entry *free_entry = NULL;
-    for (size_t i = map->capacity ? home_of(key, map->capacity) : 0; map->capacity;
+    for (size_t i = table->capacity ? home_of(key, table->capacity) : 0; table->capacity;
          i = (i + 1) & mask) {
-        Entry *entry = &map->entries[i];
+        Entry *entry = &table->entries[i];
         if (entry->key == key) {
             *created = 0;
             return &entry->value;
@@ -329,15 +403,20 @@ static uint64_t *map_value_slot(Map *map, uint64_t key, int *created) {
             break;
         }
     }
-    if (4 * (map->used + 1) > 3 * map->capacity) {
-        if (map_resize(map, map->capacity ? 2 * map->capacity : 8) < 0) return NULL;
-        mask = (size_t)map->capacity - 1;
-        size_t i = home_of(key, map->capacity);
-        while (map->entries[i].key != 0) i = (i + 1) & mask;
-        free_entry = &map->entries[i];
+    if (4 * (table->used + 1) > 3 * table->capacity) {
+        if (map->shards == NULL && map->used + 1 > SHARD_AT) {
+            if (map_split(map) < 0) return NULL;
+            table = table_of(map, key);
+        }
+        if (table_reserve(table) < 0) return NULL;
+        mask = (size_t)table->capacity - 1;
+        size_t i = home_of(key, table->capacity);
+        while (table->entries[i].key != 0) i = (i + 1) & mask;
+        free_entry = &table->entries[i];
     }
     free_entry->key = key;
     free_entry->value = 0;
+    table->used++;
     map->used++;
     map->version++;
     *created = 1;
@@ -367,17 +446,20 @@ static int map_erase(Map *map, uint64_t key, uint64_t *old) {
     Entry *entry = map_find(map, key);
     if (entry == NULL) return 0;
     *old = entry->value;
-    size_t mask = (size_t)map->capacity - 1, hole = (size_t)(entry - map->entries);
-    for (size_t i = (hole + 1) & mask; map->entries[i].key != 0; i = (i + 1) & mask) {
-        size_t home = home_of(map->entries[i].key, map->capacity);
+    Table *table = table_of(map, key);
+    Entry *entries = table->entries;
+    size_t mask = (size_t)table->capacity - 1, hole = (size_t)(entry - entries);
+    for (size_t i = (hole + 1) & mask; entries[i].key != 0; i = (i + 1) & mask) {
+        size_t home = home_of(entries[i].key, table->capacity);
         /* the entry at i may fill the hole unless its home lies cyclically in (hole, i] */
         int stays = hole < i ? (hole < home && home <= i) : (hole < home || home <= i);
         if (!stays) {
-            map->entries[hole] = map->entries[i];
+            entries[hole] = entries[i];
             hole = i;
         }
     }
-    map->entries[hole].key = 0;
+    entries[hole].key = 0;
+    table->used--;
     map->used--;
     map->version++;
     return 1;
@@ -440,20 +522,23 @@ static int map_set(Map *map, uint64_t key, PyObject *object) {
 }
 
 static void map_clear_all(Map *map) {
-    Entry *entries = map->entries;
-    Py_ssize_t capacity = map->capacity;
-    int had_zero = map->has_zero;
-    uint64_t zero_value = map->zero_value;
-    map->entries = NULL;  /* emptied first: a value's release may run arbitrary code */
-    map->capacity = map->used = 0;
+    Map emptied = *map;  /* the map is emptied first: a value's release may run any code */
+    map->one = (Table){NULL, 0, 0};
+    map->shards = NULL;
+    map->used = 0;
     map->has_zero = 0;
     map->version++;
+    Py_ssize_t shard = 0, position = 0;
+    Entry *entry;
     if (HOLDS_OBJECTS(map)) {
-        if (had_zero) release_value(map, zero_value);
-        for (Py_ssize_t i = 0; i < capacity; i++)
-            if (entries[i].key != 0) release_value(map, entries[i].value);
+        if (emptied.has_zero) release_value(map, emptied.zero_value);
+        while ((entry = next_entry(&emptied, &shard, &position)) != NULL)
+            release_value(map, entry->value);
     }
-    PyMem_Free(entries);
+    PyMem_Free(emptied.one.entries);
+    for (Py_ssize_t i = 0; emptied.shards != NULL && i < SHARDS; i++)
+        PyMem_Free(emptied.shards[i].entries);
+    PyMem_Free(emptied.shards);
 }
 
 static PyObject *map_new(PyTypeObject *type, PyObject *args, PyObject *kwargs) {
@@ -536,7 +621,8 @@ enum { KEYS, VALUES, ITEMS };
 typedef struct {
     PyObject_HEAD
     Map *map;  /* NULL once exhausted */
-    Py_ssize_t position;  /* -1: the key 0, then the table's slots */
+    Py_ssize_t shard;
+    Py_ssize_t position;  /* -1: the key 0, then the slots of each table in turn */
     uint64_t version;
     int kind;
 } MapIter;
@@ -547,6 +633,7 @@ static PyObject *map_iterate(Map *map, int kind) {
     MapIter *iter = PyObject_New(MapIter, &MapIterType);
     if (iter == NULL) return NULL;
     iter->map = (Map *)Py_NewRef(map);
+    iter->shard = 0;
     iter->position = -1;
     iter->version = map->version;
     iter->kind = kind;
@@ -572,12 +659,11 @@ static PyObject *iter_next(MapIter *iter) {
         found = map->has_zero;
         value = map->zero_value;
     }
-    for (; !found && iter->position < map->capacity; iter->position++) {
-        if (map->entries[iter->position].key != 0) {
-            key = map->entries[iter->position].key;
-            value = map->entries[iter->position].value;
-            found = 1;
-        }
+    Entry *entry = found ? NULL : next_entry(map, &iter->shard, &iter->position);
+    if (entry != NULL) {
+        key = entry->key;
+        value = entry->value;
+        found = 1;
     }
     if (!found) {
         Py_CLEAR(iter->map);
@@ -936,17 +1022,17 @@ static PyObject *release_all(PyObject *module, PyObject *const *args, Py_ssize_t
     PyObject *engine_refs = args[2], *bit = args[4];
     PyObject *others = PyNumber_Invert(bit);
     if (others == NULL) return NULL;
-    Py_ssize_t held = map_length(by_engine_hash);
-    uint64_t zero_value = by_engine_hash->zero_value;
-    for (Py_ssize_t i = -1; i < by_engine_hash->capacity; i++) {
+    Py_ssize_t held = map_length(by_engine_hash), shard = 0, position = 0;
+    int zero = by_engine_hash->has_zero;  /* the key 0, kept beside the tables, first */
+    for (;;) {
         uint64_t engine_hash, prefix_hash, mask;
-        if (i < 0) {  /* the key 0, kept beside the table */
-            if (!by_engine_hash->has_zero) continue;
-            engine_hash = 0, prefix_hash = zero_value;
+        if (zero) {
+            zero = 0;
+            engine_hash = 0, prefix_hash = by_engine_hash->zero_value;
         } else {
-            if (by_engine_hash->entries[i].key == 0) continue;
-            engine_hash = by_engine_hash->entries[i].key;
-            prefix_hash = by_engine_hash->entries[i].value;
+            Entry *entry = next_entry(by_engine_hash, &shard, &position);
+            if (entry == NULL) break;
+            engine_hash = entry->key, prefix_hash = entry->value;
         }
         if (release_engine_hash(engine_prefix, engine_refs, engine_hash, NULL) < 0) goto fail;
         if (!map_lookup(blocks, prefix_hash, &mask)) continue;  /* unset already (extra_refs) */

@@ -181,15 +181,34 @@ def test_iterating_a_map_that_changes_size_is_an_error() -> None:
     assert sorted(values) == [10, 20, 31]
 
 
-def test_a_large_map_holds_every_key() -> None:
-    mapping = _native.HashMap()
-    for key in range(0, 200_000, 3):
-        mapping[key << 40] = key
-    assert len(mapping) == 66_667
-    assert all(mapping[key << 40] == key for key in range(0, 200_000, 3))
-    for key in range(0, 200_000, 6):
-        del mapping[key << 40]
-    assert len(mapping) == 33_333 and (3 << 40) in mapping and (6 << 40) not in mapping
+@pytest.mark.parametrize("kind", [_native.HashMap, _native.MaskMap])
+def test_a_map_split_into_shards_answers_as_a_dict(kind: type) -> None:
+    """Past 65,536 keys a map deals its keys to 256 tables that grow one at a time; keys
+    sharing their low bits, the key 0, deletions, iteration, clearing and growing again
+    must all answer as a dict does."""
+    mapping, expected = kind(), {}
+    for key in [0, *range(1, 300_000, 2)]:
+        mapping[key << 40] = expected[key << 40] = key + 1
+    assert len(mapping) == len(expected) == 150_001
+    assert mapping == expected and all(mapping[key] == value for key, value in expected.items())
+    for key in range(0, 300_000, 3):
+        mapping.pop(key << 40, None)
+        expected.pop(key << 40, None)
+    assert mapping == expected and (1 << 40) in mapping and (3 << 40) not in mapping
+    assert sorted(mapping.values()) == sorted(expected.values())
+    mapping.clear()
+    assert len(mapping) == 0 and list(mapping.items()) == []
+    for key in range(70_000):
+        mapping[key] = key + 1
+    assert len(mapping) == 70_000 and mapping.get(69_999) == 70_000
+
+
+def test_release_all_empties_a_split_map() -> None:
+    by_engine, copies, extra, engine_prefix, refs, blocks = maps = _context()
+    hashes = list(range(1, 100_001))
+    assert _native.hold(*maps, 1, hashes, [h + 7 for h in hashes]) == 100_000
+    assert _native.release_all(by_engine, engine_prefix, refs, blocks, 1) == 100_000
+    assert len(by_engine) == len(engine_prefix) == len(blocks) == 0
 
 
 # -- token ids read in place from msgpack -------------------------------------------------------
