@@ -187,20 +187,34 @@ def _at_most(count: int, limit: int, field: str) -> None:
         raise ApiError(413, f"{field}: at most {limit} per request, got {count}", field)
 
 
-def _go_match(match: InstanceMatch) -> dict[str, Any]:
-    return {
-        "longest_matched": match.disk,
-        "DP": {str(rank): disk for rank, (_, _, disk) in sorted(match.ranks.items())},
-        "GPU": match.gpu,
-        "CPU": match.cpu,
-        "DISK": match.disk,
-    }
+class GoMatch(msgspec.Struct):
+    """One instance's answer in the Go service's shape (a struct: ~4x faster to make than
+    the dict it encodes as, and a 1,000-instance answer makes hundreds)."""
+
+    longest_matched: int
+    DP: dict[str, int]  # noqa: N815 - the Go service's key
+    GPU: int  # noqa: N815
+    CPU: int  # noqa: N815
+    DISK: int  # noqa: N815
 
 
-def _go_matches(matches: dict[str, InstanceMatch]) -> dict[str, dict[str, Any]]:
+_RANK_NAMES = tuple(str(rank) for rank in range(64))
+
+
+def _go_match(match: InstanceMatch) -> GoMatch:
+    ranks = match.ranks
+    if len(ranks) == 1:  # one DP rank: most engines
+        ((rank, (_, _, disk)),) = ranks.items()
+        dp = {_RANK_NAMES[rank] if rank < len(_RANK_NAMES) else str(rank): disk}
+    else:
+        dp = {str(rank): disk for rank, (_, _, disk) in sorted(ranks.items())}
+    return GoMatch(match.disk, dp, match.gpu, match.cpu, match.disk)
+
+
+def _go_matches(matches: dict[str, InstanceMatch]) -> dict[str, GoMatch]:
     """Each instance's Go answer, by name; written once per distinct match object (the index
     shares equal answers: in a large fleet most instances have one of a few)."""
-    written: dict[int, dict[str, Any]] = {}
+    written: dict[int, GoMatch] = {}
     answers = {}
     for name in sorted(matches):
         match = matches[name]

@@ -437,10 +437,10 @@ class PrefixContext:
         stops: list[_Stop] = []
         alive = interest
         for position, prefix_hash in enumerate(hashes):
-            present = gpu_blocks.get(prefix_hash, 0)
-            if alive & ~present:
-                stops.append((_bit_indices(alive & ~present), (position,) * 3))
-                alive &= present
+            still = alive & gpu_blocks.get(prefix_hash, 0)  # one big-int op per block
+            if still != alive:
+                stops.append((_bit_indices(alive ^ still), (position,) * 3))
+                alive = still
                 if not alive:
                     return stops
         stops.append((_bit_indices(alive), (len(hashes),) * 3))
