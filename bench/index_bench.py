@@ -159,7 +159,7 @@ class OursWire(Ours):
         key, wire = payload
         stats = ApplyStats()
         packed = pack_batch(wire, b"", BLOCK_SIZE)
-        if packed is None or not self.table.apply_packed(key, packed, 0, len(packed), stats):
+        if packed is None or self.table.apply_packed(key, packed, 0, stats) != len(packed):
             raise RuntimeError("the C lane declined a plain vLLM batch")
         if stats.dropped or stats.orphaned:
             raise RuntimeError(f"ours dropped events: {stats}")

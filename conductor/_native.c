@@ -1527,19 +1527,21 @@ static int prefix_of(PyObject *owner_tiers, const Map *engine_prefix, uint64_t e
 }
 
 PyDoc_STRVAR(packed_apply_doc,
-"apply(start, stop, block_size, root, owner_tiers, " HOLDER_ARGS ", /)\n--\n\n"
-"Apply events [start, stop) to one owner's GPU blocks, as PrefixCacheTable does an event\n"
+"apply(start, max_blocks, block_size, root, owner_tiers, " HOLDER_ARGS ", /)\n--\n\n"
+"Apply events from ``start`` on to one owner's GPU blocks, as PrefixCacheTable does an event\n"
 "it decoded: a stored event's prefix hashes chain from ``root`` (no parent) or from its\n"
 "parent's prefix (looked up in the owner's three tiers' by_engine_hash, ``owner_tiers``,\n"
 "then in engine_prefix: unknown, the event is orphaned) over ``block_size`` tokens a block,\n"
-"and each block is held; a removed event's blocks are released. Returns (blocks stored,\n"
-"blocks removed, events orphaned, events whose token count does not fit their hashes).");
+"and each block is held; a removed event's blocks are released. It stops after the event\n"
+"that brings the blocks it looked at to ``max_blocks`` (a bound on the time it holds the\n"
+"caller). Returns (the first event not applied, blocks stored, blocks removed, events\n"
+"orphaned, events whose token count does not fit their hashes).");
 
 static PyObject *packed_apply(PackedBatch *b, PyObject *const *args, Py_ssize_t nargs) {
     Holder h;
     if (check_args(args, nargs, ".....hddhdm.") < 0 || holder_of(args + 5, &h) < 0)
         return NULL;
-    Py_ssize_t start = PyLong_AsSsize_t(args[0]), stop = PyLong_AsSsize_t(args[1]);
+    Py_ssize_t start = PyLong_AsSsize_t(args[0]), max_blocks = PyLong_AsSsize_t(args[1]);
     Py_ssize_t block_size = PyLong_AsSsize_t(args[2]);
     uint64_t root = PyLong_AsUnsignedLongLong(args[3]);
     if (PyErr_Occurred()) return NULL;
@@ -1554,9 +1556,9 @@ static PyObject *packed_apply(PackedBatch *b, PyObject *const *args, Py_ssize_t 
             return NULL;
         }
     }
-    if (start < 0 || stop > b->count || start > stop || block_size <= 0
+    if (start < 0 || start > b->count || max_blocks <= 0 || block_size <= 0
         || block_size > (PY_SSIZE_T_MAX - 8) / 4) {
-        PyErr_SetString(PyExc_ValueError, "apply: bad event range or block size");
+        PyErr_SetString(PyExc_ValueError, "apply: bad start, max_blocks or block size");
         return NULL;
     }
     PyObject *others = PyNumber_Invert(h.bit);
@@ -1565,13 +1567,14 @@ static PyObject *packed_apply(PackedBatch *b, PyObject *const *args, Py_ssize_t 
     uint8_t stack[8 + 4 * 64];
     uint8_t *buffer = step <= 4 * 64 ? stack : PyMem_Malloc(8 + step);
     PyObject *result = NULL;
-    Py_ssize_t stored = 0, removed = 0, orphaned = 0, mismatched = 0;
+    Py_ssize_t stored = 0, removed = 0, orphaned = 0, mismatched = 0, looked_at = 0, i;
     if (buffer == NULL) {
         PyErr_NoMemory();
         goto done;
     }
-    for (Py_ssize_t i = start; i < stop; i++) {
+    for (i = start; i < b->count && looked_at < max_blocks; i++) {
         const PackedEvent *e = &b->events[i];
+        looked_at += (Py_ssize_t)e->hash_count + 1;  /* an empty event costs a little too */
         const uint64_t *hashes = b->hashes + e->first_hash;
         if (e->removed) {
             for (size_t k = 0; k < e->hash_count; k++) {
@@ -1599,7 +1602,7 @@ static PyObject *packed_apply(PackedBatch *b, PyObject *const *args, Py_ssize_t 
         }
         stored += (Py_ssize_t)e->hash_count;
     }
-    result = Py_BuildValue("(nnnn)", stored, removed, orphaned, mismatched);
+    result = Py_BuildValue("(nnnnn)", i, stored, removed, orphaned, mismatched);
 done:
     if (buffer != stack) PyMem_Free(buffer);
     Py_DECREF(others);

@@ -97,7 +97,7 @@ class PackedBatch:
     def apply(
         self,
         start: int,
-        stop: int,
+        max_blocks: int,
         block_size: int,
         root: int,
         owner_tiers: tuple[HashMap[EngineHash, PrefixHash], ...],
@@ -109,6 +109,6 @@ class PackedBatch:
         blocks: MaskMap[PrefixHash],
         bit: int,
         /,
-    ) -> tuple[int, int, int, int]: ...
+    ) -> tuple[int, int, int, int, int]: ...
 
 def pack_batch(payload: bytes, block_size: int, /) -> PackedBatch | None: ...

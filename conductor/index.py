@@ -35,6 +35,7 @@ through frozen views (``ContextView``, ``StorePoolView``) and counts, never its 
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from collections.abc import Set as AbstractSet
 from dataclasses import dataclass, field
@@ -285,14 +286,16 @@ class PrefixContext:
         return _native.release_many(*self._holder(slot, tier), engine_hashes)
 
     def apply_packed(
-        self, slot: _Slot, packed: PackedBatch, start: int, stop: int, block_size: int, root: int
-    ) -> tuple[int, int, int, int]:
-        """Events [start, stop) of a packed batch for ``slot``'s GPU blocks, chained from
-        ``root`` (the loop is ``PackedBatch.apply``): (blocks stored, blocks removed, events
-        orphaned, events whose token count does not fit their hashes)."""
+        self, slot: _Slot, packed: PackedBatch, start: int, max_blocks: int, root: int
+    ) -> tuple[int, int, int, int, int]:
+        """Events of a packed batch from ``start`` on, about ``max_blocks`` blocks' worth,
+        for ``slot``'s GPU blocks, chained from ``root`` (the loop is
+        ``PackedBatch.apply``): (the first event not applied, blocks stored, blocks removed,
+        events orphaned, events whose token count does not fit their hashes)."""
         owner_tiers = tuple(holdings.by_engine_hash for holdings in slot.holdings)
+        block_size = self.key.block_size
         return packed.apply(
-            start, stop, block_size, root, owner_tiers, *self._holder(slot, Tier.GPU)
+            start, max_blocks, block_size, root, owner_tiers, *self._holder(slot, Tier.GPU)
         )
 
     def _holder(self, slot: _Slot, tier: Tier) -> _native.HolderArgs:
@@ -750,34 +753,42 @@ class PrefixCacheTable:
         return stats
 
     def apply_packed(
-        self, key: str, packed: PackedBatch, start: int, stop: int, stats: ApplyStats
-    ) -> bool:
-        """``apply_events`` for events [start, stop) of a batch the C lane read; False (and
-        nothing applied) when the stream is not in the state the lane covers, and the
-        caller must decode the batch: the lane applies what ``_store`` and ``_remove`` do
-        for an engine's own GPU blocks once its first stored event made its slot, in a
-        context where no other of the stream's slots at that rank, and no other tier of
-        this one, could take a removal."""
+        self,
+        key: str,
+        packed: PackedBatch,
+        start: int,
+        stats: ApplyStats,
+        max_blocks: int = sys.maxsize,
+    ) -> int | None:
+        """``apply_events`` for a batch the C lane read, from event ``start`` on until about
+        ``max_blocks`` blocks were applied (at least one event). Returns the first event
+        not applied, or None (nothing applied) when the stream is not in the state the lane
+        covers, and the caller must decode the batch: the lane applies what ``_store`` and
+        ``_remove`` do for an engine's own GPU blocks once its first stored event made its
+        slot, in a context where no other of the stream's slots at that rank, and no other
+        tier of this one, could take a removal."""
         source = self._sources[key]
         rank = source.dp_rank if packed.dp_rank is None else packed.dp_rank
         target = self._targets.get((key, rank, None))
         if target is None or source.shared_pool:
-            return False
+            return None
         context, slot = target
         if packed.removals and not (
             self._stream_slots[key].get(rank) == {(context.key, (slot.instance_id, rank))}
             and not slot.holdings[Tier.CPU].by_engine_hash
             and not slot.holdings[Tier.DISK].by_engine_hash
         ):
-            return False
+            return None
         root = salt_root(source.salt)
-        counts = context.apply_packed(slot, packed, start, stop, source.block_size, root)
-        stats.events += stop - start
-        stats.blocks_stored += counts[0]
-        stats.blocks_removed += counts[1]
-        stats.orphaned += counts[2]
-        stats.drop("token_count_mismatch", counts[3])
-        return True
+        reached, stored, removed, orphaned, mismatched = context.apply_packed(
+            slot, packed, start, max_blocks, root
+        )
+        stats.events += reached - start
+        stats.blocks_stored += stored
+        stats.blocks_removed += removed
+        stats.orphaned += orphaned
+        stats.drop("token_count_mismatch", mismatched)
+        return reached
 
     def _store(
         self, source: StreamSource, dp_rank: int, event: BlockStored, stats: ApplyStats

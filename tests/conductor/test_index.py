@@ -1467,7 +1467,7 @@ class ModelCheck:
         payload = encode_batch(events.events, 0.0, events.dp_rank, layout)
         stats = ApplyStats()
         packed = pack_batch(payload, b"", MC_BS)
-        if packed is not None and self.table.apply_packed(key, packed, 0, len(packed), stats):
+        if packed is not None and self.table.apply_packed(key, packed, 0, stats) == len(packed):
             self.seen["lane_removal" if packed.removals else "lane_store"] += 1
             return stats
         return self.table.apply(key, decode_batch(payload), stats)

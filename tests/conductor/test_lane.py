@@ -74,7 +74,7 @@ def through_lane(table: PrefixCacheTable, key: str, payload: bytes, topic: bytes
     Returns (stats, whether the lane took it)."""
     stats = ApplyStats()
     packed = pack_batch(payload, topic, table._sources[key].block_size)
-    if packed is not None and table.apply_packed(key, packed, 0, len(packed), stats):
+    if packed is not None and table.apply_packed(key, packed, 0, stats) == len(packed):
         return stats, True
     return table.apply(key, decode_batch(payload, topic), stats), False
 
@@ -131,7 +131,7 @@ def test_every_captured_payload_ends_as_decoded(case: dict[str, Any]) -> None:
     if packed is None:
         return
     stats = ApplyStats()
-    assert lane_table.apply_packed(source.key, packed, 0, len(packed), stats)
+    assert lane_table.apply_packed(source.key, packed, 0, stats) == len(packed)
     assert stats == decoded(decoded_table, source.key, payload, topic)
     assert snapshot(lane_table) == snapshot(decoded_table)
     check_invariants(lane_table)
@@ -306,7 +306,28 @@ def test_a_stream_registered_again_stores_into_its_new_context() -> None:
     assert table.contexts[ContextKey("default", "third", "", BS)].block_counts()[0] == 1
 
 
-async def test_the_manager_decodes_the_rest_when_the_lane_stops_half_way() -> None:
+def test_the_lane_applies_a_batch_in_parts_of_a_block_budget() -> None:
+    """Each call applies events until about ``max_blocks`` blocks (at least one event), and
+    the parts add up to the whole batch applied at once."""
+    events = [["BlockStored", [10 + i, 100 + i], None, [i] * 2 * BS, None, None] for i in range(9)]
+    payload = msgpack.packb([0.0, [*events, ["BlockRemoved", [10, 11, 12]]], 0])
+    whole, parts = primed_table(stream(BS), 0), primed_table(stream(BS), 0)
+    whole_stats, parts_stats = ApplyStats(), ApplyStats()
+    packed = pack_batch(payload, b"", BS)
+    assert packed is not None
+    assert whole.apply_packed("s", packed, 0, whole_stats) == 10
+    reached, position = [], 0
+    while position < len(packed):
+        position = parts.apply_packed("s", packed, position, parts_stats, max_blocks=5) or 0
+        reached.append(position)
+    assert reached == [2, 4, 6, 8, 10]  # an event of 2 blocks counts 3: two a part
+    assert parts_stats == whole_stats and snapshot(parts) == snapshot(whole)
+    assert parts.apply_packed("s", packed, 3, ApplyStats(), max_blocks=1) == 4
+
+
+async def test_the_manager_decodes_the_rest_when_the_lane_stops_half_way(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     """Between two steps of a batch, the engine's rank-1 stream (whose batches say rank 0,
     so it shares the rank-0 slot) stores a CPU block: the lane stops taking the batch's
     removals, and the manager decodes the batch and applies it from the first event the
@@ -315,6 +336,7 @@ async def test_the_manager_decodes_the_rest_when_the_lane_stops_half_way() -> No
     metrics = ConductorMetrics(table)
     manager = ServiceManager(table, metrics, StoreWatch(table, metrics, str, 2.0), StreamLimits())
     manager.loop_share.step_s = 0.0  # a step per part: a yield after every 32 events
+    monkeypatch.setattr("conductor.manager.BLOCKS_PER_CLOCK_READ", 64)  # 32 of 1 block
     fields = {"type": "vLLM", "modelname": "m", "instance_id": "i0", "block_size": BS}
     engine = Registration.model_validate({**fields, "endpoint": "tcp://127.0.0.1:1"})
     other = Registration.model_validate({**fields, "endpoint": "tcp://127.0.0.1:2", "dp_rank": 1})
