@@ -133,6 +133,10 @@ def reply(request: web.Request, payload: Any, status: int = 200) -> web.Response
     return web.Response(body=_json_encode(payload), status=status, content_type="application/json")
 
 
+def _too_large(limit: int) -> ApiError:
+    return ApiError(413, f"request body too large (limit {limit} bytes)")
+
+
 async def read_body(request: web.Request, limit: int, timeout: float) -> bytes:
     """The body, at most ``limit`` bytes (413) and within ``timeout`` seconds (408)."""
     if request.content_length is not None and request.content_length > limit:
@@ -140,7 +144,7 @@ async def read_body(request: web.Request, limit: int, timeout: float) -> bytes:
     if request.content.is_eof():  # it came whole with the headers: no wait, no timer
         whole = request.content.read_nowait()
         if len(whole) > limit:
-            raise ApiError(413, f"request body too large (limit {limit} bytes)")
+            raise _too_large(limit)
         return whole
     body = bytearray()
     try:
@@ -148,7 +152,7 @@ async def read_body(request: web.Request, limit: int, timeout: float) -> bytes:
             async for chunk in request.content.iter_any():
                 body += chunk
                 if len(body) > limit:
-                    raise ApiError(413, f"request body too large (limit {limit} bytes)")
+                    raise _too_large(limit)
     except TimeoutError:
         raise ApiError(408, f"request body not received within {timeout:g} s") from None
     return bytes(body)
@@ -198,14 +202,11 @@ class GoMatch(msgspec.Struct):
     DISK: int  # noqa: N815
 
 
-_RANK_NAMES = tuple(str(rank) for rank in range(64))
-
-
 def _go_match(match: InstanceMatch) -> GoMatch:
     ranks = match.ranks
     if len(ranks) == 1:  # one DP rank: most engines
         ((rank, (_, _, disk)),) = ranks.items()
-        dp = {_RANK_NAMES[rank] if rank < len(_RANK_NAMES) else str(rank): disk}
+        dp = {str(rank): disk}
     else:
         dp = {str(rank): disk for rank, (_, _, disk) in sorted(ranks.items())}
     return GoMatch(match.disk, dp, match.gpu, match.cpu, match.disk)

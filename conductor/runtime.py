@@ -124,9 +124,9 @@ class GcPauseMonitor:
     """Times the garbage collector's pauses: a full collection over a million long-lived
     objects holds the event loop for a noticeable while, and shows in query tails.
 
-    Records each collection in ``{prefix}_gc_pause_seconds`` (label ``generation``), logs
-    one slower than ``warn_s``, keeps the longest in ``worst``. Installed by ``start``
-    (a ``gc.callbacks`` hook), removed by ``stop``.
+    Records each collection in ``{prefix}_gc_pause_seconds`` (label ``generation``) and
+    logs one slower than ``warn_s``. Installed by ``start`` (a ``gc.callbacks`` hook),
+    removed by ``stop``.
     """
 
     def __init__(self, registry: CollectorRegistry, prefix: str, warn_s: float = 0.1) -> None:
@@ -138,7 +138,6 @@ class GcPauseMonitor:
             registry=registry,
         )
         self.warn_s = warn_s
-        self.worst = 0.0
         self._began = 0.0
 
     def start(self) -> None:
@@ -153,7 +152,6 @@ class GcPauseMonitor:
             self._began = time.perf_counter()
             return
         pause = time.perf_counter() - self._began
-        self.worst = max(self.worst, pause)
         self.histogram.labels(str(info["generation"])).observe(pause)
         if pause > self.warn_s:
             logging.getLogger(__name__).warning(
