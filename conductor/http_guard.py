@@ -6,6 +6,9 @@ Every connection's protocol (aiohttp's ``RequestHandler``) is wrapped: a connect
 after its first byte (or after the connection opened) closes the connection, so a client
 sending a head byte by byte cannot hold a socket. The body has its own timeout, around the
 read in the handlers.
+
+The guard also tells the index's ``LoopShare`` when a request is being answered (from its
+first bytes until the handler returns), so that ingest steps wait for it.
 """
 
 from __future__ import annotations
@@ -18,6 +21,8 @@ from typing import Any, cast
 from aiohttp import web
 from prometheus_client import CollectorRegistry, Counter
 
+from .runtime import LoopShare
+
 log = logging.getLogger(__name__)
 HEAD_END = b"\r\n\r\n"
 
@@ -26,9 +31,14 @@ class ConnectionGuard:
     """The open connections and the limits they are held to."""
 
     def __init__(
-        self, header_timeout: float, max_connections: int, registry: CollectorRegistry
+        self,
+        header_timeout: float,
+        max_connections: int,
+        registry: CollectorRegistry,
+        share: LoopShare | None = None,
     ) -> None:
         self.header_timeout = header_timeout
+        self.share = share  # told of every request from its first bytes to its answer
         self.max_connections = max_connections
         self.refused = Counter(
             "conductor_http_connections_closed_total",
@@ -47,6 +57,7 @@ class ConnectionGuard:
         if connection is not None:
             connection.awaiting_head = True
             connection.tail = b""
+            connection.answered()
 
     def close_all(self) -> None:
         """Shutdown: close every connection now, slow clients included."""
@@ -63,6 +74,7 @@ class GuardedProtocol(asyncio.Protocol):
         self.transport: asyncio.Transport | None = None
         self.awaiting_head = True
         self.tail = b""  # the last bytes seen, to find a head end split across reads
+        self.answering = False  # a request's first bytes came, its answer not yet
         self._timer: asyncio.TimerHandle | None = None
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
@@ -76,6 +88,9 @@ class GuardedProtocol(asyncio.Protocol):
         self.inner.connection_made(transport)
 
     def data_received(self, data: bytes) -> None:
+        if not self.answering and self.guard.share is not None:
+            self.answering = True
+            self.guard.share.request_began()
         if self.awaiting_head:
             if self._timer is None:
                 self._arm()
@@ -91,6 +106,7 @@ class GuardedProtocol(asyncio.Protocol):
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._disarm()
+        self.answered()
         if self.transport is not None and self.guard.open.pop(self.transport, None) is not None:
             self.inner.connection_lost(exc)
 
@@ -99,6 +115,11 @@ class GuardedProtocol(asyncio.Protocol):
 
     def resume_writing(self) -> None:
         self.inner.resume_writing()
+
+    def answered(self) -> None:
+        if self.answering and self.guard.share is not None:
+            self.answering = False
+            self.guard.share.request_ended()
 
     def _arm(self) -> None:
         loop = asyncio.get_running_loop()

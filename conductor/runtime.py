@@ -235,19 +235,30 @@ class SupervisedTask:
 
 
 class LoopShare:
-    """Bulk work (applying event batches) takes turns: one step per event-loop round.
+    """Bulk work (applying event batches) takes turns: one step per event-loop round, and
+    none while a request is being answered.
 
     asyncio runs every callback that was ready when a round began: with N streams each
     holding a backlog, a round would apply a batch of every stream before a query's next
     step. Here a stream queues for its ``turn``, and one queued stream goes per round, so a
     query waits about one step per round whatever the number of busy streams. Whoever takes
     a turn keeps its step to about ``step_s`` (``ServiceManager`` applies a batch in steps).
+
+    A request takes a few rounds from its first bytes to its answer, and each round would
+    hold a step: the HTTP side reports requests (``request_began`` / ``request_ended``) and
+    turns wait until none is left, so a query waits for the one step already running at
+    most. A turn waits ``defer_s`` at most: then turns stop waiting until no request is
+    left (a slow client's body, or queries that never pause, cannot hold ingest back).
     """
 
-    def __init__(self, step_s: float = 0.0005) -> None:
+    def __init__(self, step_s: float = 0.0005, defer_s: float = 0.002) -> None:
         self.step_s = step_s
+        self.defer_s = defer_s
         self._waiting: deque[asyncio.Future[None]] = deque()
         self._releasing = False
+        self._requests = 0  # being answered
+        self._yielding = True  # turns wait for requests; off once one waited defer_s
+        self._deferred: asyncio.TimerHandle | None = None  # a release waiting for them
 
     async def turn(self) -> None:
         """Return in a later round, after the streams queued before this one."""
@@ -259,13 +270,38 @@ class LoopShare:
             loop.call_soon(self._release_one)
         await turn  # cancelled: the release skips it
 
-    def _release_one(self) -> None:
+    @property
+    def requests(self) -> int:
+        """Requests being answered."""
+        return self._requests
+
+    def request_began(self) -> None:
+        self._requests += 1
+
+    def request_ended(self) -> None:
+        self._requests -= 1
+        if self._requests:
+            return
+        self._yielding = True
+        if self._deferred is not None:
+            self._deferred.cancel()
+            self._deferred = None
+            asyncio.get_running_loop().call_soon(self._release_one)
+
+    def _release_one(self, waited: bool = False) -> None:
+        loop = asyncio.get_running_loop()
+        if waited:
+            self._yielding = False
+        elif self._requests and self._yielding:
+            self._deferred = loop.call_later(self.defer_s, self._release_one, True)
+            return
+        self._deferred = None
         while self._waiting:
             turn = self._waiting.popleft()
             if not turn.done():
                 turn.set_result(None)
                 break
         if self._waiting:
-            asyncio.get_running_loop().call_soon(self._release_one)
+            loop.call_soon(self._release_one)
         else:
             self._releasing = False

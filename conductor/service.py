@@ -59,7 +59,9 @@ def create_app(
     metrics = manager.metrics
     allowlist = _allowlist(settings, config.registrations())
     state_file = StateFile(state) if state is not None else None
-    guard = ConnectionGuard(settings.header_timeout_s, settings.max_connections, metrics.registry)
+    guard = ConnectionGuard(
+        settings.header_timeout_s, settings.max_connections, metrics.registry, manager.loop_share
+    )
     options = ApiOptions(
         limits=HttpLimits(
             settings.max_body_bytes,

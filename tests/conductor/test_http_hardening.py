@@ -1,16 +1,22 @@
 """One request can neither hold the event loop nor a socket: item and body limits, head and
 body timeouts with real slow clients, a connection cap, Go integer widths. Limits and widths
 are checked in-process; slow clients, the connection cap and the loop lag against a
-conductor process (its guarded socket)."""
+conductor process (its guarded socket). Requests hold ingest turns back on the guarded
+socket, served in-process."""
 
 from __future__ import annotations
 
 import asyncio
+import json
 import re
 import time
 
 import pytest
+from aiohttp import web
 
+from conductor.__main__ import parse_settings
+from conductor.http_guard import GuardedSite
+from conductor.service import GUARD, MANAGER, create_app
 from tests.support.api import eventually, get, metric, post, register_and_connect
 from tests.support.wire_publisher import stored
 
@@ -216,3 +222,44 @@ async def lag_buckets(http, base: str) -> dict[float, float]:
     for bound, total in cumulative:
         counts[bound], previous = total - previous, total
     return counts
+
+
+async def test_ingest_turns_wait_while_a_request_is_answered_on_the_guarded_socket(tmp_path):
+    """From a request's first bytes to its answer, the index's turns wait (a query's rounds
+    run without ingest steps between them); a dropped connection ends its request too."""
+    config = tmp_path / "conductor_config.json"
+    config.write_text("{}")
+    settings, limits, parsed, _ = parse_settings(["--config", str(config), "--state-file", ""])
+    app = create_app(settings, limits, parsed, None)
+    share = app[MANAGER].loop_share
+    share.defer_s = 10.0
+
+    async def requests() -> int:
+        return share.requests
+
+    runner = web.AppRunner(app)
+    await runner.setup()
+    try:
+        site = GuardedSite(runner, app[GUARD], host="127.0.0.1", port=0)
+        await site.start()
+        port = runner.addresses[0][1]
+        reader, writer = await asyncio.open_connection("127.0.0.1", port)
+        body = json.dumps(QUERY).encode()
+        writer.write(b"POST /query HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n")
+        await eventually(requests, lambda n: n == 1)
+        turn = asyncio.create_task(share.turn())
+        await asyncio.sleep(0.05)
+        assert not turn.done()
+        writer.write(b"Content-Length: %d\r\n\r\n%s" % (len(body), body))
+        assert (await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 5)).startswith(
+            b"HTTP/1.1 200"
+        )
+        await asyncio.wait_for(turn, 5)
+        assert share.requests == 0
+
+        writer.write(b"GET /health HTTP/1.1\r\n")  # a request cut off by its client
+        await eventually(requests, lambda n: n == 1)
+        writer.close()
+        await eventually(requests, lambda n: n == 0)
+    finally:
+        await runner.cleanup()

@@ -121,3 +121,45 @@ def test_gc_pauses_are_timed_per_generation_and_a_slow_one_is_logged(
     assert "garbage collection of generation 2 paused" in caplog.text
     gc.collect(2)  # stopped: not counted
     assert registry.get_sample_value("test_gc_pause_seconds_count", {"generation": "2"}) == 1
+
+
+async def rounds(count: int) -> None:
+    for _ in range(count):
+        await asyncio.sleep(0)
+
+
+async def test_loop_share_turns_wait_while_a_request_is_answered():
+    """A query's rounds run without ingest steps between them: a turn asked for while a
+    request is being answered is given once no request is left."""
+    share = LoopShare(defer_s=10)
+    share.request_began()
+    share.request_began()
+    turn = asyncio.create_task(share.turn())
+    await rounds(20)
+    share.request_ended()
+    await rounds(20)
+    assert not turn.done() and share.requests == 1
+    share.request_ended()
+    await asyncio.wait_for(turn, 1)
+    assert share.requests == 0
+
+
+async def test_loop_share_waits_for_requests_defer_s_at_most_then_until_none_is_left():
+    """A request that never ends (a slow client's body) holds ingest back once, for defer_s;
+    then turns stop waiting until no request is left, and wait again after that."""
+    share = LoopShare(defer_s=0.05)
+    share.request_began()
+    began = time.monotonic()
+    await asyncio.wait_for(share.turn(), 1)
+    assert time.monotonic() - began >= 0.05
+    began = time.monotonic()
+    for _ in range(5):  # no longer waiting for the request still open
+        await asyncio.wait_for(share.turn(), 1)
+    assert time.monotonic() - began < 0.05
+    share.request_ended()
+    share.request_began()
+    turn = asyncio.create_task(share.turn())
+    await rounds(20)
+    assert not turn.done()  # a new request: turns wait again
+    share.request_ended()
+    await asyncio.wait_for(turn, 1)
