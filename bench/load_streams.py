@@ -391,7 +391,9 @@ class Worker:
         for send in self.schedule:
             wait = start + send.due_s - time.monotonic()
             while wait > 0:
-                if self.serve(min(wait * 1000, POLL_MS)) == "stop":
+                if wait < 0.001:  # zmq polls whole milliseconds: a shorter poll would spin
+                    time.sleep(wait)
+                elif self.serve(min(wait * 1000, POLL_MS)) == "stop":
                     return "stop"
                 wait = start + send.due_s - time.monotonic()
             self.stats.lag_max_s = max(self.stats.lag_max_s, -wait)
