@@ -213,12 +213,12 @@ def _go_match(match: InstanceMatch) -> GoMatch:
 
 
 def _go_matches(matches: dict[str, InstanceMatch]) -> dict[str, GoMatch]:
-    """Each instance's Go answer, by name; written once per distinct match object (the index
-    shares equal answers: in a large fleet most instances have one of a few)."""
+    """Each instance's Go answer, by name, in the order of ``matches`` (the index's is
+    instance-id order, as Go writes a map's keys); written once per distinct match object
+    (the index shares equal answers: in a large fleet most instances have one of a few)."""
     written: dict[int, GoMatch] = {}
     answers = {}
-    for name in sorted(matches):
-        match = matches[name]
+    for name, match in matches.items():
         answer = written.get(id(match))
         if answer is None:
             answer = written[id(match)] = _go_match(match)

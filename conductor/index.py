@@ -150,10 +150,15 @@ class _Engines:
 
     mask: int  # every engine slot's bit
     masks: dict[str, int]  # instance id -> its slots' bits
-    zero: dict[str, InstanceMatch]  # instance id -> its answer when nothing matched (shared)
+    # instance id -> its answer when nothing matched (shared), in instance-id order
+    zero: dict[str, InstanceMatch]
     # slot index -> (instance id, DP rank) of each instance with one engine slot: its answer
     # is that slot's alone
     single: dict[int, tuple[str, int]]
+    # when every instance has one engine slot and all have the same DP rank (most fleets):
+    # that rank, and each slot index's instance id ("": no engine slot)
+    uniform_rank: int | None
+    names: list[str]
 
 
 class _Holdings:
@@ -389,7 +394,7 @@ class PrefixContext:
         Only the slots holding the first block walk the query's hashes: in a large fleet
         most hold none of a prompt. Answers are shared where they are equal (the zeros of
         instances with the same ranks; one-slot instances that stopped at the same block),
-        so the result is read-only.
+        so the result is read-only. It lists the instances in instance-id order.
         """
         engines = self._engine_set()
         if instance_id is None:
@@ -409,8 +414,17 @@ class PrefixContext:
             stops = self._walk_tiers(hashes, interest)
         size = self.key.block_size
         alike: dict[tuple[int, int, int, int], InstanceMatch] = {}
-        single = engines.single
+        groups: dict[tuple[int, int, int], InstanceMatch] = {}  # by blocks, for one rank
+        single, uniform_rank, names = engines.single, engines.uniform_rank, engines.names
         for indices, blocks in stops:
+            if uniform_rank is not None:  # one answer for the group, one store per instance
+                match = groups.get(blocks)
+                if match is None:
+                    tokens = (blocks[0] * size, blocks[1] * size, blocks[2] * size)
+                    match = groups[blocks] = InstanceMatch(*tokens, {uniform_rank: tokens})
+                for index in indices:
+                    matches[names[index]] = match
+                continue
             gpu, cpu, disk = (n * size for n in blocks)
             for index in indices:
                 owner = single.get(index)
@@ -435,19 +449,10 @@ class PrefixContext:
         return matches
 
     def _walk_gpu(self, hashes: Sequence[PrefixHash], interest: int) -> list[_Stop]:
-        """The walk of a GPU-only context: slots stop together, in groups."""
-        gpu_blocks = self.blocks[Tier.GPU]
-        stops: list[_Stop] = []
-        alive = interest
-        for position, prefix_hash in enumerate(hashes):
-            still = alive & gpu_blocks.get(prefix_hash, 0)  # one big-int op per block
-            if still != alive:
-                stops.append((_bit_indices(alive ^ still), (position,) * 3))
-                alive = still
-                if not alive:
-                    return stops
-        stops.append((_bit_indices(alive), (len(hashes),) * 3))
-        return stops
+        """The walk of a GPU-only context: slots stop together, in groups (in C, on the
+        masks as machine words: 280 blocks of 1,000 slots stopping at 256 places take
+        ~0.2 ms, against ~0.33 ms in Python)."""
+        return _native.walk_masks(self.blocks[Tier.GPU], hashes, interest)
 
     def _engine_set(self) -> _Engines:
         """The engine slots as queries see them; rebuilt after a slot came or went."""
@@ -460,7 +465,7 @@ class PrefixContext:
                     ranks.setdefault(slot.instance_id, []).append(slot.dp_rank)
             zeros: dict[tuple[int, ...], InstanceMatch] = {}
             zero = {}
-            for instance_id, its_ranks in ranks.items():
+            for instance_id, its_ranks in sorted(ranks.items()):
                 key = tuple(sorted(its_ranks))
                 if key not in zeros:
                     zeros[key] = InstanceMatch(ranks=dict.fromkeys(key, (0, 0, 0)))
@@ -473,7 +478,13 @@ class PrefixContext:
                 for slot in self.slots.values()
                 if not slot.shared_pool and len(ranks[slot.instance_id]) == 1
             }
-            self._engines = _Engines(mask, masks, zero, single)
+            single_ranks = {rank for _, rank in single.values()}
+            uniform = len(single) == len(ranks) and len(single_ranks) == 1
+            names = [""] * (max(single, default=-1) + 1)
+            for index, (instance_id, _) in single.items():
+                names[index] = instance_id
+            rank = single_ranks.pop() if uniform else None
+            self._engines = _Engines(mask, masks, zero, single, rank, names)
         return self._engines
 
     def _holders(self, prefix_hash: PrefixHash) -> int:

@@ -332,6 +332,28 @@ def test_a_large_fleet_answers_for_every_instance(table: PrefixCacheTable) -> No
     check_invariants(table)
 
 
+def test_a_fleet_of_one_rank_answers_in_instance_id_order_with_shared_answers(
+    table: PrefixCacheTable,
+) -> None:
+    """Every instance one slot of the same DP rank (here 3): each group of instances that
+    stopped together gets one shared answer naming that rank; the answer lists instances in
+    instance-id order (as Go writes its map) whatever the order they registered in."""
+    names = [f"i{n:02}" for n in range(40)]
+    register(table, *(src(name, dp_rank=3) for name in reversed(names)))
+    for n, name in enumerate(names):  # i00 holds 1 block, i01 2, ... i04 5, i05 1, ...
+        depth = n % 5 + 1
+        table.apply(
+            f"{name}|default|3", batch(stored(range(100 * n, 100 * n + depth), prompt(depth)))
+        )
+    got = table.match_tokens(ctx(), prompt(4)) or {}
+    assert list(got) == names
+    assert answer(got) == {name: (min(n % 5 + 1, 4) * BS,) * 3 for n, name in enumerate(names)}
+    assert got["i00"] is got["i05"] and got["i03"] is got["i04"]  # 4 blocks: the whole prompt
+    assert got["i01"].ranks == {3: (2 * BS,) * 3}
+    assert list(table.match_tokens(ctx(), toks(9)) or {}) == names  # nothing held: zeros
+    check_invariants(table)
+
+
 # -- clears and unregistration ------------------------------------------------------------------
 def test_all_blocks_cleared_touches_only_that_stream(table: PrefixCacheTable) -> None:
     """An engine's AllBlocksCleared empties its cache, not its peers'; it stays listed."""

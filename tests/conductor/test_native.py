@@ -345,3 +345,52 @@ def test_json_int32_field_reads_only_a_flat_object_with_one_int32_array() -> Non
         b'{"u": [1]}',
     ):
         assert read(declined, "t") is None, declined
+
+
+def walk_in_python(blocks: dict[int, int], hashes: list[Any], interest: int) -> list[Any]:
+    """What walk_masks computes, one big-int operation per block."""
+    stops, alive = [], interest
+    for position, prefix_hash in enumerate(hashes):
+        still = alive & blocks.get(prefix_hash, 0)
+        if still != alive:
+            stops.append((bit_indices(alive ^ still), (position,) * 3))
+            alive = still
+            if not alive:
+                return stops
+    return [*stops, (bit_indices(alive), (len(hashes),) * 3)]
+
+
+def bit_indices(mask: int) -> list[int]:
+    return [index for index in range(mask.bit_length()) if mask >> index & 1]
+
+
+WIDE_MASKS = st.integers(min_value=1, max_value=2**300)
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    st.dictionaries(st.integers(0, 40), WIDE_MASKS, max_size=40),
+    st.lists(st.one_of(st.integers(0, 45), st.integers(-5, -1), st.just(2**64)), max_size=50),
+    st.one_of(st.just(0), st.integers(1, 2**64), st.integers(1, 2**200)),
+)
+def test_walk_masks_stops_each_owner_where_python_s_walk_does(
+    blocks: dict[int, int], hashes: list[int], interest: int
+) -> None:
+    """Masks narrower and wider than the interest, keys absent or no uint64 (held by
+    nobody), an empty walk, an empty interest."""
+    masks = _native.MaskMap()
+    for key, mask in blocks.items():
+        masks[key] = mask
+    assert _native.walk_masks(masks, hashes, interest) == walk_in_python(blocks, hashes, interest)
+
+
+def test_walk_masks_refuses_what_it_cannot_walk() -> None:
+    with pytest.raises(TypeError, match="argument 1 must be a conductor._native.MaskMap"):
+        _native.walk_masks({}, [1], 1)  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="interest must be an int"):
+        _native.walk_masks(_native.MaskMap(), [1], 1.0)  # type: ignore[arg-type]
+    with pytest.raises(OverflowError):
+        _native.walk_masks(_native.MaskMap(), [1], -1)
+    with pytest.raises(TypeError, match="hashes must be a sequence"):
+        _native.walk_masks(_native.MaskMap(), 5, 1)  # type: ignore[arg-type]
+    assert _native.walk_masks(_native.MaskMap(), (1, 2), 0b101) == [([0, 2], (0, 0, 0))]
