@@ -37,6 +37,14 @@ def shape(value: Any) -> Any:
     return type(value).__name__  # bool, int, float, str
 
 
+def event_runs(events: list[Any]) -> list[Any]:
+    """The shapes of a stream's events, a run of like events as one: vLLM merges the deltas
+    a slow reader has not taken yet into one chunk (two tokens in one event when its CPU is
+    busy), so how many like events follow each other is no part of its answer's shape."""
+    shapes = [shape(event) for event in events]
+    return [s for i, s in enumerate(shapes) if i == 0 or s != shapes[i - 1]]
+
+
 def media_type(content_type: str | None) -> str | None:
     return content_type.split(";")[0].strip() if content_type else None
 
@@ -74,6 +82,6 @@ def assert_answers_like_vllm(got: dict[str, Any], case: dict[str, Any]) -> None:
     if "json" in case:
         assert shape(got["json"]) == shape(case["json"])
     elif "sse" in case:
-        assert [shape(event) for event in got["sse"]] == [shape(event) for event in case["sse"]]
+        assert event_runs(got["sse"]) == event_runs(case["sse"]), got["sse"]
     elif case["text"] == "":
         assert got["text"] == ""
