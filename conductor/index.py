@@ -480,9 +480,11 @@ class PrefixContext:
             }
             single_ranks = {rank for _, rank in single.values()}
             uniform = len(single) == len(ranks) and len(single_ranks) == 1
-            names = [""] * (max(single, default=-1) + 1)
-            for index, (instance_id, _) in single.items():
-                names[index] = instance_id
+            names: list[str] = []  # read in the uniform case only
+            if uniform:
+                names = [""] * (max(single) + 1)
+                for index, (instance_id, _) in single.items():
+                    names[index] = instance_id
             rank = single_ranks.pop() if uniform else None
             self._engines = _Engines(mask, masks, zero, single, rank, names)
         return self._engines
