@@ -57,7 +57,7 @@ from .pending import RECHECK_S, PendingPrefixes, PendingPrompt
 from .policy import Decision, RoutingParams, SloViolation, choose, reusable_hits
 from .pool import CostLearner, InstancePool, Ticket, Upstream
 from .store import STORE_METRICS, loads_in
-from .tokenizer import LocalTokenizer, Unsupported, probes
+from .tokenizer import InvalidPrompt, LocalTokenizer, Unsupported, probes
 from .usage import UsageTap, cached_tokens
 
 log = logging.getLogger(__name__)
@@ -177,8 +177,8 @@ class Router:
             if directory is not None
             else None
         )
-        if self.local is not None and self.local.chunks is not None:
-            self.metrics.watch_chunks(self.local.chunks)
+        if self.local is not None and self.local.encoder is not None:
+            self.metrics.watch_encoder(self.local.encoder)
         # the paths (completions, chat) the local tokenizer serves: once an engine agreed
         self.local_paths: set[bool] = set() if config.tokenizer.verify else {False, True}
         if self.local is not None and self.local.chat_unsupported:
@@ -475,6 +475,8 @@ class Router:
                 tokens = await self._tokenize_locally(chat, body, len(raw))
             except Unsupported as unsupported:
                 self.metrics.local_skipped.labels(unsupported.reason).inc()
+            except InvalidPrompt as invalid:
+                raise ApiError(400, str(invalid), param="messages" if chat else "prompt") from None
             else:
                 self._check_prompt_length(len(tokens))
                 return tokens, "local"

@@ -31,7 +31,7 @@ from conductor.runtime import port_number
 
 from .pending import GRACE_S, MAX_PENDING_S
 from .policy import REGISTRY, PrefillCostModel, RoutingParams
-from .token_chunks import CHUNK_CACHE_TOKENS
+from .prompt_encoder import CHUNK_CACHE_TOKENS
 
 
 class _Section(BaseModel):
@@ -126,7 +126,7 @@ class TokenizerSection(_Section):
     path: Path | None = None
     # compare with an engine's /tokenize (a few probe prompts) before trusting it
     verify: bool = True
-    # ids of long prompts' chunks kept for the next prompt sharing them (0: encode whole)
+    # ids of long prompts' chunks kept for the next prompt sharing them (0: no chunks)
     chunk_cache_tokens: int = Field(default=CHUNK_CACHE_TOKENS, ge=0)
     # send a completion's text prompt on as the ids the router computed (vLLM takes a
     # prompt of ids), so the engine does not tokenize it again; a request with ``echo``

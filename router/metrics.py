@@ -9,26 +9,34 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from .token_chunks import ChunkedEncoder
+from .prompt_encoder import PromptEncoder
 
 # realized − predicted cached tokens: symmetric around 0 (le=0 minus le=-1 is "exact").
 # With negative buckets no _sum is exported (OpenMetrics); the two counters give the net.
 PREDICTION_ERROR_BUCKETS = (-4096, -1024, -256, -64, -16, -1, 0, 16, 64, 256, 1024, 4096)
 
 
-class _ChunkCollector(Collector):
-    """The chunked encoder's counters, read at scrape time (it runs in worker threads)."""
+class _EncoderCollector(Collector):
+    """The prompt encoder's counters, read at scrape time (it runs in worker threads)."""
 
-    def __init__(self, chunks: ChunkedEncoder) -> None:
-        self._chunks = chunks
+    def __init__(self, encoder: PromptEncoder) -> None:
+        self._encoder = encoder
 
     def collect(self) -> Iterable[Metric]:
-        stats = self._chunks.stats
+        encoder = self._encoder
+        stats = encoder.stats
         active = GaugeMetricFamily(
             "router_tokenizer_chunks_active",
-            "1 while long prompts are encoded in chunks whose ids are reused, 0 once an "
-            "audit found chunked ids differing from whole ones (then every prompt is whole)",
-            value=int(self._chunks.active),
+            "1 while long prompts are encoded in chunks whose ids are reused, 0 when the "
+            "tokenizer rules chunks out or once an audit found the router's ids differing "
+            "from HF's whole ones (then HF encodes every prompt whole)",
+            value=int(encoder.active and encoder.chunking),
+        )
+        fast = GaugeMetricFamily(
+            "router_tokenizer_fast_bpe_active",
+            "1 while prompts are encoded through tiktoken (a byte-level BPE tokenizer on "
+            "which it gives HF's ids), 0 otherwise",
+            value=int(encoder.active and encoder.fast is not None),
         )
         tokens = CounterMetricFamily(
             "router_tokenizer_chunk_tokens",
@@ -39,7 +47,8 @@ class _ChunkCollector(Collector):
         tokens.add_metric(["encoded"], stats.encoded_tokens)
         audits = CounterMetricFamily(
             "router_tokenizer_chunk_audits",
-            "Chunked encodes checked against a whole encode, by result",
+            "The router's encodes (tiktoken or chunked) checked against HF's whole encode, "
+            "by result",
             labels=["result"],
         )
         audits.add_metric(["agreed"], stats.audits - stats.disagreements)
@@ -49,7 +58,7 @@ class _ChunkCollector(Collector):
             "Token ids the chunk cache holds (at most tokenizer.chunk_cache_tokens)",
             value=stats.cached_tokens,
         )
-        yield from (active, tokens, audits, cached)
+        yield from (active, fast, tokens, audits, cached)
 
 
 class RouterMetrics:
@@ -217,8 +226,8 @@ class RouterMetrics:
             registry=registry,
         )
 
-    def watch_chunks(self, chunks: ChunkedEncoder) -> None:
-        self.registry.register(_ChunkCollector(chunks))
+    def watch_encoder(self, encoder: PromptEncoder) -> None:
+        self.registry.register(_EncoderCollector(encoder))
 
     def record_cache_use(self, instance: str, predicted: int, realized: int | None) -> None:
         """One answered request: the conductor's prediction against the engine's report."""

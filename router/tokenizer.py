@@ -36,7 +36,7 @@ import jinja2.nodes
 import jinja2.sandbox
 from tokenizers import AddedToken, Tokenizer, processors
 
-from .token_chunks import CHUNK_CACHE_TOKENS, ChunkedEncoder, encode_whole
+from .prompt_encoder import CHUNK_CACHE_TOKENS, PromptEncoder, encode_whole
 
 NAMED_SPECIAL_TOKENS = (
     "bos_token",
@@ -68,6 +68,10 @@ CONTINUE_TAG = "CONTINUE_FINAL_MESSAGE_TAG "  # transformers' marker for continu
 
 class TokenizerUnavailable(ValueError):
     """The directory holds no tokenizer this module can load (the reason says why)."""
+
+
+class InvalidPrompt(ValueError):
+    """A prompt no tokenizer encodes: a lone surrogate (JSON escapes allow one, UTF-8 not)."""
 
 
 class Unsupported(Exception):
@@ -207,15 +211,13 @@ class LocalTokenizer:
         self.special_tokens = special_tokens
         self._chat = chat
         self.chat_unsupported = chat_unsupported  # why chat goes to an engine, if it does
-        # long prompts in chunks whose ids are reused (None: encoded whole, see token_chunks)
-        self.chunks = (
-            ChunkedEncoder.create(tokenizer, chunk_cache_tokens) if chunk_cache_tokens else None
-        )
+        # tiktoken and reused chunks (None: HF encodes every prompt whole, see prompt_encoder)
+        self.encoder = PromptEncoder.create(tokenizer, chunk_cache_tokens)
 
     @classmethod
     def load(cls, directory: Path, chunk_cache_tokens: int = CHUNK_CACHE_TOKENS) -> LocalTokenizer:
         """Reads ``tokenizer.json`` and the configs; raises TokenizerUnavailable.
-        ``chunk_cache_tokens``: how many ids of prompt chunks to keep (0: encode whole)."""
+        ``chunk_cache_tokens``: how many ids of prompt chunks to keep (0: no chunks)."""
         path = directory / "tokenizer.json"
         if not path.is_file():
             raise TokenizerUnavailable(f"{directory}: no tokenizer.json")
@@ -241,8 +243,8 @@ class LocalTokenizer:
         return cls(tokenizer, special, chat, unsupported, chunk_cache_tokens)
 
     def encode(self, text: str, add_special_tokens: bool) -> list[int]:
-        if self.chunks is not None:
-            return self.chunks.encode(text, add_special_tokens)
+        if self.encoder is not None:
+            return self.encoder.encode(text, add_special_tokens)
         return encode_whole(self._tokenizer, text, add_special_tokens)
 
     def decode(self, ids: list[int]) -> str:
@@ -301,7 +303,18 @@ class LocalTokenizer:
 
     def prompt(self, chat: bool, body: Mapping[str, Any]) -> tuple[str, bool]:
         """The text a completions (``chat`` false) or chat request body becomes, and
-        whether special tokens are added when it is encoded; raises Unsupported."""
+        whether special tokens are added when it is encoded; raises Unsupported and
+        InvalidPrompt."""
+        text, add_special_tokens = self._prompt(chat, body)
+        try:
+            text.encode()
+        except UnicodeEncodeError as error:
+            raise InvalidPrompt(
+                f"the prompt must be valid Unicode text: a lone surrogate at {error.start}"
+            ) from None
+        return text, add_special_tokens
+
+    def _prompt(self, chat: bool, body: Mapping[str, Any]) -> tuple[str, bool]:
         if chat:
             _refuse_fields(body, ENGINE_CHAT_FIELDS)
             if self._flag(body, "add_special_tokens", False):

@@ -300,16 +300,34 @@ async def test_a_conversation_reuses_its_earlier_turns_ids(serve, engine, model_
     reused = await metric(http, url, 'router_tokenizer_chunk_tokens_total{source="reused"}')
     encoded = await metric(http, url, 'router_tokenizer_chunk_tokens_total{source="encoded"}')
     assert reused > 0.8 * encoded  # the second turn came from the first one's chunks
-    assert await metric(http, url, 'router_tokenizer_chunk_audits_total{result="agreed"}') == 1
+    audits = 'router_tokenizer_chunk_audits_total{result="agreed"}'
+    await eventually(lambda: metric(http, url, audits), lambda agreed: agreed == 1)
 
 
-async def test_chunk_cache_tokens_zero_encodes_every_prompt_whole(serve, engine, model_dir, http):
+async def test_chunk_cache_tokens_zero_keeps_no_chunks(serve, engine, model_dir, http):
     tokenizer = {"path": str(model_dir), "verify": False, "chunk_cache_tokens": 0}
     router, url = await serve(layout([engine.url], tokenizer=tokenizer))
-    assert router.local is not None and router.local.chunks is None
+    encoder = router.local.encoder if router.local is not None else None
+    assert encoder is not None and not encoder.chunking and encoder.fast is not None
     assert await _route(http, url, "/v1/completions", {"prompt": "x " * 5000}) == "local"
-    async with http.get(f"{url}/metrics") as response:
-        assert "router_tokenizer_chunk" not in await response.text()
+    assert await metric(http, url, "router_tokenizer_chunks_active") == 0
+    assert await metric(http, url, "router_tokenizer_fast_bpe_active") == 1
+    assert await metric(http, url, 'router_tokenizer_chunk_tokens_total{source="encoded"}') == 0
+
+
+@pytest.mark.parametrize("chat", [False, True])
+async def test_a_lone_surrogate_in_the_prompt_is_a_400(serve, engine, model_dir, http, chat):
+    _, url = await serve(layout([engine.url], tokenizer={"path": str(model_dir), "verify": False}))
+    text = b'"a\\ud800b"'
+    body = b'"messages": [{"role": "user", "content": %s}]' % text if chat else b'"prompt": ' + text
+    path = "/v1/chat/completions" if chat else "/v1/completions"
+    data = b'{"model": "%s", %s}' % (MODEL.encode(), body)
+    async with http.post(f"{url}{path}", data=data) as response:
+        assert response.status == 400
+        error = (await response.json())["error"]
+    assert error["param"] == ("messages" if chat else "prompt")
+    assert error["message"].startswith("the prompt must be valid Unicode text: a lone surrogate")
+    assert engine.received == []
 
 
 def test_a_configured_directory_that_cannot_be_read_stops_the_router(tmp_path):

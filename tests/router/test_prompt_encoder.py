@@ -1,8 +1,10 @@
-"""Chunked encoding (router/token_chunks.py): the same ids as a whole encode, for every kind
-of tokenizer it accepts; refused where it cannot be exact; reuse, its bound, the audit."""
+"""The router's prompt encoder (router/prompt_encoder.py, router/fast_bpe.py): tiktoken and
+chunked encoding give HF's whole ids for every kind of tokenizer they accept, each is refused
+where it cannot be exact; reuse, its bound, the audit."""
 
 from __future__ import annotations
 
+import json
 import logging
 import random
 from concurrent.futures import ThreadPoolExecutor
@@ -10,6 +12,7 @@ from pathlib import Path
 
 import pytest
 from tokenizers import (
+    AddedToken,
     Regex,
     Tokenizer,
     decoders,
@@ -21,7 +24,8 @@ from tokenizers import (
 )
 
 from fleet.tiny_model import write_tiny_model
-from router.token_chunks import ChunkedEncoder, cut_points
+from router.fast_bpe import FastBPE
+from router.prompt_encoder import AUDIT_EVERY, PromptEncoder, cut_points, probe_texts
 from router.tokenizer import LocalTokenizer
 
 CORPUS = (Path(__file__).parents[2] / "fleet" / "tiny_model_corpus.txt").read_text()
@@ -137,7 +141,7 @@ def test_cuts_are_spaces_between_alphanumerics_and_depend_only_on_what_precedes(
 @pytest.mark.parametrize("kind", ["tiny", llama3_like, metaspace_bpe, wordpiece, unigram])
 def test_chunked_ids_are_the_whole_ids(kind, tiny_tokenizer):
     tokenizer = tiny_tokenizer if kind == "tiny" else kind()
-    encoder = ChunkedEncoder.create(tokenizer, 1_000_000)
+    encoder = PromptEncoder.create(tokenizer, 1_000_000)
     assert encoder is not None
     for text in _texts(seed=3, count=30):
         for chunk_chars in (1, 64, 1024):
@@ -148,33 +152,35 @@ def test_chunked_ids_are_the_whole_ids(kind, tiny_tokenizer):
 
 def test_a_tokenizer_that_looks_across_spaces_is_refused(caplog):
     with caplog.at_level(logging.INFO, "router.tokenizer"):
-        assert ChunkedEncoder.create(llama2_legacy(), 1_000_000) is None
+        assert PromptEncoder.create(llama2_legacy(), 1_000_000) is None
     assert "this tokenizer looks across spaces" in caplog.text
+    assert "prompts are encoded by HF tokenizers: the normalizer is not NFC" in caplog.text
 
 
 def test_a_shared_prefix_is_encoded_once(tiny: Path, tiny_tokenizer: Tokenizer):
     local = LocalTokenizer.load(tiny)
-    assert local.chunks is not None
+    assert local.encoder is not None
     first = CORPUS[:20_000]
     second = first + " and then the next turn of the conversation " + CORPUS[40_000:42_000]
     for text in (first, second):
         assert local.encode(text, True) == tiny_tokenizer.encode(text).ids
-    stats = local.chunks.stats
+    stats = local.encoder.stats
     # all of the second prompt but its last chunks came from the first one's
     assert stats.reused_tokens > 0.8 * len(tiny_tokenizer.encode(first).ids)
     assert stats.encoded_tokens < 1.3 * len(tiny_tokenizer.encode(first).ids)
-    assert stats.audits == 1 and stats.disagreements == 0 and local.chunks.active
+    local.encoder.settle()
+    assert stats.audits == 1 and stats.disagreements == 0 and local.encoder.active
 
 
 def test_short_prompts_are_encoded_whole_and_nothing_is_kept(tiny: Path):
     local = LocalTokenizer.load(tiny)
-    assert local.chunks is not None
+    assert local.encoder is not None
     local.encode(CORPUS[:1000], True)
-    assert local.chunks.stats.cached_tokens == 0 and local.chunks.stats.encoded_tokens == 0
+    assert local.encoder.stats.cached_tokens == 0 and local.encoder.stats.encoded_tokens == 0
 
 
 def test_the_cache_holds_at_most_its_bound(tiny_tokenizer: Tokenizer):
-    encoder = ChunkedEncoder.create(tiny_tokenizer, 5_000)
+    encoder = PromptEncoder.create(tiny_tokenizer, 5_000)
     assert encoder is not None
     for start in range(0, 200_000, 25_000):
         text = CORPUS[start : start + 20_000]
@@ -183,7 +189,7 @@ def test_the_cache_holds_at_most_its_bound(tiny_tokenizer: Tokenizer):
 
 
 def test_threads_encoding_at_once_get_their_own_ids(tiny_tokenizer: Tokenizer):
-    encoder = ChunkedEncoder.create(tiny_tokenizer, 50_000)
+    encoder = PromptEncoder.create(tiny_tokenizer, 50_000)
     assert encoder is not None
     texts = [CORPUS[: 4_000 + 997 * i] for i in range(40)]  # shared prefixes, evictions
     with ThreadPoolExecutor(4) as pool:
@@ -195,13 +201,116 @@ def test_an_audit_that_finds_a_difference_turns_chunking_off(tiny_tokenizer: Tok
     # a normalizer rewriting a phrase across a space: the probes never contain it, a prompt does
     tokenizer = Tokenizer.from_str(tiny_tokenizer.to_str())
     tokenizer.normalizer = normalizers.Replace("qq ww", "x")
-    encoder = ChunkedEncoder.create(tokenizer, 1_000_000)
+    encoder = PromptEncoder.create(tokenizer, 1_000_000)
     assert encoder is not None and encoder.active
+    assert encoder.fast is None  # tiktoken does not take a Replace normalizer
     text = "a" * 1030 + "qq ww " + CORPUS[:3000]  # the first cut: between qq and ww
     whole = tokenizer.encode(text).ids
-    assert encoder.encode_chunks(text, True, 1) != whole  # what chunking would have said
-    assert encoder.encode(text, True) == whole  # the first chunked encode is audited
+    chunked = encoder.encode_chunks(text, True, 1)
+    assert chunked != whole  # what chunking says
+    assert encoder.encode(text, True) == chunked  # the first encode is audited, off its path
+    encoder.settle()
     assert not encoder.active and encoder.stats.disagreements == 1
     assert encoder.stats.cached_tokens == 0
-    assert "prompts are encoded whole from now on" in caplog.text
+    assert "prompts are encoded whole by HF from now on" in caplog.text
     assert encoder.encode(text, True) == whole and encoder.stats.audits == 1
+
+
+def qwen2_like() -> Tokenizer:
+    """Qwen 2's shape: NFC, then Llama 3's kind of Split before a ByteLevel without regex."""
+    tokenizer = llama3_like()
+    tokenizer.normalizer = normalizers.NFC()
+    return tokenizer
+
+
+def _merges_out_of_order(tiny_tokenizer: Tokenizer) -> Tokenizer:
+    spec = json.loads(tiny_tokenizer.to_str())
+    merges = spec["model"]["merges"]
+    merges[10], merges[20] = merges[20], merges[10]
+    return Tokenizer.from_str(json.dumps(spec))
+
+
+def _added_token_that_strips(tiny_tokenizer: Tokenizer) -> Tokenizer:
+    tokenizer = Tokenizer.from_str(tiny_tokenizer.to_str())
+    tokenizer.add_special_tokens([AddedToken("<|strip|>", lstrip=True)])
+    return tokenizer
+
+
+def _merges_a_pair_tiktoken_would_not() -> Tokenizer:
+    """A pair "bc" merging before "ab": HF never sees ("ab", "c") in "abc" and gives ["a", "bc"];
+    tiktoken, merging whatever the vocabulary holds, gives ["abc"]."""
+    vocab = {char: n for n, char in enumerate(pre_tokenizers.ByteLevel.alphabet())}
+    vocab |= {"bc": 256, "ab": 257, "abc": 258}
+    tokenizer = Tokenizer(models.BPE(vocab, [("b", "c"), ("a", "b"), ("ab", "c")]))
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    return tokenizer
+
+
+FROM_TINY = (_merges_out_of_order, _added_token_that_strips)
+
+
+def _fast(tokenizer: Tokenizer) -> FastBPE | None:
+    return FastBPE.create(tokenizer, probe_texts(tokenizer))
+
+
+@pytest.mark.parametrize("kind", ["tiny", llama3_like, qwen2_like])
+def test_tiktoken_gives_hf_ids(kind, tiny_tokenizer):
+    tokenizer = tiny_tokenizer if kind == "tiny" else kind()
+    fast = _fast(tokenizer)
+    assert fast is not None
+    # NFC composes "e" and U+0301, also after an added token; ">" with U+0338 is "≯"
+    odd = ["", "cafe\u0301 au lait", "<|eot_id|>\u0301x", "<|eot_id|>\u0338 a", "<|eot_id|>" * 3]
+    for text in _texts(seed=5, count=40) + odd:
+        assert fast.encode(text) == tokenizer.encode(text, add_special_tokens=False).ids, text
+    encoder = PromptEncoder.create(tokenizer, 0)
+    assert encoder is not None and encoder.fast is not None and not encoder.chunking
+    for text in _texts(seed=6, count=10):
+        assert encoder.encode(text, True) == tokenizer.encode(text).ids
+
+
+@pytest.mark.parametrize(
+    ("make", "reason"),
+    [
+        (metaspace_bpe, "the pre-tokenizer is not a byte-level regex split"),
+        (wordpiece, "the model is WordPiece, not BPE"),
+        (unigram, "the model is Unigram, not BPE"),
+        (llama2_legacy, "the normalizer is not NFC: Sequence"),
+        (_merges_out_of_order, "the merges are not in the order of their results' ids"),
+        (_added_token_that_strips, "added token '<|strip|>' strips or is a word"),
+        (_merges_a_pair_tiktoken_would_not, "tiktoken differs on 'abc'"),
+    ],
+)
+def test_tiktoken_is_refused_where_it_cannot_be_exact(make, reason, tiny_tokenizer, caplog):
+    tokenizer = make(tiny_tokenizer) if make in FROM_TINY else make()
+    with caplog.at_level(logging.INFO, "router.tokenizer"):
+        assert _fast(tokenizer) is None
+    assert f"prompts are encoded by HF tokenizers: {reason}" in caplog.text
+
+
+def test_a_lone_surrogate_is_refused_as_hf_refuses_it(tiny_tokenizer: Tokenizer):
+    fast = _fast(tiny_tokenizer)
+    assert fast is not None
+    with pytest.raises(UnicodeEncodeError):
+        fast.encode("a\ud800b")
+
+
+def test_an_audit_that_finds_tiktoken_wrong_turns_it_off(tiny_tokenizer: Tokenizer, caplog):
+    encoder = PromptEncoder.create(tiny_tokenizer, 1_000_000)
+    assert encoder is not None and encoder.fast is not None
+    encoder.fast = _fast(llama3_like())  # another vocabulary's ids: wrong for this one
+    text = CORPUS[:500]
+    wrong = encoder.encode(text, False)
+    encoder.settle()
+    right = tiny_tokenizer.encode(text, add_special_tokens=False).ids
+    assert wrong != right and not encoder.active and encoder.stats.disagreements == 1
+    assert encoder.encode(text, False) == right
+    assert "prompts are encoded whole by HF from now on" in caplog.text
+
+
+def test_one_encode_in_audit_every_is_audited(tiny_tokenizer: Tokenizer):
+    encoder = PromptEncoder.create(tiny_tokenizer, 1_000_000)
+    assert encoder is not None
+    for n in range(2 * AUDIT_EVERY + 1):
+        encoder.encode(CORPUS[n : n + 300], True)
+        encoder.settle()
+    assert encoder.stats.audits == 3 and encoder.stats.disagreements == 0
