@@ -18,7 +18,7 @@ the tokenizer is what GPT-2, Llama 3, Qwen 2 and the tiny test model are:
 
 Exactness is checked, not assumed: ``FastBPE.create`` encodes every vocabulary entry's text
 and the probe texts both ways and refuses the tokenizer on any difference (logged with the
-reason); ``PromptEncoder`` then audits its encodes against HF (``router.token_chunks``).
+reason); ``PromptEncoder`` then audits its encodes against HF (``router.prompt_encoder``).
 """
 
 from __future__ import annotations
