@@ -136,9 +136,9 @@ class FastBPE:
         except Ineligible as reason:
             log.info("prompts are encoded by HF tokenizers: %s", reason)
             return None
-        texts = [tokenizer.decode([rank], skip_special_tokens=False) for rank in range(
-            tokenizer.get_vocab_size(with_added_tokens=True)
-        )] + probes  # fmt: skip
+        ranks = range(tokenizer.get_vocab_size(with_added_tokens=True))
+        texts = tokenizer.decode_batch([[rank] for rank in ranks], skip_special_tokens=False)
+        texts += probes
         expected = tokenizer.encode_batch_fast(texts, add_special_tokens=False)
         for text, encoding in zip(texts, expected, strict=True):
             if fast.encode(text) != encoding.ids:
