@@ -97,12 +97,10 @@ def _ranks(model: dict[str, Any], added: set[int]) -> dict[bytes, int]:
         raise Ineligible("a vocabulary entry is not in the byte-level alphabet") from None
     if any(bytes([byte]) not in ranks for byte in range(256)):
         raise Ineligible("a byte is not a token of its own")
-    vocab = model["vocab"]
-    results = [
-        vocab.get((a + b) if isinstance(pair, list) else pair.replace(" ", "", 1))
-        for pair in model["merges"]
-        for a, b in [pair if isinstance(pair, list) else pair.split(" ", 1)]
-    ]
+    # a merge is ["a", "b"] or, in older files, "a b"
+    merged = ("".join(pair) if isinstance(pair, list) else pair.replace(" ", "", 1)
+              for pair in model["merges"])  # fmt: skip
+    results = [model["vocab"].get(token) for token in merged]
     if None in results or any(x >= y for x, y in zip(results, results[1:], strict=False)):
         raise Ineligible("the merges are not in the order of their results' ids")
     return ranks
