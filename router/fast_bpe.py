@@ -168,8 +168,9 @@ class FastBPE:
         return cls(encoding, added, normalize)
 
     def encode(self, text: str) -> list[int]:
-        """HF's ids for ``text`` without the ones ``add_special_tokens`` puts around it."""
-        text.encode()  # a lone surrogate: UnicodeEncodeError, as HF refuses such a text
+        """HF's ids for ``text`` without the ones ``add_special_tokens`` puts around it.
+        ``text`` must be valid Unicode (``LocalTokenizer.encode`` refuses a lone surrogate,
+        which HF refuses and tiktoken would replace)."""
         if self._split is None:
             return self._encode_plain(text)
         ids: list[int] = []

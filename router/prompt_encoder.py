@@ -122,7 +122,7 @@ class PromptEncoder:
         fast = FastBPE.create(tokenizer, probes)
         encoder = cls(tokenizer, special_ids, fast, max_cached_tokens)
         if encoder.chunking and not encoder._chunks_agree(probes):
-            log.info("prompts are encoded whole: this tokenizer looks across spaces")
+            log.info("long prompts are not cut into chunks: this tokenizer looks across spaces")
             encoder.chunking = False
         if not encoder.chunking and fast is None:
             return None
@@ -153,7 +153,8 @@ class PromptEncoder:
         with self._lock:
             self._calls += 1
             if self._calls % AUDIT_EVERY == 1 and self._audit is None:  # the first, then 1/N
-                self._audit = self._auditor.submit(self._check, text, add_special_tokens, ids)
+                # a copy: the caller owns ``ids`` and may change it before the audit runs
+                self._audit = self._auditor.submit(self._check, text, add_special_tokens, list(ids))
         return ids
 
     def _around(self, ids: list[int], add_special_tokens: bool) -> list[int]:

@@ -243,6 +243,14 @@ class LocalTokenizer:
         return cls(tokenizer, special, chat, unsupported, chunk_cache_tokens)
 
     def encode(self, text: str, add_special_tokens: bool) -> list[int]:
+        """vLLM's ids for ``text``; raises InvalidPrompt for a lone surrogate (which HF
+        refuses with a TypeError and tiktoken would replace)."""
+        try:
+            text.encode()
+        except UnicodeEncodeError as error:
+            raise InvalidPrompt(
+                f"the prompt must be valid Unicode text: a lone surrogate at {error.start}"
+            ) from None
         if self.encoder is not None:
             return self.encoder.encode(text, add_special_tokens)
         return encode_whole(self._tokenizer, text, add_special_tokens)
@@ -303,18 +311,7 @@ class LocalTokenizer:
 
     def prompt(self, chat: bool, body: Mapping[str, Any]) -> tuple[str, bool]:
         """The text a completions (``chat`` false) or chat request body becomes, and
-        whether special tokens are added when it is encoded; raises Unsupported and
-        InvalidPrompt."""
-        text, add_special_tokens = self._prompt(chat, body)
-        try:
-            text.encode()
-        except UnicodeEncodeError as error:
-            raise InvalidPrompt(
-                f"the prompt must be valid Unicode text: a lone surrogate at {error.start}"
-            ) from None
-        return text, add_special_tokens
-
-    def _prompt(self, chat: bool, body: Mapping[str, Any]) -> tuple[str, bool]:
+        whether special tokens are added when it is encoded; raises Unsupported."""
         if chat:
             _refuse_fields(body, ENGINE_CHAT_FIELDS)
             if self._flag(body, "add_special_tokens", False):
@@ -332,6 +329,7 @@ class LocalTokenizer:
         return prompt, self._flag(body, "add_special_tokens", True)
 
     def prompt_ids(self, chat: bool, body: Mapping[str, Any]) -> list[int]:
+        """The request's prompt ids; raises Unsupported and InvalidPrompt."""
         return self.encode(*self.prompt(chat, body))
 
     @staticmethod

@@ -26,7 +26,7 @@ from tokenizers import (
 from fleet.tiny_model import write_tiny_model
 from router.fast_bpe import FastBPE
 from router.prompt_encoder import AUDIT_EVERY, PromptEncoder, cut_points, probe_texts
-from router.tokenizer import LocalTokenizer
+from router.tokenizer import InvalidPrompt, LocalTokenizer
 
 CORPUS = (Path(__file__).parents[2] / "fleet" / "tiny_model_corpus.txt").read_text()
 # Llama 3's pre-tokenizer pattern (its tokenizer.json's Split)
@@ -287,11 +287,14 @@ def test_tiktoken_is_refused_where_it_cannot_be_exact(make, reason, tiny_tokeniz
     assert f"prompts are encoded by HF tokenizers: {reason}" in caplog.text
 
 
-def test_a_lone_surrogate_is_refused_as_hf_refuses_it(tiny_tokenizer: Tokenizer):
-    fast = _fast(tiny_tokenizer)
-    assert fast is not None
-    with pytest.raises(UnicodeEncodeError):
-        fast.encode("a\ud800b")
+@pytest.mark.parametrize("chunk_cache_tokens", [0, 1_000_000])
+def test_a_lone_surrogate_is_refused_as_hf_refuses_it(tiny: Path, chunk_cache_tokens: int):
+    local = LocalTokenizer.load(tiny, chunk_cache_tokens)
+    assert local.encoder is not None and local.encoder.fast is not None
+    long = "a " * 2000  # chunked when chunks are kept
+    for text in ("a\ud800b", long + "\udfff"):
+        with pytest.raises(InvalidPrompt, match="a lone surrogate at"):
+            local.encode(text, True)
 
 
 def test_an_audit_that_finds_tiktoken_wrong_turns_it_off(tiny_tokenizer: Tokenizer, caplog):
@@ -314,3 +317,12 @@ def test_one_encode_in_audit_every_is_audited(tiny_tokenizer: Tokenizer):
         encoder.encode(CORPUS[n : n + 300], True)
         encoder.settle()
     assert encoder.stats.audits == 3 and encoder.stats.disagreements == 0
+
+
+def test_a_caller_changing_its_ids_does_not_fail_the_audit(tiny_tokenizer: Tokenizer):
+    encoder = PromptEncoder.create(tiny_tokenizer, 1_000_000)
+    assert encoder is not None
+    ids = encoder.encode(CORPUS[:5000], False)  # audited: the first encode
+    ids.append(7)  # as an engine appends what it generates
+    encoder.settle()
+    assert encoder.stats.audits == 1 and encoder.stats.disagreements == 0 and encoder.active
