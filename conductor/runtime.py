@@ -17,6 +17,7 @@ from typing import Any, TypeVar
 
 from prometheus_client import CollectorRegistry, Counter, Histogram
 
+from .log_repeats import RepeatedLineFilter
 from .states import TaskState
 
 T = TypeVar("T")
@@ -66,8 +67,10 @@ def add_common_flags(parser: argparse.ArgumentParser, log_level_env: str) -> Non
 
 
 def configure_logging(level: str) -> None:
-    """Structured ``key=value`` lines on stderr."""
+    """Structured ``key=value`` lines on stderr, a repeated line collapsed into a count."""
     logging.basicConfig(level=log_level(level), format=LOG_FORMAT)
+    for handler in logging.getLogger().handlers:
+        handler.addFilter(RepeatedLineFilter())
 
 
 def new_event_loop() -> asyncio.AbstractEventLoop:
