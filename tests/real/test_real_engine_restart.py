@@ -22,6 +22,8 @@ from tests.real.conftest import RealEngine
 from tests.support.api import eventually
 from tests.support.processes import ConductorProcess, RouterProcess
 
+pytestmark = pytest.mark.needs("vllm")
+
 BLOCK = 64
 FORGET_BOUND_S = 1.0  # a crashed process closes its sockets: the conductor hears it at once
 

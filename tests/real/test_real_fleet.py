@@ -28,6 +28,8 @@ from tests.support.api import eventually, metric
 from tests.support.processes import ConductorProcess
 from tests.support.vllm_shapes import NOT_COMPARED, ROUTES, answer, assert_answers_like_vllm
 
+pytestmark = pytest.mark.needs("vllm")
+
 BLOCK = 32
 
 

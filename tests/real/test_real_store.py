@@ -22,12 +22,12 @@ from tests.real.checks import MODEL, conductor_hit, documents, indexed
 from tests.real.conftest import fleet_spec, running_fleet
 from tests.support.api import eventually, metric
 from tests.support.fleet import established_tcp, fleet_pids, is_loopback
-from tests.support.store import store_skip_reason
+
+pytestmark = pytest.mark.needs("vllm", "store")
 
 BLOCK = 32
 EXTERNAL_HITS = "vllm:external_prefix_cache_hits_total"  # tokens a KV connector loaded
 KEY_LAYOUT = "@tp_rank:0@pcp0@dcp0@pp_rank:0@group:0@"  # the connector's key after the model
-pytestmark = pytest.mark.skipif(store_skip_reason() is not None, reason=str(store_skip_reason()))
 
 
 @pytest.fixture

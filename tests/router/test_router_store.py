@@ -22,7 +22,6 @@ from tests.router.test_router_service import Fleet, complete, indexed_everywhere
 from tests.router.vllm_metrics import VllmStoreMetrics
 from tests.support.api import eventually
 from tests.support.processes import RouterProcess, free_port
-from tests.support.store import store_skip_reason
 from tests.support.wire_publisher import WirePublisher, stored
 
 CHECK_S = 0.2  # the conductor's store checks and the router's look at them
@@ -105,7 +104,7 @@ async def _no_store(fleet: Fleet, http: aiohttp.ClientSession) -> None:
     assert await metric(http, router, "router_kv_store_up") == 0  # no series at all
 
 
-@pytest.mark.skipif(store_skip_reason() is not None, reason=str(store_skip_reason()))
+@pytest.mark.needs("store")
 async def test_a_killed_master_stops_pricing_until_it_returns(
     store_fleet, http, publisher_factory, tmp_path
 ):
@@ -210,7 +209,7 @@ async def test_the_store_cost_is_learned_from_the_engines_store_loads(
         fleet.stop()
 
 
-@pytest.mark.skipif(store_skip_reason() is not None, reason=str(store_skip_reason()))
+@pytest.mark.needs("store")
 async def test_the_store_cost_is_learned_from_simulated_engines_loading_from_a_real_store(
     store_fleet, http, tmp_path
 ):

@@ -1,7 +1,7 @@
 """A real Mooncake store (master + store process from the wheel) for ``tests/store``.
 
-The tests skip, saying why, outside a network namespace of their own or without the optional
-``[store]`` extra (``tests/support/store.py``).
+Every module here is marked ``needs("store")``: it skips, saying why, outside a network
+namespace of its own or without the optional ``[store]`` extra (``tests/support/parts.py``).
 """
 
 from __future__ import annotations
@@ -11,18 +11,7 @@ from typing import Any
 
 import pytest
 
-from tests.support.store import store_skip_reason
-
 STORE_SEGMENT_BYTES = 256 << 20
-
-
-def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    reason = store_skip_reason()
-    if reason is None:
-        return
-    for item in items:
-        if "tests/store/" in str(item.fspath):
-            item.add_marker(pytest.mark.skip(reason=reason))
 
 
 @pytest.fixture(scope="module")

@@ -25,6 +25,8 @@ from router.store import store_loads
 from tests.support.api import eventually, metric
 from tests.support.processes import REPO, ConductorProcess, EngineSim
 
+pytestmark = pytest.mark.needs("store")
+
 CAPTURE = json.loads((REPO / "tests/fixtures/vllm_store_connector_capture.json").read_text())
 BLOCK = CAPTURE["block_size"]
 MODEL = "tiny"

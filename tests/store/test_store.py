@@ -13,6 +13,8 @@ import pytest
 
 from publishers.engine.block_hash import BlockHasher
 
+pytestmark = pytest.mark.needs("store")
+
 MODEL = "tiny-llama"
 PROMPT_TOKENS = 4096
 BLOCK_SIZE = 32

@@ -25,6 +25,8 @@ from tests.support.api import eventually, get, metric, query, register_and_conne
 from tests.support.processes import ConductorProcess
 from tests.support.wire_publisher import WirePublisher, stored
 
+pytestmark = pytest.mark.needs("store")
+
 BLOCK = 4  # tokens per block: the conductor's block size in these tests
 INTERVAL_S = 0.5
 CHECK_ALLOWANCE_S = 0.5  # one check (ms here) plus this test's polling, on 2 busy cores

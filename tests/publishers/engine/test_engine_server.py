@@ -558,6 +558,7 @@ def test_the_token_budget_follows_vllm() -> None:
         parse("--max-num-batched-tokens", "0")
 
 
+@pytest.mark.needs("store-wheel")
 def test_a_store_connector_takes_vllms_flag_and_config_file(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
