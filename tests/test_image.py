@@ -4,6 +4,7 @@ HEALTHCHECK and entrypoint commands work when run as the image would run them.""
 
 from __future__ import annotations
 
+import fnmatch
 import json
 import os
 import re
@@ -115,3 +116,41 @@ def test_the_readme_docker_commands_name_what_the_image_and_config_hold() -> Non
     for mounted in re.findall(r"/etc/mooncake/(\S+)", commands):
         assert (REPO / "config" / mounted).is_file(), f"config/{mounted} is not in the repo"
     assert "HEALTHCHECK_URL" in commands and "HEALTHCHECK_URL" in _env()
+
+
+def _in_build_context(path: str) -> bool:
+    """Whether ``.dockerignore`` lets ``path`` into the build context: its patterns in
+    order, the last that matches decides, ``!`` letting in (Docker's rule; a pattern also
+    covers what lies below a matched directory)."""
+    included = True
+    for line in (REPO / ".dockerignore").read_text().splitlines():
+        pattern = line.strip()
+        if not pattern or pattern.startswith("#"):
+            continue
+        allow = pattern.startswith("!")
+        pattern = pattern.removeprefix("!")
+        parts = Path(path).parts
+        prefixes = ["/".join(parts[: i + 1]) for i in range(len(parts))]
+        bare = pattern.removeprefix("**/")
+        if any(fnmatch.fnmatchcase(p, pattern) for p in prefixes) or (
+            pattern.startswith("**/") and any(fnmatch.fnmatchcase(part, bare) for part in parts)
+        ):
+            included = allow
+    return included
+
+
+def test_the_build_context_holds_what_the_dockerfile_copies_and_nothing_local() -> None:
+    text = DOCKERFILE.replace("\\\n", " ")
+    sources = [
+        source
+        for arguments in re.findall(r"^COPY\s+(?!--from)(.+)$", text, re.MULTILINE)
+        for source in arguments.split()[:-1]
+    ]
+    assert "conductor" in sources and "constraints.txt" in sources
+    for source in sources:
+        assert _in_build_context(source), f"{source} is copied but .dockerignore leaves it out"
+        assert _in_build_context(f"{source}/x.py") or (REPO / source).is_file(), source
+    for local in (".git/HEAD", ".venv/bin/python", "tests/conftest.py", "bench/results/a.json",
+                  "conductor/__pycache__/index.cpython-311.pyc", "conductor/_native.so",
+                  "mooncake_conductor_py.egg-info/PKG-INFO"):  # fmt: skip
+        assert not _in_build_context(local), f"{local} would be sent to the Docker daemon"
