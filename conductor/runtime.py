@@ -63,6 +63,11 @@ def add_common_flags(parser: argparse.ArgumentParser, log_level_env: str) -> Non
         default=os.environ.get(log_level_env, "INFO"),
         help=f"DEBUG, INFO, WARNING or ERROR (env {log_level_env}; default INFO)",
     )
+    add_version_flag(parser)
+
+
+def add_version_flag(parser: argparse.ArgumentParser) -> None:
+    """``--version``: every command of the project prints the installed package's version."""
     parser.add_argument("--version", action="version", version=f"%(prog)s {package_version()}")
 
 
