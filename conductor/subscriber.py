@@ -4,8 +4,16 @@ Sequence rules (``conductor.sequence``, which decides; this module only executes
 batches are applied strictly in order; a gap is filled by a replay before the batch that
 revealed it; a sequence going back means the publisher restarted, so the owner's blocks are
 cleared and the stream is read as new. A malformed message is counted and skipped: the SUB
-socket is never recreated for it (that would lose messages), and ZMQ itself reconnects with
-capped exponential backoff.
+socket is never recreated for it (that would lose messages).
+
+Reconnecting: ZMQ retries a refused connection with capped exponential backoff, but resets
+its interval on every connection it makes, so an endpoint that accepts and closes at once (a
+crash-looping engine, a port taken by another program) would be reconnected every
+``RECONNECT_MIN_MS``. A connection shorter than ``STABLE_CONNECTION_S`` therefore continues
+the fault of the one before: the subscriber disconnects the endpoint and connects it again
+itself after a wait that doubles up to ``RECONNECT_MAX_MS``, until a connection holds. Every
+loss is counted; the first of a fault is logged, the next ones once per
+``LOSS_SUMMARY_S`` in one line (``ConnectionFaults``).
 
 Liveness: the moment the connection to the publisher drops (its process died, or the
 network broke) the owner's blocks are cleared, because the conductor can no longer tell
@@ -25,7 +33,9 @@ it reconnects and catches up). Live batches wait in the SUB queue while a replay
 high-water mark is ``receive_buffer_bytes // max_message_bytes`` messages, so the bytes
 queued per stream stay under ``receive_buffer_bytes`` (plus the one message being decoded);
 beyond it TCP pushes back on the publisher. A replay answers within ``replay_timeout_s``
-per reply and ``replay_deadline_s`` overall, however much garbage the endpoint sends.
+per reply and ``replay_deadline_s`` overall, and gives up after ``MAX_BAD_REPLIES``
+undecodable replies in a row: an endpoint answering garbage must not hold a stream's live
+batches for the whole deadline.
 
 Supervision: the live reader, the connection watcher and each catch-up run as
 ``SupervisedTask``s: a failure is logged, counted, shown as state "failed" and retried
@@ -38,6 +48,7 @@ import asyncio
 import itertools
 import logging
 import math
+import time
 from collections.abc import Awaitable, Callable, Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -67,9 +78,16 @@ log = logging.getLogger(__name__)
 
 RECONNECT_MIN_MS = 100
 RECONNECT_MAX_MS = 5000
+STABLE_CONNECTION_S = 2.0  # a connection shorter than this continues its publisher's fault
+LOSS_SUMMARY_S = 60.0  # the losses of a fault after its first are logged once per interval
+MAX_BAD_REPLIES = 3  # undecodable replies in a row that end a replay
 KEEPALIVE_S = 1  # idle time before the first TCP keepalive probe, and between probes
 MONITOR_EVENTS = zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED | zmq.EVENT_CONNECT_RETRIED
 _monitor_ids = itertools.count()  # pyzmq names monitors by FD, which the kernel recycles
+
+
+class ReplayFailed(Exception):
+    """A replay that cannot end well: its message says why, for the log."""
 
 
 @dataclass(slots=True)
@@ -83,6 +101,68 @@ class StreamCallbacks:
     on_event: Callable[[str], None]  # gap, gap_unrepaired, replay_*, bad_frame, restart, lost
     on_lost: Callable[[], None]  # the publisher is gone: its blocks are unknown, clear them
     on_dropped: Callable[[Message], None]  # a batch of an instance marked down
+
+
+@dataclass(frozen=True, slots=True)
+class Loss:
+    """What one lost connection means for the log and for the next connect."""
+
+    first: bool  # the first loss of a fault: worth its own line
+    untold: int  # losses of the fault since its last line, this one included (0: none)
+    since_s: float  # how long ago that line was
+    delay_s: float  # wait this long before connecting again (0: ZMQ reconnects at once)
+
+
+class ConnectionFaults:
+    """A publisher's connections as faults: one fault lasts from a lost connection until
+    a connection holds ``stable_s``. Each connection of a fault that ends sooner doubles
+    the wait before the next connect (from twice ``min_delay_s`` up to ``max_delay_s``);
+    a fault's first loss is told, the later ones are counted and told together at most
+    once per ``summary_s``. Pure: the caller passes the (monotonic) time."""
+
+    def __init__(
+        self,
+        stable_s: float = STABLE_CONNECTION_S,
+        min_delay_s: float = RECONNECT_MIN_MS / 1000,
+        max_delay_s: float = RECONNECT_MAX_MS / 1000,
+        summary_s: float = LOSS_SUMMARY_S,
+    ) -> None:
+        self.stable_s = stable_s
+        self.min_delay_s = min_delay_s
+        self.max_delay_s = max_delay_s
+        self.summary_s = summary_s
+        self.in_fault = False
+        self._connected_at: float | None = None
+        self._delay_s = 0.0
+        self._untold = 0
+        self._told_at = 0.0
+
+    def connected(self, now: float) -> None:
+        self._connected_at = now
+
+    def lost(self, now: float) -> Loss:
+        """A connection ended (``now``): whether to tell, and when to connect again."""
+        began = self._connected_at
+        self._connected_at = None
+        short = began is not None and now - began < self.stable_s
+        self._delay_s = min(self.max_delay_s, max(2 * self.min_delay_s, 2 * self._delay_s))
+        if not short:
+            self._delay_s = 0.0
+        if not self.in_fault:
+            self.in_fault, self._untold, self._told_at = True, 0, now
+            return Loss(True, 0, 0.0, self._delay_s)
+        self._untold += 1
+        untold, since = self._untold, now - self._told_at
+        if since < self.summary_s:
+            return Loss(False, 0, since, self._delay_s)
+        self._untold, self._told_at = 0, now
+        return Loss(False, untold, since, self._delay_s)
+
+    def held(self) -> int:
+        """A connection held ``stable_s``: the fault is over. Returns its losses not told."""
+        untold = self._untold if self.in_fault else 0
+        self.in_fault, self._delay_s, self._untold = False, 0.0, 0
+        return untold
 
 
 class StreamSubscriber:
@@ -116,6 +196,8 @@ class StreamSubscriber:
         self._dealer: zmq.asyncio.Socket | None = None
         self._tasks: list[SupervisedTask] = []
         self._catching_up: SupervisedTask | None = None
+        self._faults = ConnectionFaults()
+        self._holding: asyncio.TimerHandle | None = None  # ends the fault if it fires
 
     # -- lifecycle -----------------------------------------------------------------------
     def start(self) -> None:
@@ -125,6 +207,9 @@ class StreamSubscriber:
             self._sub = self._socket(zmq.SUB)
             self._sub.setsockopt(zmq.RECONNECT_IVL, RECONNECT_MIN_MS)
             self._sub.setsockopt(zmq.RECONNECT_IVL_MAX, RECONNECT_MAX_MS)
+            # no pipe until a connection is made: else libzmq's disconnect() leaves a peer
+            # that fails the handshake being reconnected forever (libzmq 4.3.5)
+            self._sub.setsockopt(zmq.IMMEDIATE, 1)
             self._sub.setsockopt(zmq.TCP_KEEPALIVE, 1)
             self._sub.setsockopt(zmq.TCP_KEEPALIVE_IDLE, KEEPALIVE_S)
             self._sub.setsockopt(zmq.TCP_KEEPALIVE_INTVL, KEEPALIVE_S)
@@ -154,6 +239,7 @@ class StreamSubscriber:
         tasks = [*self._tasks, *([self._catching_up] if self._catching_up else [])]
         await asyncio.gather(*(task.stop() for task in tasks))
         self._tasks, self._catching_up = [], None
+        self._cancel_holding()
         self._close_sockets()
         self._set_connection(SubscriberState.STOPPED)
 
@@ -215,13 +301,22 @@ class StreamSubscriber:
         while True:
             event = parse_monitor_message(await self._monitor.recv_multipart())["event"]
             if event == zmq.EVENT_CONNECTED:
+                self._cancel_holding()
+                self._faults.connected(time.monotonic())
+                self._holding = asyncio.get_running_loop().call_later(
+                    self._faults.stable_s, self._connection_held
+                )
                 self._set_connection(SubscriberState.CONNECTED)
                 await self._start_catch_up()
             elif event == zmq.EVENT_DISCONNECTED:
+                self._cancel_holding()
                 if self._catching_up is not None:  # its replies will never come
                     await self._catching_up.stop()
                     self._catching_up = None
-                await self._lose_publisher()
+                loss = self._faults.lost(time.monotonic())
+                await self._lose_publisher(loss)
+                if loss.delay_s:
+                    await self._reconnect_after(loss.delay_s)
             elif (
                 event == zmq.EVENT_CONNECT_RETRIED
                 and self._connection is not SubscriberState.REPLAYING
@@ -240,13 +335,54 @@ class StreamSubscriber:
             if replay is not None:
                 await self._replay(replay, fail_loudly=True)
 
-    async def _lose_publisher(self) -> None:
+    async def _lose_publisher(self, loss: Loss) -> None:
         async with self._order:
             self._set_connection(SubscriberState.DISCONNECTED)
             self._callbacks.on_event("lost")
-            log.warning("stream=%s lost its publisher: clearing its blocks", self.name)
+            if loss.first:
+                log.warning("stream=%s lost its publisher: clearing its blocks", self.name)
+            elif loss.untold:
+                log.warning(
+                    "stream=%s lost its publisher %d more times in the last %.0f s (each "
+                    "connection closed within %g s); connecting again every %.1f s",
+                    self.name,
+                    loss.untold,
+                    loss.since_s,
+                    self._faults.stable_s,
+                    loss.delay_s,
+                )
             self._callbacks.on_lost()
             self._sequence.reset()
+
+    async def _reconnect_after(self, delay_s: float) -> None:
+        """Connect the endpoint again in ``delay_s``, not in ZMQ's ``RECONNECT_MIN_MS``;
+        monitor events of the connection cut meanwhile are dropped (they are no news)."""
+        assert self._sub is not None and self._monitor is not None
+        try:
+            self._sub.disconnect(self.endpoint)
+        except zmq.ZMQError:  # not connected (any more): ZMQ reconnects as it would
+            return
+        try:
+            await asyncio.sleep(delay_s)
+            while await self._monitor.poll(0):
+                await self._monitor.recv_multipart()
+        finally:  # whatever happens, the stream must not stay disconnected
+            self._sub.connect(self.endpoint)
+
+    def _connection_held(self) -> None:
+        self._holding = None
+        untold = self._faults.held()
+        if untold:
+            log.info(
+                "stream=%s connection to its publisher holds again (%d more losses before)",
+                self.name,
+                untold,
+            )
+
+    def _cancel_holding(self) -> None:
+        if self._holding is not None:
+            self._holding.cancel()
+            self._holding = None
 
     async def mark_down(self) -> None:
         """The instance is dead (the router says so): forget its blocks, drop its events."""
@@ -332,9 +468,14 @@ class StreamSubscriber:
                 self._dealer = self._new_dealer()
             async with asyncio.timeout(self._limits.replay_deadline_s):
                 await self._receive_replay(self._dealer, replay)
-        except (TimeoutError, zmq.ZMQError, asyncio.CancelledError) as error:
+        except (TimeoutError, ReplayFailed, zmq.ZMQError, asyncio.CancelledError) as error:
             self._callbacks.on_event("replay_failed")
-            log.warning("stream=%s replay from %d failed: %r", self.name, replay.start, error)
+            log.warning(
+                "stream=%s replay from %d failed: %s",
+                self.name,
+                replay.start,
+                self._failure_reason(error),
+            )
             if self._dealer is not None:  # late replies must not leak into the next replay
                 self._dealer.close(0)
                 self._dealer = None  # opened again by the next replay
@@ -347,11 +488,21 @@ class StreamSubscriber:
                 SubscriberState.CONNECTED if previous is SubscriberState.REPLAYING else previous
             )
 
+    def _failure_reason(self, error: BaseException) -> str:
+        """Why a replay failed, as a sentence for its log line."""
+        if isinstance(error, ReplayFailed):
+            return str(error)
+        if isinstance(error, TimeoutError):
+            return f"not done within {self._limits.replay_deadline_s:g} s (replay_deadline_s)"
+        if isinstance(error, asyncio.CancelledError):
+            return "cancelled (the connection was lost or the stream stopped)"
+        return f"{type(error).__name__}: {error}"
+
     async def _receive_replay(self, dealer: zmq.asyncio.Socket, replay: Replay) -> None:
         await dealer.send_multipart(replay_request(replay.start))
+        bad_in_a_row = 0
         while True:
-            async with asyncio.timeout(self._limits.replay_timeout_s):
-                frames = await dealer.recv_multipart()
+            frames = await self._next_reply(dealer)
             await asyncio.sleep(0)  # a queued reply completes at once: let the deadline fire
             await self._share.turn()
             try:
@@ -359,8 +510,22 @@ class StreamSubscriber:
             except FrameError as error:
                 self._callbacks.on_event("bad_frame")
                 log.warning("stream=%s bad replay reply: %s", self.name, error)
+                bad_in_a_row += 1
+                if bad_in_a_row >= MAX_BAD_REPLIES:
+                    raise ReplayFailed(
+                        f"{bad_in_a_row} undecodable replies in a row (last: {error})"
+                    ) from None
                 continue
+            bad_in_a_row = 0
             if message is None:
                 return
             if self._sequence.accept_replayed(message.seq, replay):
                 await self._apply(message, replayed=True)
+
+    async def _next_reply(self, dealer: zmq.asyncio.Socket) -> list[bytes]:
+        timeout = self._limits.replay_timeout_s
+        try:
+            async with asyncio.timeout(timeout):
+                return await dealer.recv_multipart()
+        except TimeoutError:
+            raise ReplayFailed(f"no reply within {timeout:g} s (replay_timeout_s)") from None

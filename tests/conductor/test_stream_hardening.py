@@ -145,7 +145,8 @@ async def test_register_unregister_churn_never_deadlocks(conductor, http):
 
 # -- 2. supervision at the socket limit -----------------------------------------------------
 class ReplayEndpoint:
-    """A ROUTER the test answers by hand: silent, garbage, or the batches it is given."""
+    """A ROUTER the test answers by hand: silent, garbage, the batches it is given, or
+    (``endless``) the first of them over and over."""
 
     def __init__(self, context: zmq.asyncio.Context) -> None:
         self.socket = context.socket(zmq.ROUTER)
@@ -166,9 +167,12 @@ class ReplayEndpoint:
         while True:
             identity, _, start = await self.socket.recv_multipart()
             self.requests += 1
-            if self.mode == "garbage":  # never an end marker: only the deadline ends it
+            if self.mode in ("garbage", "endless"):  # never an end marker
+                seq, payload = self.batches[0] if self.batches else (0, b"")
+                reply = [b"", b"", seq.to_bytes(8, "big"), payload]
                 while True:
-                    await self.socket.send_multipart([identity, b"", b"junk"])
+                    junk_or_batch = [b"junk"] if self.mode == "garbage" else reply
+                    await self.socket.send_multipart([identity, *junk_or_batch])
                     await asyncio.sleep(0.001)
             if self.mode == "answer":
                 for seq, payload in self.batches:
@@ -265,12 +269,13 @@ async def test_capacity_exceeded_is_clear_and_breaks_no_stream(manager_factory, 
 
 
 # -- 4. replay deadline ---------------------------------------------------------------------
-async def test_endless_garbage_replay_ends_at_its_deadline(
+async def test_an_endless_replay_ends_at_its_deadline(
     manager_factory, publisher_factory, replay_endpoint
 ):
-    """Each garbage reply came within the per-reply timeout, so the replay never ended
-    and the stream stayed "replaying" while its live batches queued."""
-    replay_endpoint.mode = "garbage"
+    """Each reply came within the per-reply timeout, so the replay never ended and the
+    stream stayed "replaying" while its live batches queued."""
+    replay_endpoint.mode = "endless"
+    replay_endpoint.batches = [(0, msgpack.packb([time.time(), [stored([9], [9, 9, 9, 9])]]))]
     manager = manager_factory(replay_timeout_s=1.0, replay_deadline_s=0.5)
     publisher = publisher_factory(with_replay=False)
     body = registration(publisher, "a", replay_endpoint=replay_endpoint.endpoint)
@@ -278,10 +283,34 @@ async def test_endless_garbage_replay_ends_at_its_deadline(
     await manager.register(Registration.model_validate(body))
     await until(lambda: replay_endpoint.requests == 1)
     await until(lambda: counted(manager, "conductor_replays_failed_total", stream=key) == 1, 3)
-    assert counted(manager, "conductor_decode_errors_total", stream=key, kind="frame") > 10
+    assert counted(manager, "conductor_decode_errors_total", stream=key, kind="frame") == 0
     await until(lambda: manager.state_of(key) == "connected")
+    await publisher.publish([stored([1], [1, 2, 3, 4])])  # seq 0: the replay delivered it
+    await publisher.publish([stored([2], [5, 6, 7, 8])])
+    await until(lambda: matched(manager, [5, 6, 7, 8], "a") == 4)
+
+
+async def test_a_replay_answering_garbage_gives_up_after_a_few_replies(
+    manager_factory, publisher_factory, replay_endpoint, caplog
+):
+    """A new stream's catch-up held its first live batch for the whole replay deadline
+    (30 s) while the endpoint answered junk; three undecodable replies in a row end it."""
+    replay_endpoint.mode = "garbage"
+    manager = manager_factory()  # the default deadline: 30 s
+    publisher = publisher_factory(with_replay=False)
+    body = registration(publisher, "a", replay_endpoint=replay_endpoint.endpoint)
+    key = Registration.model_validate(body).key
+    await manager.register(Registration.model_validate(body))
+    await until(lambda: manager.state_of(key) in ("connected", "replaying"))
+    await asyncio.sleep(0.1)  # the subscription travels after the TCP connect
+    started = time.monotonic()
     await publisher.publish([stored([1], [1, 2, 3, 4])])
-    await until(lambda: matched(manager, [1, 2, 3, 4], "a") == 4)
+    await until(lambda: matched(manager, [1, 2, 3, 4], "a") == 4, timeout=3)
+    assert time.monotonic() - started < 2.0
+    assert counted(manager, "conductor_replays_failed_total", stream=key) == 1
+    assert counted(manager, "conductor_decode_errors_total", stream=key, kind="frame") == 3
+    failure = next(r.getMessage() for r in caplog.records if "replay from 0 failed" in r.getMessage())
+    assert "3 undecodable replies in a row (last: malformed replay reply of 1 frames)" in failure
 
 
 # -- 5. cardinality -------------------------------------------------------------------------
