@@ -309,7 +309,8 @@ async def test_a_replay_answering_garbage_gives_up_after_a_few_replies(
     assert time.monotonic() - started < 2.0
     assert counted(manager, "conductor_replays_failed_total", stream=key) == 1
     assert counted(manager, "conductor_decode_errors_total", stream=key, kind="frame") == 3
-    failure = next(r.getMessage() for r in caplog.records if "replay from 0 failed" in r.getMessage())
+    lines = [record.getMessage() for record in caplog.records]
+    failure = next(line for line in lines if "replay from 0 failed" in line)
     assert "3 undecodable replies in a row (last: malformed replay reply of 1 frames)" in failure
 
 
