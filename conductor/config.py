@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import ipaddress
 import json
 import os
 import struct
@@ -57,6 +58,30 @@ def master_address(value: str) -> str:
     if not host or not (port.isascii() and port.isdigit()) or not 1 <= int(port) <= 65535:
         raise ValueError("must be the store master's address host:port (port 1..65535)")
     return value
+
+
+def _check_tcp_destination(endpoint: str) -> None:
+    """``tcp://host:port`` (or ``tcp://source;host:port``) names a host to connect to and a
+    port 1..65535 by its value: ``:00`` is port 0, which ZMQ cannot connect to; brackets
+    hold an IPv6 address only (``[127.0.0.1]`` is no address)."""
+    if "*" in endpoint:
+        raise ValueError("must name a host and port to connect to, not a bind address")
+    host, colon, port = endpoint.removeprefix("tcp://").rpartition(";")[2].rpartition(":")
+    if not host or not colon:
+        raise ValueError("must be tcp://host:port")
+    if not (port.isascii() and port.isdigit()) or not 1 <= int(port) <= 65535:
+        raise ValueError(f'port must be a number 1..65535, got "{port}"')
+    if not (host.startswith("[") or host.endswith("]")):
+        return
+    if not (host.startswith("[") and host.endswith("]")):
+        raise ValueError(f"an IPv6 address goes in brackets on both sides, got {host}")
+    try:
+        ipaddress.IPv6Address(host[1:-1])
+    except ValueError:
+        raise ValueError(
+            f"brackets hold an IPv6 address only, got {host}: write an IPv4 address or a "
+            "host name without them"
+        ) from None
 
 
 def admin_url(value: str) -> str:
@@ -112,12 +137,8 @@ class Registration(_Strict):
     def _zmq_endpoint(cls, value: str) -> str:
         if value and not value.startswith(ZMQ_SCHEMES):
             raise ValueError(f"must start with one of {', '.join(ZMQ_SCHEMES)}")
-        if value.startswith("tcp://") and ("*" in value or value.rsplit(":", 1)[-1] == "0"):
-            raise ValueError("must name a host and port to connect to, not a bind address")
         if value.startswith("tcp://"):
-            host, _, port = value.rpartition(";")[2].removeprefix("tcp://").rpartition(":")
-            if not host or not (port.isascii() and port.isdigit()) or int(port) > 65535:
-                raise ValueError("must be tcp://host:port (port 1..65535)")
+            _check_tcp_destination(value)
         return value
 
     @field_validator("kv_store")

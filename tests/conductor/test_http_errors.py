@@ -38,6 +38,19 @@ VALID_REGISTRATION = {
         ("/register", {**VALID_REGISTRATION, "endpoint": "http://x:1"}, 400, "endpoint", "tcp"),
         ("/register", {**VALID_REGISTRATION, "endpoint": "tcp://*:5557"}, 400, "endpoint", "bind"),
         ("/register", {**VALID_REGISTRATION, "endpoint": "tcp://nohost"}, 400, "endpoint", ""),
+        *(
+            ("/register", {**VALID_REGISTRATION, name: endpoint}, 400, name, message)
+            for name in ("endpoint", "replay_endpoint")
+            for endpoint, message in (
+                ("tcp://127.0.0.1:00", 'port must be a number 1..65535, got "00"'),
+                ("tcp://127.0.0.1:000", 'port must be a number 1..65535, got "000"'),
+                ("tcp://127.0.0.1:0", 'port must be a number 1..65535, got "0"'),
+                ("tcp://127.0.0.1:65536", 'port must be a number 1..65535, got "65536"'),
+                ("tcp://127.0.0.1:+1", 'port must be a number 1..65535, got "+1"'),
+                ("tcp://[127.0.0.1]:5557", "brackets hold an IPv6 address only, got [127.0.0.1]"),
+                ("tcp://[::1:5557", "an IPv6 address goes in brackets on both sides, got [::1"),
+            )
+        ),
         ("/register", {**VALID_REGISTRATION, "kv_store": "store"}, 400, "kv_store", "host:port"),
         ("/register", {**VALID_REGISTRATION, "kv_store": ":5"}, 400, "kv_store", "host:port"),
         ("/register", {**VALID_REGISTRATION, "kv_store": "s:0"}, 400, "kv_store", "1..65535"),
@@ -148,3 +161,10 @@ async def test_the_socket_limit_is_503_with_retry_after(serve_conductor, http, p
     assert answer["field"] is None and answer["error"]
     _, services = await get(http, f"{conductor.url}/services")
     assert all(service["Stream"]["state"] != "failed" for service in services["services"])
+
+
+async def test_endpoints_written_in_any_valid_form_register(served, http):
+    endpoints = ("tcp://[::1]:5557", "tcp://127.0.0.1:05558", "tcp://127.0.0.1:0;localhost:5559")
+    for number, endpoint in enumerate(endpoints):
+        body = {**VALID_REGISTRATION, "endpoint": endpoint, "instance_id": f"e{number}"}
+        assert (await post(http, f"{served.url}/register", body))[0] == 200, endpoint

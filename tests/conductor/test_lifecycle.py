@@ -71,6 +71,16 @@ async def test_config_file_registrations_are_indexed(conductor_factory, http, pu
         ),
         ('{"kv_store_admin_urls": {"10.0.0.9:50051": "10.0.0.9:9003"}}', "kv_store_admin_urls"),
         ('{"kv_store_check_interval_s": 0}', "kv_store_check_interval_s"),
+        (
+            '{"kvevent_instance": {"a": {"endpoint": "tcp://127.0.0.1:00", "type": "vLLM", '
+            '"modelname": "m", "block_size": 16}}}',
+            'kvevent_instance.a.endpoint: port must be a number 1..65535, got "00"',
+        ),
+        (
+            '{"kvevent_instance": {"a": {"endpoint": "tcp://[127.0.0.1]:5557", "type": "vLLM", '
+            '"modelname": "m", "block_size": 16}}}',
+            "kvevent_instance.a.endpoint: brackets hold an IPv6 address only",
+        ),
     ],
 )
 def test_invalid_config_exits_with_one_line_reason(tmp_path, content, reason):
