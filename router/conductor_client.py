@@ -6,7 +6,9 @@ parse); answers in the Go shape ``{tenant: {instance: {GPU, CPU, DISK, ...}}}`` 
 C++ rewrite's ``{"instances": {id: {gpu, cpu, disk}}}`` are both understood.
 
 With several conductors the router registers with every one and asks one at a time: the
-one that answered last, else the next in order (each within the query timeout). A
+one that answered last, else the next in order (each within the query timeout). The router
+registers in the background and serves meanwhile (by load); ``degraded_reasons`` says, for
+``/health``, why no conductor can be asked yet. A
 conductor's token (``auth_token``) goes as ``Authorization: Bearer`` on every call. A
 conductor that stops answering is logged once, then as a periodic reminder, and its return
 once.
@@ -43,7 +45,7 @@ from conductor.api import HITS_ONLY_HEADER, INDEXED_UNTIL_HEADER, PROGRESS_HEADE
 from conductor.states import StoreState
 
 from .config import ConductorSection, PrefillInstance, PrefillModelConfig
-from .notices import Notices
+from .notices import Notices, describe
 
 log = logging.getLogger(__name__)
 
@@ -88,6 +90,7 @@ class ConductorClient:
         self._auth = {"Authorization": f"Bearer {token}"} if token else {}
         self._headers = {"Content-Type": MSGPACK, "Accept": MSGPACK, **self._auth}
         self._registered: set[str] = set()  # conductors whose last registration round worked
+        self._registration_errors: dict[str, str] = {}  # conductor -> why it has not (yet)
         self._late: set[asyncio.Future[Any]] = set()  # calls past their timeout, still read
         self._indexed_until: dict[str, float] = {}  # instance -> as the conductor last said
         self._progress_turns = itertools.count()
@@ -123,6 +126,19 @@ class ConductorClient:
             url: ConductorState.DOWN if self._notices.failing(url) else ConductorState.UP
             for url in self.urls
         }
+
+    def degraded_reasons(self) -> list[str]:
+        """Why no conductor can be asked, one line per conductor; empty while one has
+        accepted the registrations and answers (until then requests are routed by load)."""
+        if any(url in self._registered and not self._notices.failing(url) for url in self.urls):
+            return []
+        return [self._not_usable(url) for url in self.urls]
+
+    def _not_usable(self, url: str) -> str:
+        if url in self._registered:
+            return f"conductor {url} does not answer"
+        why = self._registration_errors.get(url, "registering")
+        return f"conductor {url} has not accepted the registrations ({why})"
 
     async def _post(
         self,
@@ -174,8 +190,9 @@ class ConductorClient:
     # -- registrations -------------------------------------------------------------------
     async def register(self, instances: Sequence[PrefillInstance]) -> bool:
         """Register every stream with every conductor (idempotent: a repeat answers 200),
-        each retrying until it is up or the registration timeout ends. Logged at INFO when
-        it changed something (a conductor registered anew), else at DEBUG; a failure once.
+        each retrying with backoff until it is up or the registration timeout ends. Logged
+        at INFO when it changed something (a conductor registered anew), else at DEBUG; a
+        conductor that cannot be reached at its first failure (once, then as a reminder).
         True when every conductor has every stream."""
         bodies = registration_bodies(self._model, instances)
         results = await asyncio.gather(*(self._register_all(url, bodies) for url in self.urls))
@@ -188,12 +205,13 @@ class ConductorClient:
                 await self._register_one(url, body, deadline)
         except RegistrationRefused as error:
             self._registered.discard(url)
+            self._registration_errors[url] = "refused"
             self._notices.fault(f"register {url}", "%s", error, level=logging.ERROR)
             return False
-        except ConductorUnavailable as error:
+        except ConductorUnavailable:  # logged at its first failure (_register_one)
             self._registered.discard(url)
-            self._down(url, f"registration: {error}")
             return False
+        self._registration_errors.pop(url, None)
         self._notices.recovered(f"register {url}", "conductor %s accepts the registrations", url)
         self._up(url)
         level = logging.DEBUG if url in self._registered else logging.INFO
@@ -207,8 +225,10 @@ class ConductorClient:
             try:
                 status, answer = await self._post(url, "/register", body, timeout=2.0)
             except (aiohttp.ClientError, TimeoutError) as error:
+                reason = self._registration_errors[url] = describe(error)
+                self._down(url, f"registration: {reason}")
                 if time.monotonic() + delay > deadline:
-                    raise ConductorUnavailable(repr(error)) from None
+                    raise ConductorUnavailable(reason) from None
                 await asyncio.sleep(delay)
                 delay = min(delay * 2, 1.0)
                 continue
@@ -216,7 +236,8 @@ class ConductorClient:
                 return
             raise RegistrationRefused(
                 f"conductor {url} refused the registration of instance={body['instance_id']} "
-                f"rank={body['dp_rank']} endpoint={body['endpoint']}: {status} {answer!r:.300}"
+                f"rank={body['dp_rank']} endpoint={body['endpoint']}: "
+                f"{status} {answer_text(answer)}"
             )
 
     # -- dead engines ----------------------------------------------------------------------
@@ -236,13 +257,13 @@ class ConductorClient:
         try:
             status, answer = await self._post(url, path, body, timeout=self._control_timeout())
         except (aiohttp.ClientError, TimeoutError) as error:
-            status, answer = 0, repr(error)
+            status, answer = 0, describe(error)
         if status == 200 or status == 404:  # 404: not registered there, nothing to mark
             self._notices.recovered(key, "conductor %s takes %s again", url, path)
             return
         self._notices.fault(
-            key, "conductor %s %s instance=%s failed: %s %r", url, path, body["instance_id"],
-            status or "unreachable", answer,
+            key, "conductor %s %s instance=%s failed: %s %s", url, path, body["instance_id"],
+            status or "unreachable", answer_text(answer),
         )  # fmt: skip
 
     def _control_timeout(self) -> float:
@@ -292,7 +313,7 @@ class ConductorClient:
                 ) as response:
                     return await response.json(content_type=None)
             except (aiohttp.ClientError, TimeoutError, ValueError) as error:
-                raise ConductorUnavailable(f"health failed: {error!r}") from None
+                raise ConductorUnavailable(f"health failed: {describe(error)}") from None
 
         return parse_store_states(await self._ask("health", health))
 
@@ -321,12 +342,21 @@ class ConductorClient:
                     url, "/query", body, self._section.query_timeout_seconds, headers
                 )
             except (aiohttp.ClientError, TimeoutError) as error:
-                raise ConductorUnavailable(f"query failed: {error!r}") from None
+                raise ConductorUnavailable(f"query failed: {describe(error)}") from None
             if status != 200 or not isinstance(answer, dict):
-                raise ConductorUnavailable(f"query answered {status}: {answer!r:.200}")
+                raise ConductorUnavailable(f"query answered {status}: {answer_text(answer)}")
             return parse_hits(answer, self._model.tenant_id)
 
         return await self._ask("query", ask)
+
+
+def answer_text(answer: Any) -> str:
+    """A conductor's answer for a log line: its error message, else its text (cut short)."""
+    if isinstance(answer, dict) and "error" in answer:
+        answer = answer["error"]
+    if isinstance(answer, bytes):
+        answer = answer.decode(errors="replace")
+    return str(answer)[:300]
 
 
 def registration_bodies(

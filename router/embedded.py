@@ -42,6 +42,10 @@ class EmbeddedConductor:
     def states(self) -> dict[str, ConductorState]:
         return {EMBEDDED: ConductorState.UP}
 
+    def degraded_reasons(self) -> list[str]:
+        """None: the index is in this process (a stream it cannot subscribe to is logged)."""
+        return []
+
     async def register(self, instances: Sequence[PrefillInstance]) -> bool:
         """Subscribe to every stream once (a repeat changes nothing); True when all are."""
         ok = True
