@@ -34,6 +34,7 @@ import zmq
 
 from conductor.wire.events import Event
 from conductor.wire.frames import END_SEQ
+from router.notices import describe
 
 from .encoding import Layout, WireEvent, check_layout, encode_batch
 
@@ -229,8 +230,9 @@ class KVEventPublisher:
         try:
             self._pub.send_multipart([self._topic, seq.to_bytes(8, "big"), payload])
             self._buffer.append((seq, payload))
-        except zmq.ZMQError:  # a lost batch is a gap consumers repair; a dead thread is not
-            log.exception("publish failed seq=%d", seq)
+        except zmq.ZMQError as error:
+            # a lost batch is a gap consumers repair; a dead thread is not
+            log.error("publish failed seq=%d error=%s", seq, describe(error))
         finally:
             with self._state:
                 self._handled += 1
@@ -248,8 +250,8 @@ class KVEventPublisher:
             topic = None if self._legacy_replay else self._topic
             for reply in replay_replies(frames, self._buffer, topic):
                 self._router.send_multipart(reply)
-        except zmq.ZMQError:
-            log.exception("replay failed")
+        except zmq.ZMQError as error:
+            log.error("replay failed error=%s", describe(error))
 
     def _close_sockets(self) -> None:
         for socket in (self._pub, self._router):

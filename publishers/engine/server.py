@@ -39,6 +39,8 @@ from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
+from router.notices import describe
+
 from .loop import EngineError, EngineLoop, RequestStream
 from .metrics import EngineMetrics
 from .scheduler import EngineRequest
@@ -697,7 +699,7 @@ class EngineApi:
                 if response.status != 200:
                     log.warning("kv release refused url=%s status=%d", url, response.status)
         except (aiohttp.ClientError, TimeoutError) as error:
-            log.warning("kv release failed url=%s error=%r", url, error)
+            log.warning("kv release failed url=%s error=%s", url, describe(error))
 
     async def release_client(self, app: web.Application) -> AsyncIterator[None]:
         """``cleanup_ctx``: the session for release calls, open while the app runs; at the
