@@ -35,7 +35,8 @@ import zmq
 from aiohttp import web
 from pydantic import BaseModel, ConfigDict, ValidationError
 
-from conductor.runtime import configure_logging, run
+from conductor.runtime import add_version_flag, configure_logging, log_level, port_number, run
+from router.notices import describe
 
 from ..publisher import KVEventPublisher, binds, offset_endpoint
 from ..store import KVBlockShape, MooncakeConfig, StoreError
@@ -93,8 +94,12 @@ def build_parser() -> argparse.ArgumentParser:
         description="A vLLM look-alike without GPUs: OpenAI API, prefix cache, KV events.",
     )
     vllm = parser.add_argument_group("vLLM flags (same names and meanings)")
-    vllm.add_argument("model", nargs="?", default=DEFAULT_MODEL, help="model name to report")
-    vllm.add_argument("--served-model-name", nargs="+", help="names the API accepts")
+    vllm.add_argument(
+        "model", nargs="?", default=DEFAULT_MODEL, help=f"model name (default {DEFAULT_MODEL})"
+    )
+    vllm.add_argument(
+        "--served-model-name", nargs="+", help="names the API accepts (default: the model name)"
+    )
     vllm.add_argument(
         "--tokenizer",
         type=Path,
@@ -102,12 +107,31 @@ def build_parser() -> argparse.ArgumentParser:
         "chat template); default: the simulator's stand-in tokenizer",
     )
     vllm.add_argument("--host", help="HTTP address (default: every interface)")
-    vllm.add_argument("--port", type=int, default=8000)
-    vllm.add_argument("--block-size", type=int, default=16)
-    vllm.add_argument("--num-gpu-blocks-override", type=int)
-    vllm.add_argument("--gpu-memory-utilization", type=float, default=0.9)
-    vllm.add_argument("--max-model-len", type=int, default=DEFAULT_MAX_MODEL_LEN)
-    vllm.add_argument("--max-num-seqs", type=int, default=DEFAULT_MAX_NUM_SEQS)
+    vllm.add_argument("--port", type=port_number, default=8000, help="HTTP port (default 8000)")
+    vllm.add_argument("--block-size", type=int, default=16, help="tokens per KV block (default 16)")
+    vllm.add_argument(
+        "--num-gpu-blocks-override",
+        type=int,
+        help="KV blocks of the GPU pool (default: what --sim-hbm-bytes leaves after the weights)",
+    )
+    vllm.add_argument(
+        "--gpu-memory-utilization",
+        type=float,
+        default=0.9,
+        help="share of HBM for weights and KV blocks (default 0.9)",
+    )
+    vllm.add_argument(
+        "--max-model-len",
+        type=int,
+        default=DEFAULT_MAX_MODEL_LEN,
+        help=f"longest prompt plus output, in tokens (default {DEFAULT_MAX_MODEL_LEN})",
+    )
+    vllm.add_argument(
+        "--max-num-seqs",
+        type=int,
+        default=DEFAULT_MAX_NUM_SEQS,
+        help=f"most requests running at once (default {DEFAULT_MAX_NUM_SEQS})",
+    )
     vllm.add_argument(
         "--max-num-batched-tokens",
         type=int,
@@ -125,19 +149,43 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="serve /v1/completions/render and /v1/chat/completions/render (403 otherwise)",
     )
-    vllm.add_argument("--prefix-caching-hash-algo", choices=HASH_ALGORITHMS, default="sha256")
-    vllm.add_argument("--kv-events-config", type=_kv_events_config, default=KVEventsConfig())
+    vllm.add_argument(
+        "--prefix-caching-hash-algo",
+        choices=HASH_ALGORITHMS,
+        default="sha256",
+        help="block hash of the prefix cache and of the KV events (default sha256)",
+    )
+    vllm.add_argument(
+        "--kv-events-config",
+        type=_kv_events_config,
+        default=KVEventsConfig(),
+        help="vLLM's KVEventsConfig as JSON, e.g. '{\"enable_kv_cache_events\": true, "
+        '"endpoint": "tcp://*:5557", "replay_endpoint": "tcp://*:5558"}\' (default: no events)',
+    )
     vllm.add_argument(
         "--kv-transfer-config",
         type=_kv_transfer_config,
         help='\'{"kv_connector": "MooncakeStoreConnector", "kv_role": "kv_both"}\': save '
         "blocks to and load them from the Mooncake store MOONCAKE_CONFIG_PATH describes",
     )
-    vllm.add_argument("--data-parallel-rank", type=int, default=0)
+    vllm.add_argument(
+        "--data-parallel-rank",
+        type=int,
+        default=0,
+        help="rank in events and registration; offsets the event ports by it, as vLLM (default 0)",
+    )
 
     sim = parser.add_argument_group("simulator flags")
-    sim.add_argument("--sim-instance-id", help="default: <advertised host>:<port>")
-    sim.add_argument("--sim-register-with", metavar="URL", help="conductor to register with")
+    sim.add_argument(
+        "--sim-instance-id",
+        help="the engine's name in registrations, metrics and answers "
+        "(default: <advertised host>:<port>)",
+    )
+    sim.add_argument(
+        "--sim-register-with",
+        metavar="URL",
+        help="conductor to register the event stream with (unregistered at shutdown)",
+    )
     sim.add_argument(
         "--sim-advertise-host",
         help="host peers use to reach this engine: in its registration and in the "
@@ -149,7 +197,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="bind the event PUB socket whatever its endpoint (vLLM binds only '*', '::', "
         "ipc and inproc endpoints and connects to any other)",
     )
-    sim.add_argument("--sim-cpu-offload-blocks", type=int, default=0)
+    sim.add_argument(
+        "--sim-cpu-offload-blocks",
+        type=int,
+        default=0,
+        help="KV blocks of a CPU tier that keeps blocks evicted from the GPU pool (default 0)",
+    )
     sim.add_argument(
         "--sim-time-scale",
         type=float,
@@ -168,19 +221,36 @@ def build_parser() -> argparse.ArgumentParser:
         default=DEFAULT_HBM_BYTES,
         help="HBM of the instance, sizing the KV pool without --num-gpu-blocks-override",
     )
-    sim.add_argument("--sim-log-level", default="INFO")
+    sim.add_argument(
+        "--sim-log-level",
+        type=log_level,
+        default="INFO",
+        help="DEBUG, INFO, WARNING or ERROR (default INFO)",
+    )
+    add_version_flag(parser)
     store = parser.add_argument_group(
         "store blocks (--kv-transfer-config): [layers, 2, kv heads, block size, head dim]"
     )
-    store.add_argument("--sim-store-layers", type=int, default=2)
-    store.add_argument("--sim-store-kv-heads", type=int, default=2)
-    store.add_argument("--sim-store-head-dim", type=int, default=32)
-    store.add_argument("--sim-store-dtype", choices=STORE_DTYPES, default="float32")
+    store.add_argument(
+        "--sim-store-layers", type=int, default=2, help="layers (default 2, the tiny model's)"
+    )
+    store.add_argument("--sim-store-kv-heads", type=int, default=2, help="KV heads (default 2)")
+    store.add_argument("--sim-store-head-dim", type=int, default=32, help="head size (default 32)")
+    store.add_argument(
+        "--sim-store-dtype",
+        choices=STORE_DTYPES,
+        default="float32",
+        help="element type (default float32)",
+    )
     timing = parser.add_argument_group("timing model (TimingModel's fields)")
     for field in _TIMING_FIELDS:
         flag, factor = _timing_flag(field.name)
         default = field.default * factor  # type: ignore[operator]
-        timing.add_argument(flag, type=float, default=default, help=f"default {default:g}")
+        unit = " ms" if factor != 1 else ""
+        meaning = field.metadata["help"]
+        timing.add_argument(
+            flag, type=float, default=default, help=f"{meaning} (default {default:g}{unit})"
+        )
     return parser
 
 
@@ -291,7 +361,7 @@ async def register(session: aiohttp.ClientSession, url: str, body: dict[str, Any
                     return False
                 log.warning("registration failed status=%d body=%s", response.status, answer)
         except (aiohttp.ClientError, TimeoutError) as error:
-            log.warning("conductor unreachable url=%s error=%r", url, error)
+            log.warning("conductor unreachable url=%s error=%s", url, describe(error))
         await asyncio.sleep(delay)
         delay = min(2 * delay, max_delay)
 
@@ -306,7 +376,7 @@ async def unregister(session: aiohttp.ClientSession, url: str, body: dict[str, A
         ) as response:
             log.info("unregistered status=%d", response.status)
     except (aiohttp.ClientError, TimeoutError) as error:
-        log.warning("unregister failed url=%s error=%r", url, error)
+        log.warning("unregister failed url=%s error=%s", url, describe(error))
 
 
 class Registration:
@@ -463,7 +533,10 @@ async def serve(args: argparse.Namespace) -> None:
         loop.add_signal_handler(signum, stop.set)
     try:
         await runner.setup()
-        await web.TCPSite(runner, args.host, args.port).start()
+        try:
+            await web.TCPSite(runner, args.host, args.port).start()
+        except OSError as error:
+            raise OSError(cannot_listen(args.host, args.port, error)) from None
         log.info(
             "serving host=%s port=%d instance_id=%s gpu_blocks=%d kv_endpoint=%s",
             args.host or "*",
@@ -476,6 +549,14 @@ async def serve(args: argparse.Namespace) -> None:
         log.info("shutting down")
     finally:
         await runner.cleanup()
+
+
+def cannot_listen(host: str | None, port: int, error: OSError) -> str:
+    """``cannot listen on HOST:PORT: address already in use``: where, and the system's
+    reason without aiohttp's wrapping (``*``: every interface)."""
+    where = f"[{host}]" if host and ":" in host else host or "*"
+    reason = os.strerror(error.errno) if error.errno and error.errno > 0 else error.strerror
+    return f"cannot listen on {where}:{port}: {(reason or str(error)).lower()}"
 
 
 def registration_body(
@@ -543,7 +624,7 @@ def main(argv: list[str] | None = None) -> None:
     parser = build_parser()
     args = parser.parse_args(argv)
     check(args, parser)
-    configure_logging(args.sim_log_level.upper())
+    configure_logging(args.sim_log_level)
     try:
         run(serve(args))
     except (OSError, zmq.ZMQError, ValueError, StoreError) as error:

@@ -32,26 +32,34 @@ seconds; the engine loop's ``--sim-time-scale`` maps them to wall time.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Any
+
+
+def _constant(default: float, meaning: str) -> Any:
+    """A field whose ``meaning`` is also its command-line help (``--sim-*`` flags)."""
+    return field(default=default, metadata={"help": meaning})
 
 
 @dataclass(frozen=True, slots=True)
 class TimingModel:
-    num_layers: int = 80  # l
-    hidden_size: int = 8192  # d
-    attention_coef: float = 4.0  # a
-    linear_coef: float = 22.0  # b
-    gqa: int = 8  # query heads per KV head
-    element_bytes: int = 2  # s: BF16
-    gpu_flops: float = 8 * 312e12  # G: FLOP/s of the whole instance
-    mfu: float = 0.5  # achieved fraction of G
-    prefill_overhead_s: float = 0.020  # scheduling, launch and sampling per prefill
-    h2d_bandwidth: float = 128e9  # B_h2d, bytes/s
-    nic_bandwidth: float = 100e9  # B_nic: 800 Gbit/s, bytes/s
-    hbm_bandwidth: float = 8 * 2.039e12  # bytes/s of the whole instance
-    mbu: float = 0.6  # achieved fraction of HBM bandwidth when decoding
-    weight_bytes: float = 141e9  # 70.6e9 parameters in BF16
-    decode_overhead_s: float = 0.010  # launch, all-reduce latency and sampling per step
+    num_layers: int = _constant(80, "transformer layers (l)")
+    hidden_size: int = _constant(8192, "hidden size (d)")
+    attention_coef: float = _constant(4.0, "attention FLOPs coefficient (a)")
+    linear_coef: float = _constant(22.0, "linear-layer FLOPs coefficient (b)")
+    gqa: int = _constant(8, "query heads per KV head")
+    element_bytes: int = _constant(2, "bytes per KV element (s; 2: BF16)")
+    gpu_flops: float = _constant(8 * 312e12, "FLOP/s of the whole instance (G)")
+    mfu: float = _constant(0.5, "achieved fraction of G when prefilling")
+    prefill_overhead_s: float = _constant(0.020, "scheduling, launch and sampling per prefill")
+    h2d_bandwidth: float = _constant(128e9, "host-to-device bytes/s (B_h2d)")
+    nic_bandwidth: float = _constant(100e9, "network bytes/s (B_nic: 800 Gbit/s)")
+    hbm_bandwidth: float = _constant(8 * 2.039e12, "HBM bytes/s of the whole instance")
+    mbu: float = _constant(0.6, "achieved fraction of HBM bandwidth when decoding")
+    weight_bytes: float = _constant(141e9, "bytes of weights (70.6e9 parameters in BF16)")
+    decode_overhead_s: float = _constant(
+        0.010, "launch, all-reduce latency and sampling per decode step"
+    )
 
     @property
     def kv_bytes_per_token(self) -> float:

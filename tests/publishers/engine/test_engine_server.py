@@ -8,8 +8,12 @@ subprocess, so these tests exercise exactly what a router would see.
 from __future__ import annotations
 
 import asyncio
+import errno
 import json
 import re
+import socket
+import subprocess
+import sys
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -19,6 +23,7 @@ import pytest
 
 from publishers.engine.__main__ import (
     build_parser,
+    cannot_listen,
     check,
     connectable,
     default_num_gpu_blocks,
@@ -227,6 +232,9 @@ async def test_the_engine_registers_itself_retrying_and_unregisters_on_shutdown(
         f"http://127.0.0.1:{port}",
     )
     await eventually(lambda: read_log(engine), lambda log: "unreachable" in log)
+    url = rf"http://127\.0\.0\.1:{port}"
+    refused = rf"conductor unreachable url={url} error=ClientConnectorError: [^<>]*refused$"
+    assert re.search(refused, engine.log(), re.MULTILINE), engine.log()  # no repr
     conductor = ConductorProcess(tmp_path, port=port)
     try:
         conductor.wait_ready()
@@ -494,6 +502,31 @@ def parse(*argv: str) -> Any:
     args = parser.parse_args(argv)
     check(args, parser)
     return args
+
+
+def test_a_taken_port_is_one_line_and_exit_1() -> None:
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        command = [sys.executable, "-m", "publishers.engine", "--host", "127.0.0.1"]
+        result = subprocess.run(
+            [*command, "--port", str(port)], capture_output=True, text=True, timeout=30
+        )
+    assert (result.returncode, result.stdout) == (1, "")
+    assert result.stderr == (
+        f"mooncake-engine-sim: cannot listen on 127.0.0.1:{port}: address already in use\n"
+    )
+
+
+def test_a_listen_failure_names_the_address_and_the_reason() -> None:
+    taken = OSError(errno.EADDRINUSE, "error while attempting to bind on address ('::1', 80)")
+    assert cannot_listen("::1", 80, taken) == "cannot listen on [::1]:80: address already in use"
+    assert cannot_listen(None, 80, taken) == "cannot listen on *:80: address already in use"
+    unknown = socket.gaierror(socket.EAI_NONAME, "Name or service not known")
+    assert cannot_listen("nowhere.invalid", 80, unknown) == (
+        "cannot listen on nowhere.invalid:80: name or service not known"
+    )
 
 
 def test_timing_flags_default_to_the_timing_model_and_take_milliseconds() -> None:
