@@ -21,17 +21,18 @@ import signal
 import sys
 import tempfile
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import aiohttp
 
-from conductor.config import one_line
-from conductor.runtime import run
+from conductor.runtime import add_version_flag, run
 
 from . import spec as fleet_spec
 from .plan import FleetPlan, make_plan
-from .supervisor import HEALTH_TIMEOUT, ChildProcess, wait_until_healthy
+from .supervisor import HEALTH_TIMEOUT, STOP_TIMEOUT_S, ChildProcess, wait_until_healthy
 from .tiny_model import write_tiny_model
+from .watchdog import Watchdog
 
 REGISTRATION_TIMEOUT_S = 30.0
 EXIT_CRASHED = 1
@@ -44,6 +45,7 @@ class Fleet:
         log_dir = plan.run_dir / "logs"
         log_dir.mkdir(parents=True, exist_ok=True)
         self.children = {s.name: ChildProcess(s, log_dir) for s in plan.services}
+        self.watchdog = Watchdog(log_dir / "watchdog.log", STOP_TIMEOUT_S)
         self.started = time.monotonic()
         self.stop_requested = asyncio.Event()
         self.ready = False  # from here on, up() itself stops the fleet on a signal
@@ -61,6 +63,8 @@ class Fleet:
         children = [self.children[name] for name in names]
         for child in children:
             await child.start()
+            assert child.process is not None
+            self.watchdog.watch(child.process.pid)
             self.say(f"starting {child.name} ({child.plan.kind}), log {child.log_path}")
         deadline = self.started + self.startup_timeout_s
         return await wait_until_healthy(children, http, deadline, self.say, self.report_crash)
@@ -96,6 +100,7 @@ class Fleet:
         stages = [["conductor"], *store, engines, ["router"]]  # each waits for the one before
         async with aiohttp.ClientSession() as http:
             try:
+                await self.watchdog.start()
                 ok = True
                 for names in stages:
                     ok = ok and await self._start(names, http)
@@ -165,8 +170,11 @@ class Fleet:
         running = [self.children[name] for name in order if self.children[name].process]
         if running:
             self.say("stopping " + ", ".join(child.name for child in running))
-        for name in order:
-            await self.children[name].stop()
+        for child in running:
+            await child.stop()
+            assert child.process is not None
+            self.watchdog.forget(child.process.pid)
+        await self.watchdog.close()
         for engine in self.plan.engines:
             if engine.tmp_dir is not None:
                 shutil.rmtree(engine.tmp_dir, ignore_errors=True)  # vLLM's /tmp leftovers
@@ -177,15 +185,58 @@ class Fleet:
 
 def model_directory(spec: fleet_spec.FleetSpec) -> Path | None:
     """The directory real engines load (and simulators and the router tokenize with); the
-    tiny model is written there on first use."""
+    tiny model is written there on first use. Says which, and when it writes."""
     if not spec.needs_model:
         return None
     if spec.model.path is not None:
-        return spec.model.path.expanduser()
+        directory = spec.model.path.expanduser()
+        print(f"model: {directory}", flush=True)
+        return directory
     directory = Path(fleet_spec.DEFAULT_TINY_MODEL_DIR).expanduser()
-    if not directory.exists():
+    if directory.exists():
+        print(f"model: {directory} (the tiny model, written by an earlier run)", flush=True)
+    else:
+        print(
+            f"model: writing the tiny model to {directory} (once: later runs reuse it)", flush=True
+        )
         write_tiny_model(directory)
     return directory
+
+
+@dataclass(frozen=True)
+class RunDirectory:
+    """Logs, configs and sockets of one run. A directory the fleet made goes when the fleet
+    stops cleanly, unless kept; one the user named is theirs and stays; after a crash it
+    stays, because its logs say why."""
+
+    path: Path
+    made_here: bool
+    keep: bool
+
+    @classmethod
+    def choose(cls, given: Path | None, keep: bool) -> RunDirectory:
+        if given is not None:
+            return cls(given.resolve(), made_here=False, keep=True)
+        made = Path(tempfile.mkdtemp(prefix="mooncake-fleet-")).resolve()
+        return cls(made, made_here=True, keep=keep)
+
+    def announce(self) -> str:
+        if not self.made_here:
+            fate = "yours: kept"
+        elif self.keep:
+            fate = "kept: --keep-run-dir"
+        else:
+            fate = "removed when the fleet stops cleanly; --keep-run-dir keeps it"
+        return f"run directory: {self.path} (logs, configs, sockets; {fate})"
+
+    def finish(self, exit_code: int) -> str:
+        """Removes the directory after a clean stop when it may; says what became of it."""
+        if exit_code != 0:
+            return f"run directory kept for its logs: {self.path}"
+        if self.keep:
+            return f"run directory kept: {self.path}"
+        shutil.rmtree(self.path, ignore_errors=True)
+        return f"run directory removed: {self.path}"
 
 
 async def serve(fleet: Fleet) -> int:
@@ -204,19 +255,42 @@ async def serve(fleet: Fleet) -> int:
     return await up
 
 
-def main(argv: list[str] | None = None) -> None:
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="mooncake-fleet", description="Run a conductor, engines and a router together."
     )
-    commands = parser.add_subparsers(dest="command", required=True)
-    up = commands.add_parser("up", help="start the fleet and wait for Ctrl-C")
-    up.add_argument("fleet_file", type=Path)
-    up.add_argument("--run-dir", type=Path, help="logs, configs and sockets (default: a temp dir)")
-    args = parser.parse_args(argv)
+    add_version_flag(parser)
+    commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    up = commands.add_parser(
+        "up",
+        help="start the fleet and wait for Ctrl-C",
+        description="Start the fleet a fleet file describes (docs/fleet.md) and run it until "
+        "Ctrl-C or SIGTERM.",
+    )
+    up.add_argument(
+        "fleet_file", type=Path, help="the fleet file (JSON), e.g. config/fleet-sim.json"
+    )
+    up.add_argument(
+        "--run-dir",
+        type=Path,
+        help="where logs, configs and sockets go, kept after the fleet stops (default: a new "
+        "temporary directory, removed when the fleet stops cleanly)",
+    )
+    up.add_argument(
+        "--keep-run-dir",
+        action="store_true",
+        help="keep the temporary run directory after a clean stop (it is always kept after "
+        "a crash)",
+    )
+    return parser
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = build_parser().parse_args(argv)
     try:
         spec = fleet_spec.load(args.fleet_file)
     except (OSError, ValueError) as error:
-        sys.exit(f"mooncake-fleet: {args.fleet_file}: {one_line(error)}")
+        sys.exit(f"mooncake-fleet: {args.fleet_file}: {fleet_spec.explain(error)}")
     if spec.has_vllm and not spec.vllm_interpreter().exists():
         sys.exit(
             f"mooncake-fleet: no vLLM at {spec.vllm_interpreter()}: run "
@@ -227,9 +301,19 @@ def main(argv: list[str] | None = None) -> None:
             f"mooncake-fleet: {args.fleet_file}: kv_store needs the Mooncake store: "
             "pip install -e '.[store]'"
         )
-    run_dir = args.run_dir or Path(tempfile.mkdtemp(prefix="mooncake-fleet-"))
-    plan = make_plan(spec, run_dir.resolve(), model_directory(spec))
-    sys.exit(run(serve(Fleet(plan, spec.startup_timeout_s))))
+    try:
+        model_dir = model_directory(spec)
+    except OSError as error:
+        sys.exit(f"mooncake-fleet: cannot write the tiny model: {error}")
+    run_dir = RunDirectory.choose(args.run_dir, args.keep_run_dir)
+    print(run_dir.announce(), flush=True)
+    plan = make_plan(spec, run_dir.path, model_dir)
+    exit_code = EXIT_CRASHED  # unless the fleet returns: a traceback's logs are kept too
+    try:
+        exit_code = run(serve(Fleet(plan, spec.startup_timeout_s)))
+    finally:
+        print(run_dir.finish(exit_code), flush=True)
+    sys.exit(exit_code)
 
 
 if __name__ == "__main__":

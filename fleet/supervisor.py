@@ -3,8 +3,10 @@
 asyncio's subprocess API starts them, psutil stops them: vLLM forks an engine-core process
 (and torch its workers), so stopping only the process we started would orphan its children.
 Each child gets its own session (a Ctrl-C in the terminal reaches the fleet, which then stops
-everything in order) and, on Linux, a parent-death signal, so even a fleet killed with
-SIGKILL leaves no engine behind.
+everything in order) and, on Linux, a parent-death signal (SIGTERM: vLLM's API server then
+stops its engine core, which a SIGKILL would orphan). The fleet's watchdog (``watchdog.py``)
+covers what that signal cannot: a child that is stopped when the fleet is SIGKILLed, and
+grandchildren whose parent is gone.
 """
 
 from __future__ import annotations

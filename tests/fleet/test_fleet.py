@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -92,6 +94,8 @@ async def test_one_name_everywhere_and_a_clean_stop(sim_fleet: FleetProcess) -> 
     assert _gone(pids), "a fleet process outlived the fleet"
     assert not list(sim_fleet.run_dir.glob("*.events")), "event sockets left behind"
     assert "fleet stopped" in sim_fleet.output()
+    assert f"run directory kept: {sim_fleet.run_dir}" in sim_fleet.output()  # --run-dir's
+    assert (sim_fleet.run_dir / "logs" / "alpha.log").exists()
 
 
 def test_a_crashed_engine_is_reported_with_its_log_and_stops_the_fleet(
@@ -135,6 +139,15 @@ def test_an_engine_that_fails_to_start_is_reported(tmp_path: Path) -> None:
             "mooncake-master: names of the fleet's own services",
         ),
         ({**SIM_FLEET, "kv_store": {"segment_gb": 1}}, "kv_store.segment_gb: unknown key"),
+        (
+            {**SIM_FLEET, "engines": [{"nmae": "x", "kind": "sim"}]},
+            ": engines.0.name: field required; engines.0.nmae: unknown key\n",
+        ),
+        (
+            {**SIM_FLEET, "engines": [{"name": "a b", "kind": "gpu"}], "hots": "::1"},
+            "engines.0.name: string should match pattern '^[A-Za-z0-9][A-Za-z0-9_.-]{0,62}$'; "
+            "engines.0.kind: input should be 'vllm' or 'sim'; hots: unknown key\n",
+        ),
     ],
 )
 def test_fleet_file_mistakes_stop_with_one_line(tmp_path: Path, spec: dict, reason: str) -> None:
@@ -144,7 +157,9 @@ def test_fleet_file_mistakes_stop_with_one_line(tmp_path: Path, spec: dict, reas
         [sys.executable, "-m", "fleet", "up", str(path)], capture_output=True, text=True, timeout=30
     )
     assert result.returncode == 1
+    assert result.stderr.startswith(f"mooncake-fleet: {path}: ")
     assert reason in result.stderr and len(result.stderr.strip().splitlines()) == 1
+    assert not result.stdout  # nothing started, nothing written
 
 
 def test_missing_vllm_names_the_install_script(tmp_path: Path) -> None:
@@ -332,3 +347,107 @@ async def test_a_sim_fleet_on_the_model_tokenizer_tokenizes_in_the_router(tmp_pa
         assert int(headers[1]["x-conductor-cached-tokens"]) > 0
     finally:
         fleet.stop()
+
+
+@pytest.mark.parametrize("keep", [False, True], ids=["removed", "kept"])
+def test_the_fleet_says_where_it_writes_and_removes_only_its_own_run_dir(
+    tmp_path: Path, keep: bool
+) -> None:
+    """The tiny model's cache and the run directory are named at start; a run directory the
+    fleet made goes with a clean stop (unless --keep-run-dir), and nothing else is left in
+    TMPDIR."""
+    home, tmp = tmp_path / "home", tmp_path / "tmp"
+    tmp.mkdir()
+    model = home / ".cache" / "mooncake" / "tiny-model"
+    if keep:
+        write_tiny_model(model)  # as an earlier run would have
+    spec = SIM_FLEET | {"model": {"name": "tiny-llama", "sim_tokenizer": "model"}}
+    env = {"HOME": str(home), "TMPDIR": str(tmp)}
+    flags = ("--keep-run-dir",) if keep else ()
+    fleet = FleetProcess(tmp_path / "fleet", spec, env, own_run_dir=True, flags=flags)
+    try:
+        fleet.wait_ready(timeout=60)
+        run_dir = fleet.fleet_run_dir()
+        assert run_dir.parent == tmp and run_dir.name.startswith("mooncake-fleet-")
+        assert (run_dir / "logs" / "alpha.log").exists()
+    finally:
+        assert fleet.stop(timeout=30) == 0
+    output = fleet.output()
+    assert (model / "tokenizer.json").exists()
+    if keep:
+        assert f"model: {model} (the tiny model, written by an earlier run)" in output
+        assert f"run directory: {run_dir} (logs, configs, sockets; kept: --keep-run-dir)" in output
+        assert f"run directory kept: {run_dir}" in output
+        assert list(tmp.iterdir()) == [run_dir]
+    else:
+        assert f"model: writing the tiny model to {model} (once: later runs reuse it)" in output
+        assert f"run directory: {run_dir} (logs, configs, sockets; removed when" in output
+        assert f"run directory removed: {run_dir}" in output
+        assert list(tmp.iterdir()) == []
+
+
+def test_an_engine_whose_port_is_taken_says_so_and_the_run_dir_stays(tmp_path: Path) -> None:
+    tmp = tmp_path / "tmp"
+    tmp.mkdir()
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        spec = {**SIM_FLEET, "engines": [{"name": "alpha", "kind": "sim", "port": port}]}
+        fleet = FleetProcess(tmp_path / "fleet", spec, {"TMPDIR": str(tmp)}, own_run_dir=True)
+        try:
+            assert fleet.wait_exit(timeout=60) == 1
+        finally:
+            fleet.stop()
+    output = fleet.output()
+    assert "alpha exited with code 1" in output
+    line = f"mooncake-engine-sim: cannot listen on 127.0.0.1:{port}: address already in use"
+    assert line in output.splitlines()  # the one line of the engine's log that says why
+    run_dir = fleet.fleet_run_dir()
+    assert f"run directory kept for its logs: {run_dir}" in output
+    assert line in (run_dir / "logs" / "alpha.log").read_text()
+
+
+def _port_free(port: int) -> bool:
+    """Whether a server could listen on the loopback port now (as servers do, with
+    SO_REUSEADDR: a closed connection's TIME_WAIT does not hold the port)."""
+    with socket.socket() as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            probe.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+    return True
+
+
+def _ports(services: dict) -> list[int]:
+    """Every TCP port of a running fleet: each service's HTTP port, each replay port."""
+    addresses = [s["url"] for s in services.values()]
+    addresses += [s["replay_endpoint"] for s in services.values() if s["replay_endpoint"]]
+    return [int(address.rsplit(":", 1)[1]) for address in addresses]
+
+
+def test_a_fleet_killed_while_an_engine_is_stopped_leaves_nothing_behind(
+    sim_fleet: FleetProcess,
+) -> None:
+    """A stopped process keeps a parent-death signal pending; the fleet's watchdog wakes it
+    (SIGTERM, SIGCONT) so it still stops with the fleet, and its ports free up."""
+    services = sim_fleet.wait_ready(timeout=60)
+    tree = psutil.Process(sim_fleet.process.pid).children(recursive=True)  # and the watchdog
+    ports = _ports(services)
+    stopped = psutil.Process(services["alpha"]["pid"])
+    stopped.suspend()
+    try:
+        deadline = time.monotonic() + 5
+        while stopped.status() != psutil.STATUS_STOPPED:
+            assert time.monotonic() < deadline, stopped.status()
+            time.sleep(0.05)
+        sim_fleet.process.kill()
+        sim_fleet.process.wait(5)
+        pids = [process.pid for process in tree]
+        assert _gone(pids, timeout=20), [pid for pid in pids if _running(pid)]
+        assert [port for port in ports if not _port_free(port)] == []
+    finally:
+        for process in tree:  # a failed test must not leave a stopped engine behind
+            with contextlib.suppress(psutil.Error):
+                process.kill()

@@ -19,10 +19,23 @@ LOOPBACK_HOSTS = {"127.0.0.1", "[::ffff:127.0.0.1]"}  # the second: on a dual-st
 
 
 class FleetProcess:
-    """The fleet command on a fleet file written from ``spec``; output in ``output.log``."""
+    """The fleet command on a fleet file written from ``spec``; output in ``output.log``.
 
-    def __init__(self, run_dir: Path, spec: dict[str, Any], env: dict[str, str] | None = None):
+    ``own_run_dir``: no ``--run-dir``, the fleet makes its own (in ``env``'s TMPDIR) and
+    ``run_dir`` holds only the fleet file and the output; ``flags`` go to ``up``."""
+
+    def __init__(
+        self,
+        run_dir: Path,
+        spec: dict[str, Any],
+        env: dict[str, str] | None = None,
+        *,
+        own_run_dir: bool = False,
+        flags: tuple[str, ...] = (),
+    ):
         self.run_dir = run_dir
+        self.own_run_dir = own_run_dir
+        run_dir_flag = () if own_run_dir else ("--run-dir", str(run_dir))
         run_dir.mkdir(parents=True, exist_ok=True)
         self.fleet_file = run_dir / "fleet-file.json"
         self.fleet_file.write_text(json.dumps(spec))
@@ -35,8 +48,8 @@ class FleetProcess:
                     "fleet",
                     "up",
                     str(self.fleet_file),
-                    "--run-dir",
-                    str(run_dir),
+                    *run_dir_flag,
+                    *flags,
                 ],
                 stdout=output,
                 stderr=subprocess.STDOUT,
@@ -51,13 +64,22 @@ class FleetProcess:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if READY_LINE in self.output():
-                return json.loads((self.run_dir / "fleet.json").read_text())
+                return json.loads((self.fleet_run_dir() / "fleet.json").read_text())
             if self.process.poll() is not None:
                 raise RuntimeError(
                     f"the fleet exited ({self.process.returncode}):\n{self.output()}"
                 )
             time.sleep(0.2)
         raise TimeoutError(f"the fleet was not ready in {timeout:.0f} s:\n{self.output()}")
+
+    def fleet_run_dir(self) -> Path:
+        """Where the fleet writes: ``--run-dir``, or the directory it announced."""
+        if not self.own_run_dir:
+            return self.run_dir
+        announced = re.search(r"^run directory: (\S+)", self.output(), re.MULTILINE)
+        if announced is None:
+            raise RuntimeError(f"the fleet named no run directory:\n{self.output()}")
+        return Path(announced.group(1))
 
     def wait_exit(self, timeout: float) -> int:
         return self.process.wait(timeout)
