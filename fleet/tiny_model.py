@@ -27,6 +27,8 @@ import numpy as np
 from safetensors.numpy import save_file
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 
+from conductor.runtime import add_version_flag
+
 CORPUS = Path(__file__).with_name("tiny_model_corpus.txt")
 SEED = 20261123
 
@@ -188,7 +190,12 @@ def main(argv: list[str] | None = None) -> None:
         description="Write a tiny random-weight Llama (tokenizer, config, weights) that real "
         "vLLM loads offline. Deterministic: the same bytes every run.",
     )
-    parser.add_argument("directory", type=Path)
+    parser.add_argument(
+        "directory",
+        type=Path,
+        help="where to write it (replaces a tiny model there; refuses anything else)",
+    )
+    add_version_flag(parser)
     args = parser.parse_args(argv)
     try:
         directory = write_tiny_model(args.directory)

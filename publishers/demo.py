@@ -23,6 +23,8 @@ from pathlib import Path
 
 import aiohttp
 
+from conductor.runtime import add_version_flag
+
 from .local import LocalService
 
 MODEL = "demo-model"
@@ -249,15 +251,37 @@ async def run_until_signal(args: argparse.Namespace, stack: Stack) -> bool:
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="mooncake-demo", description=__doc__.splitlines()[0])
-    parser.add_argument("--engines", type=int, default=3)
-    parser.add_argument("--requests", type=int, default=300)
-    parser.add_argument("--documents", type=int, default=12)
-    parser.add_argument(
-        "--gpu-blocks", type=int, default=400, help="KV blocks per engine (16 tokens each)"
+    parser = argparse.ArgumentParser(
+        prog="mooncake-demo",
+        description="A conductor and engine simulators on this machine: the same requests "
+        "routed round robin, then by the conductor's /query, and the prefix-cache hits of each.",
     )
-    parser.add_argument("--time-scale", type=float, default=0.01)
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--engines", type=int, default=3, help="engine simulators (default 3)")
+    parser.add_argument(
+        "--requests", type=int, default=300, help="requests in each phase (default 300)"
+    )
+    parser.add_argument(
+        "--documents",
+        type=int,
+        default=12,
+        help="shared documents the prompts ask about, their long common prefixes (default 12)",
+    )
+    parser.add_argument(
+        "--gpu-blocks",
+        type=int,
+        default=400,
+        help="KV blocks per engine, 16 tokens each (default 400)",
+    )
+    parser.add_argument(
+        "--time-scale",
+        type=float,
+        default=0.01,
+        help="the engines' wall seconds per simulated second (default 0.01)",
+    )
+    parser.add_argument(
+        "--seed", type=int, default=0, help="seed of the generated prompts (default 0)"
+    )
+    add_version_flag(parser)
     args = parser.parse_args(argv)
     with tempfile.TemporaryDirectory(prefix="mooncake-demo-") as log_dir:
         stack = Stack(Path(log_dir))
