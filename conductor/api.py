@@ -12,6 +12,7 @@ import logging
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
+from functools import cached_property
 from itertools import chain, islice
 from typing import Any, TypeVar, cast
 
@@ -21,6 +22,14 @@ from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST
 from pydantic import BaseModel, ValidationError
 
+from .body_shape import (
+    BodyShape,
+    Malformed,
+    NotAnObject,
+    json_shape,
+    msgpack_fields,
+    msgpack_shape,
+)
 from .config import (
     InstanceDownRequest,
     InstanceUpRequest,
@@ -50,6 +59,7 @@ GLOBAL_VIEW_MAX_HASHES = 10_000
 SMALL_BODY_BYTES = 64 * 1024  # registrations and other small bodies
 JSON_BYTES_PER_TOKEN = 12  # "-2147483648,"
 JSON_BYTES_PER_HASH = 21  # "18446744073709551615,"
+NOT_AN_OBJECT = "request body must be an object"
 CAPACITY_RETRY_AFTER_S = 5
 CONFLICT_LOG_INTERVAL_S = 60.0
 # ours, on /query: a client names instances (a JSON list) and the answer says, per instance,
@@ -61,6 +71,7 @@ MAX_PROGRESS_INSTANCES = 256
 # lists every instance of the tenant: ~100 bytes each to write and parse at 1,000 instances)
 HITS_ONLY_HEADER = "X-Conductor-Hits-Only"
 _progress_decoder = msgspec.json.Decoder(list[str])
+_msgpack_numbers = msgspec.msgpack.Decoder(list[int] | bytes)  # an item array, or ints packed
 Body = TypeVar("Body", bound=BaseModel)
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
@@ -80,6 +91,53 @@ class ApiError(Exception):
         self.headers = headers or {}
 
 
+def _at_most(count: int, limit: int, field: str) -> None:
+    if count > limit:
+        raise ApiError(413, f"{field}: at most {limit} per request, got {count}", field)
+
+
+@dataclass(frozen=True)
+class ItemLimit:
+    """A query route's array field: the names it goes by, the items one request may hold,
+    and the bytes of one item packed into a msgpack bin."""
+
+    field: str
+    names: tuple[str, ...]
+    limit: int
+    packed_bytes: int
+
+    def check(self, shape: BodyShape, body_bytes: int) -> None:
+        """Refuse, before decoding, a body that breaks a limit once decoded (413) or whose
+        array is large and of something else than numbers (400: decoding it would build an
+        object per value)."""
+        if shape.items is not None:
+            _at_most(shape.items, self.limit, self.field)
+        if not shape.plain and shape.value_bytes > SMALL_BODY_BYTES:
+            raise self.not_numbers()
+        rest = body_bytes - shape.value_bytes
+        if rest > SMALL_BODY_BYTES:
+            raise ApiError(
+                413,
+                f"request body too large: its fields besides {self.field} take {rest} bytes "
+                f"(limit {SMALL_BODY_BYTES})",
+            )
+
+    def not_numbers(self) -> ApiError:
+        return ApiError(400, f"{self.field}: must be an array of integers", self.field)
+
+    def decode_field(self, key: str | bytes, value: msgspec.Raw) -> Any:
+        """A msgpack map's value. The array field's is decoded as numbers, by a decoder
+        that stops at the first element that is none; failing that, as it is (validation
+        names the element) if it is small, and refused if not."""
+        if key in self.names:
+            try:
+                return _msgpack_numbers.decode(value)
+            except msgspec.ValidationError:
+                if len(memoryview(value)) > SMALL_BODY_BYTES:
+                    raise self.not_numbers() from None
+        return msgpack.unpackb(value, raw=False)
+
+
 @dataclass(frozen=True)
 class HttpLimits:
     """What one request may cost: its body bytes and items are bounded so that parsing and
@@ -97,6 +155,16 @@ class HttpLimits:
             "/query_by_hash": self.max_query_hashes * JSON_BYTES_PER_HASH,
         }.get(path, 0)
         return min(self.max_body_bytes, items + SMALL_BODY_BYTES)
+
+    @cached_property
+    def item_limits(self) -> dict[str, ItemLimit]:
+        """Per route, its array field, counted before the body is decoded."""
+        return {
+            "/query": ItemLimit("token_ids", ("token_ids",), self.max_query_tokens, 4),
+            "/query_by_hash": ItemLimit(
+                "seq_hashes", ("seq_hashes", "block_hash"), self.max_query_hashes, 8
+            ),
+        }
 
 
 class RateLimitedLog:
@@ -162,33 +230,64 @@ async def parse_body(
     request: web.Request,
     model: type[Body],
     limits: HttpLimits,
-    from_json: Callable[[bytes], Body] | None = None,
+    plain_json: Callable[[bytes], Body | None] | None = None,
 ) -> Body:
-    """The request's body as ``model`` (msgpack or JSON, ``from_json`` parsing JSON when
-    given), or a precise 400 naming the first field in error."""
+    """The request's body as ``model`` (msgpack or JSON; ``plain_json`` parses the JSON
+    bodies it can, the others are parsed the general way), or a precise 400 naming the
+    first field in error. A query route's items are counted before decoding."""
     body = await read_body(request, limits.body_bytes(request.path), limits.body_timeout_s)
+    items = limits.item_limits.get(request.path)
     try:
         if request.content_type == MSGPACK:
-            try:
-                data = msgpack.unpackb(body, raw=False)
-            except Exception:
-                raise ApiError(400, "Invalid msgpack") from None
-            return model.model_validate(data)
-        return (from_json or model.model_validate_json)(body)
+            return model.model_validate(_decode_msgpack(body, items))
+        parsed = plain_json(body) if plain_json is not None else None
+        if parsed is not None:
+            return parsed
+        if items is not None:
+            _check_json_shape(body, items)
+        return model.model_validate_json(body)
     except ValidationError as error:
         first = error.errors()[0]
         if first["type"] == "json_invalid":
             raise ApiError(400, "Invalid JSON") from None
         if first["type"] == "model_type":
-            raise ApiError(400, "request body must be an object") from None
+            raise ApiError(400, NOT_AN_OBJECT) from None
         field = ".".join(str(part) for part in first["loc"]) or None
         message = first["msg"].removeprefix("Value error, ")
         raise ApiError(400, f"{field}: {message}" if field else message, field) from None
 
 
-def _at_most(count: int, limit: int, field: str) -> None:
-    if count > limit:
-        raise ApiError(413, f"{field}: at most {limit} per request, got {count}", field)
+def _decode_msgpack(body: bytes, items: ItemLimit | None) -> Any:
+    """The body decoded; a query route's map is read field by field, its array field
+    counted before anything is decoded."""
+    try:
+        if items is None:
+            return msgpack.unpackb(body, raw=False)
+        fields = msgpack_fields(body)
+        if not all(isinstance(key, str | bytes) for key in fields):
+            raise Malformed  # as msgpack's strict_map_key says
+    except NotAnObject:
+        raise ApiError(400, NOT_AN_OBJECT) from None
+    except Exception:
+        raise ApiError(400, "Invalid msgpack") from None
+    items.check(msgpack_shape(fields, items.names, items.packed_bytes), len(body))
+    try:
+        return {key: items.decode_field(key, raw) for key, raw in fields.items()}
+    except ApiError:
+        raise
+    except Exception:  # a value msgspec skipped over but cannot be decoded (bad UTF-8)
+        raise ApiError(400, "Invalid msgpack") from None
+
+
+def _check_json_shape(body: bytes, items: ItemLimit) -> None:
+    """A JSON body the plain reader declined (an escaped key, a nested value, an odd
+    token): its items counted before pydantic decodes it all."""
+    try:
+        shape = json_shape(body, items.names)
+    except NotAnObject:
+        raise ApiError(400, NOT_AN_OBJECT) from None
+    if shape is not None:  # None: no valid JSON, which pydantic reports before decoding
+        items.check(shape, len(body))
 
 
 class GoMatch(msgspec.Struct):
@@ -279,8 +378,9 @@ class ConductorApi:
 
     async def query(self, request: web.Request) -> web.Response:
         started = time.perf_counter()
-        body = await parse_body(request, QueryRequest, self.options.limits, QueryRequest.from_json)
-        _at_most(len(body.token_ids) // 4, self.options.limits.max_query_tokens, "token_ids")
+        limits = self.options.limits
+        body = await parse_body(request, QueryRequest, limits, QueryRequest.from_plain_json)
+        _at_most(len(body.token_ids) // 4, limits.max_query_tokens, "token_ids")
         matches = self.table.match_tokens(
             body.context_key(), body.token_ids, body.cache_salt or "", body.instance_id
         )

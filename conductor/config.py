@@ -264,13 +264,14 @@ class QueryRequest(_QueryBase):
     cache_salt: str | None = None
 
     @classmethod
-    def from_json(cls, body: bytes) -> QueryRequest:
-        """``model_validate_json``, but a plain token array is read in place by C (4,096
-        ids: ~45 us, not ~190 us through pydantic's Python ints); the rest, and anything
-        unusual, is pydantic's, with its errors."""
+    def from_plain_json(cls, body: bytes) -> QueryRequest | None:
+        """``model_validate_json`` of a plain body (a flat object, its token array of int32
+        unescaped), whose token array is read in place by C (4,096 ids: ~45 us, not ~190 us
+        through pydantic's Python ints) and the rest by pydantic, with its errors; None for
+        anything unusual, which the caller parses the general way."""
         split = json_int32_field(body, "token_ids")
         if split is None:
-            return cls.model_validate_json(body)
+            return None
         rest, token_ids = split
         return cls.model_validate_json(rest).model_copy(update={"token_ids": token_ids})
 

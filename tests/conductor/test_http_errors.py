@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 
+import msgpack
 import pytest
 
 from tests.support.api import get, post, register_and_connect, registration
@@ -168,3 +169,32 @@ async def test_endpoints_written_in_any_valid_form_register(served, http):
     for number, endpoint in enumerate(endpoints):
         body = {**VALID_REGISTRATION, "endpoint": endpoint, "instance_id": f"e{number}"}
         assert (await post(http, f"{served.url}/register", body))[0] == 200, endpoint
+
+
+@pytest.mark.parametrize(
+    ("body", "status", "error"),
+    [
+        ({**VALID_QUERY, "token_ids": [1, "x"]}, 400, "token_ids: element 1 ('x') is not an int32"),
+        ({**VALID_QUERY, "token_ids": [[1]]}, 400, "token_ids: element 0 ([1]) is not an int32"),
+        ({**VALID_QUERY, "token_ids": b"\x01\x00\x00"}, 400, "token_ids: token bytes must be"),
+        ({**VALID_QUERY, "block_size": "4"}, 400, "block_size: Input should be a valid integer"),
+        ([1, 2], 400, "request body must be an object"),
+        ({**VALID_QUERY, "token_ids": b"\x01\x00\x00\x00"}, 200, None),
+    ],
+)
+async def test_msgpack_bodies_get_the_answers_json_bodies_get(served, http, body, status, error):
+    headers = {"Content-Type": "application/msgpack"}
+    data = msgpack.packb(body)
+    async with http.post(f"{served.url}/query", data=data, headers=headers) as response:
+        answer = msgpack.unpackb(await response.read())
+    assert response.status == status, answer
+    assert error is None or answer["error"].startswith(error), answer
+
+
+async def test_msgpack_that_cannot_be_decoded_is_400(served, http):
+    undecodable = msgpack.packb(VALID_QUERY).replace(b"\xa1m", b"\xa1\xff")  # bad UTF-8
+    headers = {"Content-Type": "application/msgpack"}
+    for body in (undecodable, msgpack.packb({1: 2}), b"\xc1", msgpack.packb(VALID_QUERY)[:-1]):
+        async with http.post(f"{served.url}/query", data=body, headers=headers) as response:
+            answer = msgpack.unpackb(await response.read())
+        assert (response.status, answer["error"]) == (400, "Invalid msgpack"), body

@@ -307,8 +307,10 @@ def query_bodies(draw: st.DrawFn) -> bytes:
 
 
 def _outcome(parse: Any, body: bytes) -> Any:
+    """The request parsed, as a dict; its errors; None when the parser declined it."""
     try:
-        return parse(body).model_dump()
+        parsed = parse(body)
+        return None if parsed is None else parsed.model_dump()
     except ValidationError as error:
         return [(e["type"], e["loc"], e["msg"]) for e in error.errors()]
 
@@ -317,9 +319,8 @@ def _outcome(parse: Any, body: bytes) -> Any:
 @given(query_bodies())
 def test_query_json_reads_tokens_in_place_with_pydantic_s_answer(body: bytes) -> None:
     """The same request, or the same errors, as pydantic parsing the whole body."""
-    assert _outcome(QueryRequest.from_json, body) == _outcome(
-        QueryRequest.model_validate_json, body
-    )
+    in_place = _outcome(QueryRequest.from_plain_json, body)
+    assert in_place is None or in_place == _outcome(QueryRequest.model_validate_json, body)
 
 
 def test_json_int32_field_reads_only_a_flat_object_with_one_int32_array() -> None:
