@@ -1,14 +1,18 @@
 """Registrations made over ``/register`` survive a restart: a small JSON state file,
 replaced atomically (temp file, fsync, rename, fsync of the directory) after every change.
+The temporary file gets a fresh name, created exclusively (``mkstemp``: a symlink planted
+in the directory is never followed, so the write cannot land in another file).
 Changes made while a write runs share the next write: registering 1,000 engines at once
 costs a few writes, not 1,000 rewrites of a growing file."""
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 import os
+import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -76,19 +80,28 @@ class StateFile:
             try:
                 await asyncio.to_thread(_write_atomically, self.path, snapshot)
             except OSError as error:
-                log.error("state file %s not written: %s", self.path, error)
+                reason = error.strerror or type(error).__name__
+                where = f" ({error.filename})" if error.filename else ""
+                log.error("state file %s not written: %s%s", self.path, reason, where)
                 return
             self._written = changes
 
 
 def _write_atomically(path: Path, data: Any) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
-    temporary = path.with_name(f".{path.name}.tmp")
-    with open(temporary, "w", encoding="utf-8") as file:
-        json.dump(data, file, indent=1)
-        file.flush()
-        os.fsync(file.fileno())
-    os.replace(temporary, path)
+    descriptor, temporary = tempfile.mkstemp(
+        prefix=f".{path.name}.", suffix=".tmp", dir=path.parent
+    )
+    try:
+        with os.fdopen(descriptor, "w", encoding="utf-8") as file:
+            json.dump(data, file, indent=1)
+            file.flush()
+            os.fsync(file.fileno())
+        os.replace(temporary, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(temporary)
+        raise
     directory = os.open(path.parent, os.O_RDONLY)
     try:
         os.fsync(directory)

@@ -119,3 +119,27 @@ async def test_registrations_made_together_share_writes_and_all_persist(tmp_path
     await state.remove(registrations[0].key)
     restored = persistence.StateFile(tmp_path / "state.json").load()
     assert sorted(restored, key=lambda r: r.key) == sorted(registrations[1:], key=lambda r: r.key)
+
+
+async def test_a_symlink_at_the_old_temporary_name_is_not_followed(
+    conductor_factory, http, tmp_path
+):
+    """The state was written through the fixed name ``.<file>.tmp``, which open() followed:
+    a symlink planted there made the conductor overwrite the file it pointed at."""
+    state = tmp_path / "state.json"
+    target = tmp_path / "precious.txt"
+    target.write_text("keep me")
+    (tmp_path / ".state.json.tmp").symlink_to(target)
+    conductor = conductor_factory("--state-file", str(state))
+    body = {
+        "endpoint": "tcp://127.0.0.1:5557",
+        "type": "vLLM",
+        "modelname": "m",
+        "block_size": 16,
+        "instance_id": "engine-a",
+    }
+    assert (await post(http, f"{conductor.url}/register", body))[0] == 200
+    assert target.read_text() == "keep me"
+    saved = json.loads(state.read_text())["registrations"]
+    assert [entry["instance_id"] for entry in saved] == ["engine-a"]
+    assert sorted(path.name for path in tmp_path.glob(".state.json*")) == [".state.json.tmp"]
