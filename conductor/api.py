@@ -33,13 +33,14 @@ from .body_shape import (
 from .config import (
     InstanceDownRequest,
     InstanceUpRequest,
+    QueryBase,
     QueryByHashRequest,
     QueryRequest,
     Registration,
     UnregisterRequest,
 )
 from .http_guard import ConnectionGuard
-from .index import InstanceMatch
+from .index import ContextKey, InstanceMatch
 from .manager import (
     CapacityExceeded,
     RegistrationConflict,
@@ -70,6 +71,12 @@ MAX_PROGRESS_INSTANCES = 256
 # ours, on /query and /query_by_hash: "1" lists only the instances with a hit (the Go shape
 # lists every instance of the tenant: ~100 bytes each to write and parse at 1,000 instances)
 HITS_ONLY_HEADER = "X-Conductor-Hits-Only"
+# ours, on /query and /query_by_hash: no context matched the query's (tenant, model, LoRA,
+# block size); the value says which was asked and lists the model's contexts (the Go body,
+# {"tenant": {}} or {}, gives no hint that a block size or LoRA name is off)
+NO_CONTEXT_HEADER = "X-Conductor-No-Context"
+NO_CONTEXT_LISTED = 16  # contexts named in the header at most
+NO_CONTEXT_TEXT_CHARS = 80  # of each name in it: a header line stays well under 8 KiB
 _progress_decoder = msgspec.json.Decoder(list[str])
 _msgpack_numbers = msgspec.msgpack.Decoder(list[int] | bytes)  # an item array, or ints packed
 Body = TypeVar("Body", bound=BaseModel)
@@ -290,6 +297,19 @@ def _check_json_shape(body: bytes, items: ItemLimit) -> None:
         items.check(shape, len(body))
 
 
+def _header_text(text: str) -> str:
+    """A name in a header: quoted, ASCII (JSON escapes), cut to NO_CONTEXT_TEXT_CHARS."""
+    cut = text[:NO_CONTEXT_TEXT_CHARS]
+    return json.dumps(cut) + ("..." if len(text) > len(cut) else "")
+
+
+def _context_text(key: ContextKey) -> str:
+    return (
+        f"block_size={key.block_size} lora_name={_header_text(key.lora_name)} "
+        f"tenant_id={_header_text(key.tenant_id)}"
+    )
+
+
 class GoMatch(msgspec.Struct):
     """One instance's answer in the Go service's shape (a struct: ~4x faster to make than
     the dict it encodes as, and a 1,000-instance answer makes hundreds)."""
@@ -360,13 +380,22 @@ class ConductorApi:
 
     # -- queries -------------------------------------------------------------------------
     def _answer(
+        self, request: web.Request, query: QueryBase, matches: dict[str, InstanceMatch] | None
+    ) -> web.Response:
+        """The Go shape of ``matches`` (only the instances with a hit when asked so); when
+        no context matched, a header saying so."""
+        response = self._go_answer(request, query.tenant_id, query.instance_id, matches)
+        if matches is None:
+            response.headers[NO_CONTEXT_HEADER] = self._no_context(query.context_key())
+        return response
+
+    def _go_answer(
         self,
         request: web.Request,
         tenant: str,
         instance_id: str | None,
         matches: dict[str, InstanceMatch] | None,
     ) -> web.Response:
-        """The Go shape of ``matches`` (only the instances with a hit when asked so)."""
         if instance_id is not None:
             match = (matches or {}).get(instance_id, InstanceMatch())
             return reply(request, {tenant: {instance_id: _go_match(match)}})
@@ -376,6 +405,20 @@ class ConductorApi:
             matches = {name: match for name, match in matches.items() if match.disk}
         return reply(request, {tenant: _go_matches(matches or {})})
 
+    def _no_context(self, asked: ContextKey) -> str:
+        """What was asked and the contexts its model has, as one ASCII header line:
+        ``no context matched model="m" block_size=16 lora_name="" tenant_id="default";
+        contexts of the model: block_size=32 lora_name="" tenant_id="default"``."""
+        what = f"no context matched model={_header_text(asked.model_name)} {_context_text(asked)}"
+        known = self.table.model_contexts(asked.model_name)
+        if not known:
+            return f"{what}; the model has none"
+        listed = ", ".join(_context_text(key) for key in known[:NO_CONTEXT_LISTED])
+        unlisted = len(known) - NO_CONTEXT_LISTED
+        return f"{what}; contexts of the model: {listed}" + (
+            f" (+{unlisted} more)" if unlisted > 0 else ""
+        )
+
     async def query(self, request: web.Request) -> web.Response:
         started = time.perf_counter()
         limits = self.options.limits
@@ -384,7 +427,7 @@ class ConductorApi:
         matches = self.table.match_tokens(
             body.context_key(), body.token_ids, body.cache_salt or "", body.instance_id
         )
-        response = self._answer(request, body.tenant_id, body.instance_id, matches)
+        response = self._answer(request, body, matches)
         if PROGRESS_HEADER in request.headers:
             response.headers[INDEXED_UNTIL_HEADER] = self._progress(request, body.tenant_id)
         self.metrics.query_seconds.labels("/query").observe(time.perf_counter() - started)
@@ -413,7 +456,7 @@ class ConductorApi:
         _at_most(len(body.seq_hashes), self.options.limits.max_query_hashes, "seq_hashes")
         hashes = cast(list[EngineHash], [h & MASK64 for h in body.seq_hashes])
         matches = self.table.match_engine_hashes(body.context_key(), hashes, body.instance_id)
-        response = self._answer(request, body.tenant_id, body.instance_id, matches)
+        response = self._answer(request, body, matches)
         self.metrics.query_seconds.labels("/query_by_hash").observe(time.perf_counter() - started)
         return response
 

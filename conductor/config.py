@@ -221,7 +221,7 @@ class InstanceDownRequest(InstanceUpRequest):
     ttl_s: float = Field(default=60.0, gt=0, le=3600)
 
 
-class _QueryBase(_Strict):
+class QueryBase(_Strict):
     model: str = Field(min_length=1)
     block_size: PositiveGoInt
     tenant_id: str = "default"
@@ -257,7 +257,7 @@ def _int32_token_bytes(value: Any) -> bytes:
         raise
 
 
-class QueryRequest(_QueryBase):
+class QueryRequest(QueryBase):
     """``POST /query``: a prompt's tokens, held as packed int32 bytes."""
 
     token_ids: Annotated[bytes, BeforeValidator(_int32_token_bytes)]
@@ -276,7 +276,7 @@ class QueryRequest(_QueryBase):
         return cls.model_validate_json(rest).model_copy(update={"token_ids": token_ids})
 
 
-class QueryByHashRequest(_QueryBase):
+class QueryByHashRequest(QueryBase):
     """``POST /query_by_hash``: a prompt given as the engine's block hashes."""
 
     seq_hashes: list[EngineHash] = Field(validation_alias=AliasChoices("seq_hashes", "block_hash"))

@@ -952,6 +952,11 @@ class PrefixCacheTable:
     def tenants(self) -> set[str]:
         return {key.tenant_id for key in self.contexts}
 
+    def model_contexts(self, model_name: str) -> list[ContextKey]:
+        """The contexts of a model, in the order they were created (what a query that
+        matched no context could have asked for)."""
+        return [key for key in self.contexts if key.model_name == model_name]
+
     # -- views (the read API of everything outside the index) ----------------------------
     def context_count(self) -> int:
         return len(self.contexts)

@@ -198,3 +198,40 @@ async def test_msgpack_that_cannot_be_decoded_is_400(served, http):
         async with http.post(f"{served.url}/query", data=body, headers=headers) as response:
             answer = msgpack.unpackb(await response.read())
         assert (response.status, answer["error"]) == (400, "Invalid msgpack"), body
+
+
+async def test_a_query_no_context_matches_says_which_contexts_the_model_has(served, http):
+    """The README's example asked for block size 16 of a fleet running 32 and got
+    ``{"default": {}}`` with no hint why."""
+    for number, (block_size, lora) in enumerate([(32, ""), (32, "sql-adapter")]):
+        body = {
+            **VALID_REGISTRATION,
+            "endpoint": f"tcp://127.0.0.1:{number + 1}",
+            "instance_id": f"e{number}",
+            "block_size": block_size,
+        }
+        status, _ = await post(http, f"{served.url}/register", {**body, "lora_name": lora})
+        assert status == 200
+    contexts = (
+        'block_size=32 lora_name="" tenant_id="default", '
+        'block_size=32 lora_name="sql-adapter" tenant_id="default"'
+    )
+    asked = [
+        ("/query", {**VALID_QUERY, "block_size": 16}),
+        ("/query_by_hash", {**VALID_QUERY, "block_size": 16, "seq_hashes": [1]}),
+    ]
+    for path, body in asked:
+        async with http.post(served.url + path, json=body) as response:
+            assert (response.status, await response.json()) == (200, {"default": {}})
+            assert response.headers["X-Conductor-No-Context"] == (
+                'no context matched model="m" block_size=16 lora_name="" tenant_id="default"; '
+                f"contexts of the model: {contexts}"
+            )
+    other = {**VALID_QUERY, "model": "llama\n", "block_size": 32}
+    async with http.post(f"{served.url}/query", json=other) as response:
+        assert response.headers["X-Conductor-No-Context"] == (
+            'no context matched model="llama\\n" block_size=32 lora_name="" '
+            'tenant_id="default"; the model has none'
+        )
+    async with http.post(f"{served.url}/query", json={**VALID_QUERY, "block_size": 32}) as response:
+        assert response.status == 200 and "X-Conductor-No-Context" not in response.headers
