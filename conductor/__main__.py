@@ -13,6 +13,7 @@ import gc
 import logging
 import os
 import signal
+import socket
 import sys
 from pathlib import Path
 from typing import Any
@@ -29,8 +30,8 @@ from .config import (
     one_line,
     settings_model,
 )
-from .http_guard import GuardedSite
-from .manager import RegistrationConflict, RegistrationFailed, StreamLimits
+from .http_guard import GuardedSite, listen
+from .manager import CapacityExceeded, RegistrationConflict, RegistrationFailed, StreamLimits
 from .runtime import add_common_flags, configure_logging, port_number, run
 from .service import GUARD, MANAGER, create_app, state_path
 
@@ -45,6 +46,10 @@ FLAGS = {
 }
 ENVS = {"http_server_port": "CONDUCTOR_PORT"}
 LIMIT_KEYS = tuple(item.name for item in dataclasses.fields(StreamLimits))
+
+
+class CannotListen(Exception):
+    """The HTTP socket cannot be bound (the port is in use, the host is no address here)."""
 
 
 def setting_flags(key: str) -> tuple[str, ...]:
@@ -103,7 +108,7 @@ def parse_settings(
     config_path = config_path or DEFAULT_CONFIG_PATH
     config = load_config(config_path)
     values: dict[str, Any] = dict(config.settings)
-    sources = {key: f"{key} in the config file" for key in values}
+    sources = dict.fromkeys(values, os.path.expanduser(config_path))
     for key in settings_model().model_fields:
         raw = os.environ.get(setting_env(key))
         if raw is not None:
@@ -116,8 +121,9 @@ def parse_settings(
     except ValidationError as error:
         key = str(error.errors()[0]["loc"][0])
         raise ConfigError(f"{sources.get(key, key)}: {one_line(error)}") from None
-    except ValueError as error:  # StreamLimits' own checks name the field
-        raise ConfigError(str(error)) from None
+    except ValueError as error:  # StreamLimits' own checks name the fields
+        named = sorted({sources[key] for key in LIMIT_KEYS if key in sources and key in str(error)})
+        raise ConfigError(f"{', '.join(named)}: {error}" if named else str(error)) from None
     return settings, limits, config, config_path
 
 
@@ -135,14 +141,23 @@ async def serve(
         keepalive_timeout=settings.keepalive_timeout_s,
         lingering_time=LINGER_SECONDS,
     )
-    await runner.setup()  # runs the app's cleanup_ctx: registrations, store checks, loop lag
+    host, port = settings.host, settings.http_server_port
+    try:  # before anything starts: a port in use must not leave streams registered
+        server = await listen(runner, guard, host, port)
+    except OSError as error:
+        raise CannotListen(f"cannot listen on {_address(host, port)}: {_reason(error)}") from None
+    try:
+        await runner.setup()  # runs the cleanup_ctx: registrations, store checks, loop lag
+    except BaseException:
+        server.close()
+        raise
     gc.freeze()  # start-up objects live forever: keep full collections off the query path
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for signum in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(signum, stop.set)
     try:
-        site = GuardedSite(runner, guard, host=settings.host, port=settings.http_server_port)
+        site = GuardedSite(runner, guard, server, host=host, port=port)
         await site.start()
         log.info(
             "listening host=%s port=%d services=%d state_file=%s",
@@ -158,6 +173,19 @@ async def serve(
         await runner.cleanup()
 
 
+def _address(host: str, port: int) -> str:
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+
+
+def _reason(error: OSError) -> str:
+    """``address already in use``: the OS's words, not asyncio's sentence around them."""
+    if isinstance(error, socket.gaierror) or not error.errno:
+        reason = error.strerror or str(error)
+    else:
+        reason = os.strerror(error.errno)
+    return reason[:1].lower() + reason[1:]
+
+
 def main(argv: list[str] | None = None) -> None:
     try:
         settings, limits, config, config_path = parse_settings(argv)
@@ -166,11 +194,14 @@ def main(argv: list[str] | None = None) -> None:
     configure_logging(settings.log_level)
     try:
         run(serve(settings, limits, config, config_path))
-    except (RegistrationConflict, RegistrationFailed, ConfigError) as error:
+    except CannotListen as error:
+        sys.exit(f"mooncake-conductor: {error}")
+    except ConfigError as error:  # the state file
         sys.exit(f"mooncake-conductor: invalid configuration: {error}")
-    except OSError as error:
-        where = f"{settings.host}:{settings.http_server_port}"
-        sys.exit(f"mooncake-conductor: cannot serve on {where}: {error}")
+    except (RegistrationConflict, RegistrationFailed, CapacityExceeded) as error:
+        # only the config file's registrations raise: the state file's are skipped
+        where = os.path.expanduser(config_path)
+        sys.exit(f"mooncake-conductor: invalid configuration: {where}: {error}")
 
 
 if __name__ == "__main__":

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Callable
 from typing import Any, cast
 
 from aiohttp import web
@@ -47,9 +46,6 @@ class ConnectionGuard:
             registry=registry,
         )
         self.open: dict[asyncio.Transport, GuardedProtocol] = {}
-
-    def wrap(self, factory: Callable[[], asyncio.Protocol]) -> Callable[[], asyncio.Protocol]:
-        return lambda: GuardedProtocol(factory(), self)
 
     def request_done(self, transport: asyncio.Transport | None) -> None:
         """A response was handled: the next bytes on the connection start a new head."""
@@ -140,23 +136,49 @@ class GuardedProtocol(asyncio.Protocol):
             self.transport.abort()
 
 
-class GuardedSite(web.TCPSite):
-    """``TCPSite`` whose connections go through a ``ConnectionGuard``."""
+async def listen(
+    runner: web.AppRunner, guard: ConnectionGuard, host: str | None, port: int, **options: Any
+) -> asyncio.Server:
+    """The serving socket, bound before the app is set up: a port in use fails before any
+    stream is registered. It serves (and listens) once ``GuardedSite.start`` starts it;
+    ``options`` are ``loop.create_server``'s (backlog, reuse_address, reuse_port)."""
 
-    def __init__(self, runner: web.AppRunner, guard: ConnectionGuard, **options: Any) -> None:
+    def protocol() -> asyncio.Protocol:
+        assert runner.server is not None, "served only once the runner is set up"
+        return GuardedProtocol(runner.server(), guard)
+
+    loop = asyncio.get_running_loop()
+    return await loop.create_server(protocol, host, port, start_serving=False, **options)
+
+
+class GuardedSite(web.TCPSite):
+    """``TCPSite`` whose connections go through a ``ConnectionGuard``: on ``server`` when
+    it was bound beforehand (``listen``), else on a socket it binds when started."""
+
+    def __init__(
+        self,
+        runner: web.AppRunner,
+        guard: ConnectionGuard,
+        server: asyncio.Server | None = None,
+        **options: Any,
+    ) -> None:
         super().__init__(runner, **options)
         self._guard = guard
+        self._bound = server
 
     async def start(self) -> None:
         await web.BaseSite.start(self)
-        loop = asyncio.get_running_loop()
-        server = self._runner.server
-        assert server is not None
-        self._server = await loop.create_server(
-            self._guard.wrap(server),
-            self._host,
-            self._port,
-            backlog=self._backlog,
-            reuse_address=self._reuse_address,
-            reuse_port=self._reuse_port,
-        )
+        server = self._bound
+        if server is None:
+            assert isinstance(self._runner, web.AppRunner)
+            server = await listen(
+                self._runner,
+                self._guard,
+                self._host,
+                self._port,
+                backlog=self._backlog,
+                reuse_address=self._reuse_address,
+                reuse_port=self._reuse_port,
+            )
+        self._server = server
+        await server.start_serving()
