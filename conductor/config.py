@@ -329,6 +329,20 @@ class ConductorConfig(_Strict):
             }
         return data
 
+    @model_validator(mode="after")
+    def _one_entry_per_stream(self) -> ConductorConfig:
+        """Two entries for one stream (its key or its endpoint) would conflict at start-up,
+        after the first had been registered: an error naming both, before anything runs."""
+        seen: dict[str, str] = {}
+        for name, entry in self.kvevent_instance.items():
+            for what, value in (("key", entry.key), ("endpoint", entry.endpoint)):
+                other = seen.setdefault(f"{what} {value}", name)
+                if other != name:
+                    raise ValueError(
+                        f"kvevent_instance.{name}: {what} {value} is kvevent_instance.{other}'s"
+                    )
+        return self
+
     def registrations(self) -> list[Registration]:
         return list(self.kvevent_instance.values())
 
@@ -376,35 +390,58 @@ class Settings(_Strict):
 
     model_config = ConfigDict(strict=False, extra="forbid", frozen=True)
 
-    host: str = Field(default="0.0.0.0", min_length=1, description="address to bind")
-    http_server_port: int = Field(default=DEFAULT_PORT, ge=1, le=65535, description="HTTP port")
-    log_level: Annotated[str, AfterValidator(_log_level)] = "INFO"
+    host: str = Field(
+        default="0.0.0.0", min_length=1, description="address the HTTP server binds (0.0.0.0: all)"
+    )
+    http_server_port: int = Field(
+        default=DEFAULT_PORT, ge=1, le=65535, description="port the HTTP server listens on"
+    )
+    log_level: Annotated[str, AfterValidator(_log_level)] = Field(
+        default="INFO", description="the lowest level logged: DEBUG, INFO, WARNING or ERROR"
+    )
     access_log: bool = Field(default=False, description="log one line per HTTP request")
     max_body_bytes: int = Field(
-        default=16 * 1024 * 1024, ge=1024, le=2**30, description="largest request body (413)"
+        default=16 * 1024 * 1024,
+        ge=1024,
+        le=2**30,
+        description="largest request body on any route, in bytes (413 beyond)",
     )
     max_query_tokens: int = Field(
-        default=131_072, ge=1, le=2**24, description="most token_ids in one /query (413)"
+        default=131_072, ge=1, le=2**24, description="most token_ids in one /query (413 beyond)"
     )
     max_query_hashes: int = Field(
-        default=8_192, ge=1, le=2**22, description="most seq_hashes in one /query_by_hash"
+        default=8_192,
+        ge=1,
+        le=2**22,
+        description="most seq_hashes in one /query_by_hash (413 beyond)",
     )
     header_timeout_s: float = Field(
-        default=10.0, gt=0, le=600, description="a request head must arrive within this"
+        default=10.0,
+        gt=0,
+        le=600,
+        description="seconds a request head may take to arrive; then the connection is closed",
     )
     body_timeout_s: float = Field(
-        default=30.0, gt=0, le=3600, description="a request body must arrive within this (408)"
+        default=30.0, gt=0, le=3600, description="seconds a request body may take to arrive (408)"
     )
     keepalive_timeout_s: float = Field(
-        default=75.0, gt=0, le=3600, description="an idle keep-alive connection is closed"
+        default=75.0,
+        gt=0,
+        le=3600,
+        description="seconds an idle keep-alive connection stays open",
     )
     max_connections: int = Field(
-        default=512, ge=1, le=1_000_000, description="open HTTP connections; more are closed"
+        default=512,
+        ge=1,
+        le=1_000_000,
+        description="open HTTP connections at most; a new one beyond is closed at once",
     )
     auth_token: str = Field(
-        default="", description="bearer token for mutating routes (empty: no auth)"
+        default="", description="bearer token the mutating routes need (empty: no auth)"
     )
-    auth_all: bool = Field(default=False, description="the token is needed on every route")
+    auth_all: bool = Field(
+        default=False, description="the bearer token is needed on every route but /health"
+    )
     register_allow: list[str] | None = Field(
         default=None,
         description="endpoints /register may name: CIDRs, IPs, host names, ipc:// paths, "
@@ -431,7 +468,10 @@ def settings_model() -> type[Settings]:
     from .manager import StreamLimits  # the manager imports this module: resolved late
 
     limits: dict[str, Any] = {
-        item.name: (type(item.default), Field(default=item.default, description="stream limit"))
+        item.name: (
+            type(item.default),
+            Field(default=item.default, gt=0, description=item.metadata["description"]),
+        )
         for item in dataclasses.fields(StreamLimits)
     }
     return create_model("ConductorSettings", __base__=Settings, **limits)

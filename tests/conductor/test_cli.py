@@ -7,6 +7,7 @@ import asyncio
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -15,6 +16,7 @@ from pathlib import Path
 import pytest
 
 from conductor.__main__ import parse_settings
+from conductor.config import settings_model
 from tests.conftest import REPO
 from tests.support.api import get, register_and_connect
 
@@ -50,25 +52,64 @@ def test_mistakes_are_one_line_errors(tmp_path, config, args, reason):
 
 
 def test_an_explicit_missing_config_is_an_error(tmp_path):
-    for given in (("--config", str(tmp_path / "nope.json")),):
+    """The router words it the same way."""
+    for given, env in (
+        (["--config", "nope.json"], {}),
+        ([], {"CONDUCTOR_CONFIG_PATH": "nope.json"}),
+    ):
         result = subprocess.run(
             [sys.executable, "-m", "conductor", *given],
-            cwd=REPO,
+            cwd=tmp_path,
+            env={**os.environ, **env},
             capture_output=True,
             text=True,
             timeout=20,
         )
-        assert result.returncode != 0 and "nope.json does not exist" in result.stderr
-    env = {**os.environ, "CONDUCTOR_CONFIG_PATH": str(tmp_path / "nope.json")}
+        assert (result.returncode, result.stderr) == (
+            1,
+            "mooncake-conductor: invalid configuration: config file nope.json does not exist\n",
+        )
+
+
+def test_a_port_in_use_is_one_line_and_nothing_is_registered_first(tmp_path):
+    """The config file's streams were registered (and logged) before the bind failed."""
+    entries = {
+        name: {"endpoint": f"tcp://127.0.0.1:{5557 + n}", "type": "vLLM", "modelname": "m"}
+        for n, name in enumerate(("engine-a", "engine-b"))
+    }
+    config = {"kvevent_instance": {n: {**e, "block_size": 16} for n, e in entries.items()}}
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        result = run_conductor(
+            "--port", str(port), "--state-file", "", config_dir=tmp_path, config=json.dumps(config)
+        )
+    assert (result.returncode, result.stderr) == (
+        1,
+        f"mooncake-conductor: cannot listen on 127.0.0.1:{port}: address already in use\n",
+    )
+
+
+def test_every_option_says_what_it_does():
+    """Nine stream limits were described as "stream limit" and nothing else."""
+    descriptions = {key: spec.description for key, spec in settings_model().model_fields.items()}
+    terse = {key: text for key, text in descriptions.items() if len(str(text).split()) < 5}
+    assert not terse
+    assert len(set(descriptions.values())) == len(descriptions)
     result = subprocess.run(
-        [sys.executable, "-m", "conductor"],
+        [sys.executable, "-m", "conductor", "--help"],
         cwd=REPO,
-        env=env,
         capture_output=True,
         text=True,
         timeout=20,
     )
-    assert result.returncode != 0 and "does not exist" in result.stderr
+    shown = " ".join(result.stdout.split())
+    assert result.returncode == 0
+    missing = [
+        key for key, text in descriptions.items() if " ".join(str(text).split()) not in shown
+    ]
+    assert missing == ["log_level"]  # --log-level is every command's, with its own help
 
 
 def test_version():

@@ -81,6 +81,20 @@ async def test_config_file_registrations_are_indexed(conductor_factory, http, pu
             '"modelname": "m", "block_size": 16}}}',
             "kvevent_instance.a.endpoint: brackets hold an IPv6 address only",
         ),
+        ('{"receive_buffer_bytes": 1024}', "receive_buffer_bytes must hold one message"),
+        ('{"max_dp_ranks": 0}', "max_dp_ranks: Input should be greater than 0"),
+        (
+            json.dumps(
+                {
+                    "kvevent_instance": {
+                        name: {"endpoint": "tcp://127.0.0.1:5557", "type": "vLLM"}
+                        | {"modelname": "m", "block_size": 16}
+                        for name in ("a", "b")
+                    }
+                }
+            ),
+            "kvevent_instance.b: endpoint tcp://127.0.0.1:5557 is kvevent_instance.a's",
+        ),
     ],
 )
 def test_invalid_config_exits_with_one_line_reason(tmp_path, content, reason):
@@ -90,6 +104,7 @@ def test_invalid_config_exits_with_one_line_reason(tmp_path, content, reason):
     assert result.returncode != 0
     lines = result.stderr.strip().splitlines()
     assert len(lines) == 1 and reason in lines[0], result.stderr
+    assert lines[0].startswith(f"mooncake-conductor: invalid configuration: {path}: "), lines
 
 
 async def test_the_app_runs_everything_behind_its_routes_and_stops_it(
