@@ -1,27 +1,42 @@
-"""``mooncake-router``: the cache-aware OpenAI-compatible proxy."""
+"""``mooncake-router``: the cache-aware OpenAI-compatible proxy.
+
+Its configuration and tokenizer are checked first; then it binds its port and serves at
+once: registering with the conductors goes on in the background, and until a conductor
+answers, requests are routed by load and ``/health`` says ``degraded`` and why.
+"""
 
 from __future__ import annotations
 
 import argparse
+import asyncio
 import logging
+import signal
+import socket
 import sys
 
 from aiohttp import web
-from pydantic import ValidationError
 
-from conductor.config import one_line
-from conductor.runtime import add_common_flags, configure_logging, new_event_loop
+from conductor.runtime import add_common_flags, configure_logging, run
 
 from . import config as router_config
 from .app import Router, create_app
+from .notices import os_reason
 from .tokenizer import TokenizerUnavailable
 
+log = logging.getLogger("router")
 ACCESS_LOG_FORMAT = 'remote=%a request="%r" status=%s bytes=%b seconds=%Tf'
+SHUTDOWN_TIMEOUT_S = 0.5  # SIGINT/SIGTERM: in-flight requests are cut within ~1 s
 
 
-def main(argv: list[str] | None = None) -> None:
+class CannotListen(Exception):
+    """The address is taken, unknown or not ours: one line, not a traceback."""
+
+
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
-        prog="mooncake-router", description="Cache-aware OpenAI-compatible proxy."
+        prog="mooncake-router",
+        description="Cache-aware OpenAI-compatible proxy: asks the conductor where each "
+        "prompt's prefix is cached and forwards the request there.",
     )
     router_config.add_cli_flags(parser)
     parser.add_argument(
@@ -30,28 +45,88 @@ def main(argv: list[str] | None = None) -> None:
         help="log one line per request (logger router.access, at INFO)",
     )
     add_common_flags(parser, "ROUTER_LOG_LEVEL")
-    args = parser.parse_args(argv)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = build_parser().parse_args(argv)
     try:
         config = router_config.load(args)
-    except (OSError, ValueError) as error:
-        reason = one_line(error) if isinstance(error, ValidationError) else str(error)
-        sys.exit(f"mooncake-router: invalid configuration: {reason}")
+    except ValueError as error:  # ConfigError, or a flag pair that does not add up
+        sys.exit(f"mooncake-router: invalid configuration: {error}")
     configure_logging(args.log_level)
+    # until the event loop's own handlers take over, SIGTERM stops it as SIGINT does: quietly
+    previous = signal.signal(signal.SIGTERM, signal.default_int_handler)
     try:
-        router = Router(config)
+        start(Router(config), args)
+    except KeyboardInterrupt:  # stopped while starting, as asked
+        pass
     except TokenizerUnavailable as error:
         sys.exit(f"mooncake-router: tokenizer: {error}")
-    web.run_app(
+    except CannotListen as error:
+        sys.exit(f"mooncake-router: {error}")
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+def start(router: Router, args: argparse.Namespace) -> None:
+    """Bind the port (before anything else runs, so a taken port is the only line), then
+    serve until SIGINT/SIGTERM."""
+    sockets = listen(args.host, args.port)
+    try:
+        run(serve(router, sockets, args.access_log))
+    finally:
+        for sock in sockets:
+            sock.close()
+
+
+def listen(host: str, port: int) -> list[socket.socket]:
+    """A listening socket on every address ``host`` resolves to (as asyncio binds them:
+    address reuse, IPv6 sockets IPv6 only); raises CannotListen with the system's reason."""
+    sockets: list[socket.socket] = []
+    try:
+        found = socket.getaddrinfo(
+            host or None, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE
+        )
+        for family, *_, address in dict.fromkeys(found):
+            sockets.append(socket.create_server(address, family=family, backlog=128))
+    except OSError as error:
+        for sock in sockets:
+            sock.close()
+        where = _host_port(host, port)
+        raise CannotListen(f"cannot listen on {where}: {os_reason(error)}") from None
+    return sockets
+
+
+def _host_port(host: str, port: int) -> str:
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+
+
+async def serve(router: Router, sockets: list[socket.socket], access_log: bool) -> None:
+    """Serve on ``sockets`` until SIGINT/SIGTERM. The router's start (sessions, background
+    tasks) waits on nothing remote, so requests are answered at once."""
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for signum in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(signum, stop.set)
+    runner = web.AppRunner(
         create_app(router),
-        host=args.host,
-        port=args.port,
-        access_log=logging.getLogger("router.access") if args.access_log else None,
+        access_log=logging.getLogger("router.access") if access_log else None,
         access_log_format=ACCESS_LOG_FORMAT,
         handler_cancellation=True,  # a client that goes away cancels its upstream request
-        shutdown_timeout=0.5,  # SIGINT/SIGTERM: in-flight requests are cut within ~1 s
-        loop=new_event_loop(),
-        print=None,
+        shutdown_timeout=SHUTDOWN_TIMEOUT_S,
     )
+    await runner.setup()
+    try:
+        for sock in sockets:
+            await web.SockSite(runner, sock).start()
+        for sock in sockets:
+            host, port = sock.getsockname()[:2]
+            log.info("listening on http://%s", _host_port(host, port))
+        await stop.wait()
+        log.info("shutting down")
+    finally:
+        await runner.cleanup()
 
 
 if __name__ == "__main__":

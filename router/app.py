@@ -15,13 +15,15 @@ configured ``modelname``, and answers vLLM's 404 itself for a model no upstream 
 drift is visible: each answer's engine-reported cached tokens are compared with the
 conductor's prediction for the prefill instance (``router_cache_*`` metrics, ``usage``).
 
-Faults stay contained: every upstream call has a timeout (connect, first byte, then idle
-between chunks; ``upstream`` section), numbers the engines report are checked before they
-count (``engine_metrics``), a request body is bounded in bytes, JSON values and depth
-(``limits``), background tasks are supervised (restarted, counted, shown on ``/health``),
-and the event loop's lag is measured (``router_event_loop_lag_seconds``). Engines out of
-rotation are reported to the conductors (``/instance_down``, re-sent while they stay out,
-then ``/instance_up``) so that their blocks stop counting. Every error is OpenAI-shaped.
+Faults stay contained: every upstream call has a timeout (connect, a stream's headers, first
+byte, then idle between chunks; ``upstream`` section), a request waiting for its first byte
+from an engine taken out of rotation meanwhile moves on at once, numbers the engines report
+are checked before they count (``engine_metrics``), a request body is bounded in bytes, JSON
+values and depth (``limits``), background tasks are supervised (restarted, counted, shown on
+``/health``), and the event loop's lag is measured (``router_event_loop_lag_seconds``).
+Engines out of rotation are reported to the conductors (``/instance_down``, re-sent while
+they stay out, then ``/instance_up``) so that their blocks stop counting. Every error is
+OpenAI-shaped.
 """
 
 from __future__ import annotations
@@ -35,7 +37,7 @@ import random
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Sequence
 from dataclasses import dataclass, replace
-from typing import Annotated, Any
+from typing import Annotated, Any, TypeVar
 
 import aiohttp
 import msgspec
@@ -52,15 +54,16 @@ from .config import LimitsSection, RouterConfig
 from .embedded import EmbeddedConductor
 from .engine_metrics import IN_FLIGHT, engine_in_flight, in_range, parse_metrics
 from .metrics import RouterMetrics
-from .notices import Notices
+from .notices import Notices, describe
 from .pending import RECHECK_S, PendingPrefixes, PendingPrompt
-from .policy import Decision, RoutingParams, SloViolation, choose, reusable_hits
+from .policy import Candidate, Decision, RoutingParams, SloViolation, choose, reusable_hits
 from .pool import CostLearner, InstancePool, Ticket, Upstream
 from .store import STORE_METRICS, loads_in
 from .tokenizer import InvalidPrompt, LocalTokenizer, Unsupported, probes
 from .usage import UsageTap, cached_tokens
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 FORWARDED_HEADERS = ("Authorization", "X-Request-Id")
 HOP_BY_HOP = {"content-length", "transfer-encoding", "connection", "keep-alive", "content-encoding"}
@@ -73,6 +76,9 @@ TOKENIZE_ATTEMPTS = 3  # engines asked for a prompt's tokens before routing with
 # so the encodings run on every core and the loop keeps reading the conductor's answers
 INLINE_TOKENIZE_BYTES = 16 * 1024
 DOWN_TTL_PROBES = 3  # an /instance_down mark lasts this many probe intervals (re-sent)
+REGISTER_RETRY_S = 1.0  # a failed registration round is retried this soon, then less often
+MAX_LOGGED_CANDIDATES = 16  # a routing decision's DEBUG line lists at most this many
+TOKENIZED_BY = "x-conductor-tokenized-by"
 SCRAPED_METRICS = frozenset((*IN_FLIGHT, *STORE_METRICS))  # what an engine scrape reads
 ERROR_TYPES = {
     400: "BadRequestError",
@@ -159,7 +165,7 @@ class Router:
         self.pending = PendingPrefixes() if config.routing.in_flight_prefixes else None
         self._release_scheduled = False  # a look at the finished prompts held is due
         self._turn = itertools.count()  # rotates ties between equally good instances
-        self._tokenizing = 0  # requests whose prompt is being tokenized
+        self._tokenizing = 0  # prompts being tokenized by the local tokenizer
         self._tokenizer_turn = itertools.count()  # spreads /tokenize calls
         self._rng = random.Random()
         self._sessions: dict[str, aiohttp.ClientSession] = {}
@@ -170,6 +176,9 @@ class Router:
         self.lag = LoopLagMonitor(self.metrics.registry, "router")
         self.tasks: dict[str, SupervisedTask] = {}
         self._health_changed = asyncio.Event()  # wakes the dead-upstream reporter
+        # per upstream, resolved when it is next taken out of rotation: wakes the requests
+        # waiting for its first byte
+        self._taken_out: dict[str, asyncio.Future[None]] = {}
         directory = config.tokenizer.directory(config.prefill.config.modelname)
         # raises TokenizerUnavailable (a ValueError) for a directory it cannot read
         self.local = (
@@ -231,8 +240,6 @@ class Router:
         for name, factory in background.items():
             self.tasks[name] = SupervisedTask(name, factory, self.metrics.task_failures)
             self.tasks[name].start()
-        # keep serving (fallback) and keep trying, whatever the conductors answer
-        await self.conductor.register(self.config.prefill.instances)
 
     async def stop(self) -> None:
         await asyncio.gather(*(task.stop() for task in self.tasks.values()), self.lag.stop())
@@ -285,7 +292,7 @@ class Router:
         except TimeoutError:  # slow is not dead
             return
         except aiohttp.ClientConnectionError as error:  # refused or reset: gone
-            self._failed(upstream, f"/metrics: {error!r}")
+            self._failed(upstream, f"/metrics: {describe(error)}")
             return
         except (aiohttp.ClientError, ValueError):
             return
@@ -371,11 +378,19 @@ class Router:
             )
 
     async def _keep_registered(self) -> None:
-        """Re-register periodically (idempotent) so a restarted conductor relearns us."""
+        """Register at once, in the background: the router listens and routes by load
+        meanwhile (``/health`` says why it is degraded). Then again every
+        ``reregister_interval_seconds`` (idempotent) so that a restarted conductor relearns
+        the streams; a round that failed is retried sooner, backing off up to that interval."""
         assert self.conductor is not None
+        interval = self.config.conductor.reregister_interval_seconds
+        retry = REGISTER_RETRY_S
         while True:
-            await asyncio.sleep(self.config.conductor.reregister_interval_seconds)
-            await self.conductor.register(self.config.prefill.instances)
+            if await self.conductor.register(self.config.prefill.instances):
+                retry, wait = REGISTER_RETRY_S, interval
+            else:
+                retry, wait = min(retry * 2, interval), min(retry, interval)
+            await asyncio.sleep(wait)
 
     async def _report_dead_upstreams(self) -> None:
         """Tell the conductors which prefill instances are out of rotation, so their blocks
@@ -485,9 +500,13 @@ class Router:
 
     async def _tokenize_locally(self, chat: bool, body: dict[str, Any], size: int) -> list[int]:
         assert self.local is not None
-        if size <= INLINE_TOKENIZE_BYTES and self._tokenizing == 1:
-            return self.local.prompt_ids(chat, body)
-        return await asyncio.to_thread(self.local.prompt_ids, chat, body)
+        self._tokenizing += 1
+        try:
+            if size <= INLINE_TOKENIZE_BYTES and self._tokenizing == 1:
+                return self.local.prompt_ids(chat, body)
+            return await asyncio.to_thread(self.local.prompt_ids, chat, body)
+        finally:
+            self._tokenizing -= 1
 
     def _forwards_ids(self, path: str, body: dict[str, Any], tokenized_by: str) -> bool:
         """Whether the engine gets the router's ids instead of the prompt's text: saves it
@@ -505,37 +524,59 @@ class Router:
             raise ApiError(400, f"the prompt is over the router's limit of {limit} tokens")
 
     async def _tokenize_remotely(self, chat: bool, body: dict[str, Any]) -> list[int] | None:
-        prompt = body.get("prompt")
         request: dict[str, Any] = {"model": body.get("model")}
         if chat:
             request["messages"] = body.get("messages")
         else:
-            request["prompt"] = prompt
-        for upstream in self._rotation(self.pool.prefill.values())[:TOKENIZE_ATTEMPTS]:
-            try:
-                tokens = await self._tokenize_on(upstream, request)
-            except TimeoutError:
-                self.metrics.timeouts.labels(upstream.instance_id, "tokenize").inc()
-                continue
-            except aiohttp.ClientConnectionError as error:  # refused: out until probed
-                self._failed(upstream, f"/tokenize: {error!r}")
-                continue
-            except (aiohttp.ClientError, ValueError):
-                continue
+            request["prompt"] = body.get("prompt")
+        async for _, status, raw in self._engines_tokenize(json.dumps(request).encode(), {}):
+            tokens = self._ids_in(status, raw)
             if tokens is not None:
                 return tokens
         return None
 
+    async def _engines_tokenize(
+        self, payload: bytes, headers: dict[str, str]
+    ) -> AsyncIterator[tuple[Upstream, int, bytes]]:
+        """Healthy prefill instances' ``/tokenize`` answers (status, body), one at a time,
+        at most ``TOKENIZE_ATTEMPTS`` asked. A slow one is counted and skipped, never taken
+        for dead; one that refuses the connection is out of rotation until probed."""
+        for upstream in self._rotation(self.pool.prefill.values())[:TOKENIZE_ATTEMPTS]:
+            try:
+                status, raw = await self._engine_tokenize(upstream, payload, headers)
+            except TimeoutError:
+                self.metrics.timeouts.labels(upstream.instance_id, "tokenize").inc()
+                continue
+            except aiohttp.ClientConnectionError as error:
+                self._failed(upstream, f"/tokenize: {describe(error)}")
+                continue
+            except aiohttp.ClientError:
+                continue
+            yield upstream, status, raw
+
+    async def _engine_tokenize(
+        self, upstream: Upstream, payload: bytes, headers: dict[str, str]
+    ) -> tuple[int, bytes]:
+        """One engine's ``/tokenize`` answer, within the tokenize timeout however the
+        engine trickles it."""
+        async with asyncio.timeout(self.timeouts.tokenize_timeout_seconds):
+            async with self.session(upstream).post(
+                "/tokenize", data=payload, headers={**headers, "Content-Type": "application/json"}
+            ) as response:
+                return response.status, await response.read()
+
     async def _tokenize_on(self, upstream: Upstream, request: dict[str, Any]) -> list[int] | None:
-        """One engine's ``/tokenize``: its token ids; None for an answer of another shape
-        (counted); its 4xx is the client's error."""
-        timeout = self.timeouts.tokenize_timeout_seconds
-        async with asyncio.timeout(timeout):  # the whole call, however the engine trickles
-            async with self.session(upstream).post("/tokenize", json=request) as response:
-                raw = await response.read()
-        if 400 <= response.status < 500:
-            raise ApiError(response.status, _upstream_message(raw.decode(errors="replace")))
-        if response.status != 200:
+        """One engine's ``/tokenize`` ids (``_ids_in``)."""
+        return self._ids_in(
+            *await self._engine_tokenize(upstream, json.dumps(request).encode(), {})
+        )
+
+    def _ids_in(self, status: int, raw: bytes) -> list[int] | None:
+        """The token ids of an engine's ``/tokenize`` answer; None for an answer of another
+        shape (counted) or a 5xx; its 4xx is the client's error."""
+        if 400 <= status < 500:
+            raise ApiError(status, _upstream_message(raw.decode(errors="replace")))
+        if status != 200:
             return None
         self._check_prompt_length(raw.count(b","))
         try:  # parsed and every id checked in C
@@ -599,17 +640,10 @@ class Router:
                 added[name] = pending - gpu
         return added
 
-    def decide(
-        self,
-        prompt_tokens: int,
-        hits: Hits,
-        fallback: str | None,
-        exclude: set[str],
-        model: Any = None,
-    ) -> Decision:
-        """Run the policy over the healthy instances not yet tried that may serve
-        ``model``; least_loaded without the conductor's answer. When every one is out of
-        rotation they are tried anyway: one may be back before its next probe says so."""
+    def candidates(self, hits: Hits, exclude: set[str], model: Any = None) -> list[Candidate]:
+        """The healthy instances not yet tried that may serve ``model``, with their hits and
+        load. When every one is out of rotation they are tried anyway: one may be back
+        before its next probe says so; a 503 when none is left."""
         for out_of_rotation in (False, True):
             candidates = [
                 c
@@ -617,9 +651,13 @@ class Router:
                 if c.instance_id not in exclude
             ]
             if candidates:
-                break
-        else:
-            raise ApiError(503, "no healthy prefill instance", "ServiceUnavailableError")
+                return candidates
+        raise ApiError(503, "no healthy prefill instance", "ServiceUnavailableError")
+
+    def decide(
+        self, prompt_tokens: int, candidates: list[Candidate], fallback: str | None
+    ) -> Decision:
+        """Run the policy over ``candidates``; least_loaded without the conductor's answer."""
         params = self.params
         if self.learner is not None:
             params = replace(params, cost=self.learner.model)
@@ -634,7 +672,7 @@ class Router:
 
     def _failed(self, upstream: Upstream, reason: str) -> None:
         """Out of rotation until the prober sees it healthy again (logged once, then as a
-        reminder while it stays out)."""
+        reminder while it stays out); the requests waiting for its first byte move on."""
         self.notices.fault(
             f"upstream {upstream.instance_id}",
             "upstream instance=%s out of rotation: %s",
@@ -644,6 +682,40 @@ class Router:
         self.pool.mark_failed(upstream)
         self.metrics.healthy.labels(upstream.instance_id).set(0)
         self._health_changed.set()
+        taken_out = self._taken_out.pop(upstream.instance_id, None)
+        if taken_out is not None:
+            taken_out.set_result(None)
+
+    def _taken_out_signal(self, upstream: Upstream) -> asyncio.Future[None]:
+        """Resolved when ``upstream`` is next taken out of rotation."""
+        signal = self._taken_out.get(upstream.instance_id)
+        if signal is None:
+            signal = asyncio.get_running_loop().create_future()
+            self._taken_out[upstream.instance_id] = signal
+        return signal
+
+    async def _first_byte(
+        self, upstream: Upstream, call: Awaitable[T], deadline: float, stage: str
+    ) -> T:
+        """``call`` (an answer's headers, its first chunk, a prefill's whole answer) by
+        ``deadline`` (loop time), else UpstreamTimeout of ``stage``; UpstreamFailed at once
+        when the upstream is taken out of rotation meanwhile (a failed probe or scrape,
+        another request's failure): nobody waits out a timeout on an engine known dead."""
+        work = asyncio.ensure_future(call)
+        taken_out = self._taken_out_signal(upstream)
+        try:
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout_at(deadline):
+                    await asyncio.wait((work, taken_out), return_when=asyncio.FIRST_COMPLETED)
+            if work.done():
+                return work.result()
+        finally:
+            work.cancel()  # nothing when it is done; else it is abandoned
+        if taken_out.done():
+            raise UpstreamFailed(
+                f"instance {upstream.instance_id} was taken out of rotation before its first byte"
+            )
+        raise self._timed_out(upstream, stage)
 
     def _healthy(self, upstream: Upstream) -> None:
         self.pool.mark_healthy(upstream)
@@ -660,11 +732,7 @@ class Router:
         model = body.get("model")
         if self.pool.serves_nowhere(model):  # vLLM's own answer, without a round trip
             raise ApiError(404, f"The model `{model}` does not exist.", "NotFoundError", "model")
-        self._tokenizing += 1
-        try:
-            tokens, tokenized_by = await self.tokenize(request.path, body, raw)
-        finally:
-            self._tokenizing -= 1
+        tokens, tokenized_by = await self.tokenize(request.path, body, raw)
         self.metrics.tokenized.labels(tokenized_by).inc()
         if tokens is not None and self._forwards_ids(request.path, body, tokenized_by):
             body, raw = {**body, "prompt": tokens}, with_prompt_ids(body, tokens)
@@ -683,31 +751,50 @@ class Router:
         last: UpstreamFailed | None = None
         while True:  # each failed instance is excluded, so this ends
             try:
-                decision = self.decide(routed.prompt_tokens, hits, fallback, failed, model)
+                candidates = self.candidates(hits, failed, model)
             except ApiError as error:
                 if isinstance(last, UpstreamTimeout) and error.status == 503:
                     raise ApiError(504, f"no upstream answered in time: {last}") from None
                 raise
+            decision = self.decide(routed.prompt_tokens, candidates, fallback)
+            decode = self._decode_instance()
+            if log.isEnabledFor(logging.DEBUG):
+                log.debug(decision_line(decision, candidates, decode, fallback))
             if not failed:
                 self.metrics.proxy_seconds.observe(time.perf_counter() - started)
             upstream = self.pool.prefill[decision.instance_id]
             try:
-                return await self._serve(request, routed, decision, upstream)
+                return await self._serve(request, routed, decision, upstream, decode)
             except UpstreamFailed as error:
                 last = error
                 failed.add(upstream.instance_id)
                 self._failed(upstream, str(error))
                 self.metrics.retries.labels(upstream.instance_id).inc()
 
+    def _decode_instance(self) -> Upstream | None:
+        """The least loaded healthy decode instance; None without disaggregation (a 503
+        when every decode instance is out of rotation)."""
+        if not self.pool.decode:
+            return None
+        decode_upstreams = self.pool.healthy_decode()
+        if not decode_upstreams:
+            raise ApiError(503, "no healthy decode instance", "ServiceUnavailableError")
+        return min(decode_upstreams, key=lambda u: (u.load, u.requests))
+
     async def _serve(
-        self, request: web.Request, routed: Routed, decision: Decision, prefill: Upstream
+        self,
+        request: web.Request,
+        routed: Routed,
+        decision: Decision,
+        prefill: Upstream,
+        decode: Upstream | None,
     ) -> web.StreamResponse:
         self.metrics.cached_tokens.inc(decision.cached_tokens)
         headers = {
             "x-conductor-prefill-instance": prefill.instance_id,
             "x-conductor-cached-tokens": str(decision.cached_tokens),
             "x-conductor-policy": decision.policy,
-            "x-conductor-tokenized-by": routed.tokenized_by,
+            TOKENIZED_BY: routed.tokenized_by,
             "x-conductor-overhead-ms": f"{(time.perf_counter() - routed.started) * 1000:.3f}",
         }
         if routed.fallback:
@@ -728,15 +815,11 @@ class Router:
         # without the conductor's answer there is no prediction to compare the engine's with
         predicted = None if routed.fallback else decision.cached_tokens
         try:
-            if not self.pool.decode:
+            if decode is None:
                 return await self._stream(
                     request, prefill, routed, routed.raw, forwarded, headers, ticket,
                     learn=(new_tokens, queued_before), predicted=predicted,
                 )  # fmt: skip
-            decode_upstreams = self.pool.healthy_decode()
-            if not decode_upstreams:
-                raise ApiError(503, "no healthy decode instance", "ServiceUnavailableError")
-            decode = min(decode_upstreams, key=lambda u: (u.load, u.requests))
             headers["x-conductor-decode-instance"] = decode.instance_id
             answer = await self._prefill_only(request.path, routed.body, prefill, forwarded)
             if predicted is not None:
@@ -796,23 +879,26 @@ class Router:
     ) -> dict[str, Any]:
         """The prefill leg of disaggregation: its answer (kv_transfer_params and usage),
         within the first-byte timeout (one token is all it computes)."""
-        timeout = self.timeouts.first_byte_timeout_seconds
+        deadline = asyncio.get_running_loop().time() + self.timeouts.first_byte_timeout_seconds
+        call = self._prefill_answer(path, body, prefill, headers)
         try:
-            async with asyncio.timeout(timeout):
-                async with self.session(prefill).post(
-                    path, json=disagg.prefill_request(body), headers=headers
-                ) as response:
-                    if response.status >= 500:
-                        raise UpstreamFailed(f"prefill answered {response.status}")
-                    answer = await response.json(content_type=None)
-                    if response.status != 200:
-                        raise ApiError(response.status, _upstream_message(answer), "UpstreamError")
-        except TimeoutError:
-            self.metrics.timeouts.labels(prefill.instance_id, "first_byte").inc()
-            raise UpstreamTimeout(f"prefill answered nothing within {timeout}s") from None
+            answer = await self._first_byte(prefill, call, deadline, "first_byte")
         except (aiohttp.ClientError, ValueError, RecursionError) as error:
-            raise UpstreamFailed(repr(error)) from None
+            raise UpstreamFailed(describe(error)) from None
         return answer if isinstance(answer, dict) else {}
+
+    async def _prefill_answer(
+        self, path: str, body: dict[str, Any], prefill: Upstream, headers: dict[str, str]
+    ) -> Any:
+        async with self.session(prefill).post(
+            path, json=disagg.prefill_request(body), headers=headers
+        ) as response:
+            if response.status >= 500:
+                raise UpstreamFailed(f"prefill answered {response.status}")
+            answer = await response.json(content_type=None)
+            if response.status != 200:
+                raise ApiError(response.status, _upstream_message(answer), "UpstreamError")
+            return answer
 
     async def _stream(
         self,
@@ -830,17 +916,18 @@ class Router:
         before the first byte is retryable; after it, the client sees the transfer cut.
         With ``predicted`` (the conductor's hit on the prefill instance), a complete 200
         answer's cached tokens are compared with it."""
-        loop = asyncio.get_running_loop()
-        deadline = loop.time() + self.timeouts.first_byte_timeout_seconds
+        now = asyncio.get_running_loop().time()
+        deadline = now + self.timeouts.first_byte_timeout_seconds
+        headers_by, stage = deadline, "first_byte"
+        if routed.body.get("stream") is True:  # vLLM sends a stream's headers at once
+            stream_headers_by = now + self.timeouts.stream_headers_timeout_seconds
+            if stream_headers_by < deadline:
+                headers_by, stage = stream_headers_by, "stream_headers"
+        post = self.session(upstream).post(request.path, data=payload, headers=forwarded)
         try:
-            async with asyncio.timeout_at(deadline):
-                upstream_response = await self.session(upstream).post(
-                    request.path, data=payload, headers=forwarded
-                )
-        except TimeoutError:
-            raise self._timed_out(upstream, "first_byte") from None
+            upstream_response = await self._first_byte(upstream, post, headers_by, stage)
         except aiohttp.ClientConnectionError as error:
-            raise UpstreamFailed(repr(error)) from None
+            raise UpstreamFailed(describe(error)) from None
         async with upstream_response:
             if upstream_response.status >= 500:
                 raise UpstreamFailed(f"answered {upstream_response.status}")
@@ -853,7 +940,7 @@ class Router:
             tap = UsageTap(streaming) if predicted is not None else None
             first = True
             try:
-                async for chunk in self._chunks(upstream_response.content, deadline):
+                async for chunk in self._chunks(upstream, upstream_response.content, deadline):
                     if first:
                         first = False
                         ticket.first_token()
@@ -865,13 +952,11 @@ class Router:
                     if tap is not None:
                         tap.feed(chunk)
             except (aiohttp.ClientPayloadError, TimeoutError) as error:
-                if first:
-                    if isinstance(error, TimeoutError):
-                        raise self._timed_out(upstream, "first_byte") from None
-                    raise UpstreamFailed(f"answer cut before any byte: {error!r}") from None
+                if first:  # a cut (no first byte in time is an UpstreamTimeout)
+                    raise UpstreamFailed(f"answer cut before any byte: {describe(error)}") from None
                 if isinstance(error, TimeoutError):
                     self.metrics.timeouts.labels(upstream.instance_id, "idle").inc()
-                self._failed(upstream, f"answer cut short: {error!r}")
+                self._failed(upstream, f"answer cut short: {describe(error)}")
                 assert request.transport is not None
                 request.transport.close()  # the client must see a truncated answer, not EOF
                 return response
@@ -883,21 +968,25 @@ class Router:
                 self.metrics.record_cache_use(upstream.instance_id, predicted, realized)
             return response
 
-    async def _chunks(self, content: aiohttp.StreamReader, deadline: float) -> AsyncIterator[bytes]:
+    async def _chunks(
+        self, upstream: Upstream, content: aiohttp.StreamReader, deadline: float
+    ) -> AsyncIterator[bytes]:
         """The answer's chunks as they come: the first by ``deadline`` (the first-byte
-        timeout), each next one within the idle timeout; raises TimeoutError past either."""
-        idle = self.timeouts.idle_timeout_seconds
-        loop = asyncio.get_running_loop()
-        while True:
-            async with asyncio.timeout_at(deadline):
-                chunk = await content.readany()
-            if not chunk:
-                return
+        timeout, as ``_first_byte`` waits), each next one within the idle timeout (else
+        TimeoutError)."""
+        chunk = await self._first_byte(upstream, content.readany(), deadline, "first_byte")
+        while chunk:
             yield chunk
-            deadline = loop.time() + idle
+            async with asyncio.timeout(self.timeouts.idle_timeout_seconds):
+                chunk = await content.readany()
 
     def _timed_out(self, upstream: Upstream, stage: str) -> UpstreamTimeout:
         self.metrics.timeouts.labels(upstream.instance_id, stage).inc()
+        if stage == "stream_headers":
+            timeout = self.timeouts.stream_headers_timeout_seconds
+            return UpstreamTimeout(
+                f"instance {upstream.instance_id} sent no stream headers within {timeout}s"
+            )
         timeout = self.timeouts.first_byte_timeout_seconds
         return UpstreamTimeout(f"instance {upstream.instance_id} sent nothing within {timeout}s")
 
@@ -926,6 +1015,62 @@ class Router:
         self._rejected("cached_tokens")
         return None
 
+    async def tokenize_prompt(self, request: web.Request) -> web.Response:
+        """vLLM's ``/tokenize`` (a ``prompt``, or ``messages`` for a chat): answered by the
+        router's own tokenizer on a path an engine agreed on, when the engines' model list
+        gives the model's ``max_model_len``; else passed on to an engine's ``/tokenize``
+        (its answer, errors included, as it gave it). ``x-conductor-tokenized-by`` says
+        which (``local`` or ``engine``)."""
+        body, raw = await read_json_object(request, self.limits)
+        _check_types(body, (("model", str),))
+        chat = _tokenize_kind(body)
+        model = body.get("model")
+        if model is not None and self.pool.serves_nowhere(model):
+            raise ApiError(404, f"The model `{model}` does not exist.", "NotFoundError", "model")
+        answer = await self._tokenize_here(chat, body, len(raw), model)
+        if answer is not None:
+            return web.json_response(answer, headers={TOKENIZED_BY: "local"})
+        forwarded = {k: v for k in FORWARDED_HEADERS if (v := request.headers.get(k))}
+        async for upstream, status, answered in self._engines_tokenize(raw, forwarded):
+            if status < 500:
+                headers = {
+                    TOKENIZED_BY: "engine",
+                    "x-conductor-prefill-instance": upstream.instance_id,
+                }
+                return web.Response(
+                    body=answered, status=status, content_type="application/json", headers=headers
+                )
+        raise ApiError(503, "no prefill instance answered /tokenize", "ServiceUnavailableError")
+
+    async def _tokenize_here(
+        self, chat: bool, body: dict[str, Any], size: int, model: str | None
+    ) -> dict[str, Any] | None:
+        """vLLM's ``/tokenize`` answer from the local tokenizer; None when it cannot give
+        the engines' answer (not trusted on this path, a request it leaves to them, the
+        model's ``max_model_len`` unknown)."""
+        max_model_len = self.pool.max_model_len(model or self.config.prefill.config.modelname)
+        want_strs = body.get("return_token_strs")
+        if (
+            self.local is None
+            or chat not in self.local_paths
+            or max_model_len is None
+            or not (want_strs is None or type(want_strs) is bool)
+        ):
+            return None
+        try:
+            tokens = await self._tokenize_locally(chat, body, size)
+        except Unsupported as unsupported:
+            self.metrics.local_skipped.labels(unsupported.reason).inc()
+            return None
+        except InvalidPrompt as invalid:
+            raise ApiError(400, str(invalid), param="messages" if chat else "prompt") from None
+        return {
+            "count": len(tokens),
+            "max_model_len": max_model_len,
+            "tokens": tokens,
+            "token_strs": self.local.token_strs(tokens) if want_strs else None,
+        }
+
     async def models(self, request: web.Request) -> web.Response:
         """What the upstreams serve; the configured model until any list is known."""
         data = self.pool.served_models() or [
@@ -938,9 +1083,16 @@ class Router:
         return web.json_response({"object": "list", "data": data})
 
     async def health(self, request: web.Request) -> web.Response:
+        """``degraded`` with the reasons while no prefill instance is in rotation (a 503:
+        nothing can be served) or no conductor can be asked (a 200: requests are routed by
+        load meanwhile)."""
         healthy = [u.instance_id for u in self.pool.prefill.values() if u.healthy]
+        reasons = [] if healthy else ["no prefill instance is in rotation"]
+        if self.conductor is not None:
+            reasons += self.conductor.degraded_reasons()
         body: dict[str, Any] = {
-            "status": "ok" if healthy else "degraded",
+            "status": "degraded" if reasons else "ok",
+            "reasons": reasons,
             "prefill_instances": healthy,
             "decode_instances": [u.instance_id for u in self.pool.healthy_decode()],
             "policy": self.params.policy,
@@ -968,6 +1120,33 @@ class Router:
         return response
 
 
+def decision_line(
+    decision: Decision,
+    candidates: Sequence[Candidate],
+    decode: Upstream | None,
+    fallback: str | None,
+) -> str:
+    """A routing decision for the DEBUG log: where it went, the hit it counted on, the
+    policy, each candidate's hit, load and score (the policy's: estimated TTFT seconds for
+    ``ttft``, none for the simple ones), and why the conductor's answer is missing."""
+    shown = []
+    for c in candidates[:MAX_LOGGED_CANDIDATES]:
+        text = f"{c.instance_id}:gpu={c.gpu_tokens}"
+        if c.disk_tokens > c.gpu_tokens:
+            text += f",cpu={c.cpu_tokens},disk={c.disk_tokens}"
+        text += f",load={c.in_flight},queued={c.queued_prefill_tokens}"
+        if (score := decision.scores.get(c.instance_id)) is not None:
+            text += f",score={score:.6g}"
+        shown.append(text)
+    if len(candidates) > MAX_LOGGED_CANDIDATES:
+        shown.append(f"+{len(candidates) - MAX_LOGGED_CANDIDATES}")
+    return (
+        f"route prefill={decision.instance_id} decode={decode.instance_id if decode else '-'} "
+        f"cached_tokens={decision.cached_tokens} policy={decision.policy} "
+        f"fallback={fallback or '-'} candidates={'|'.join(shown)}"
+    )
+
+
 def _upstream_message(answer: Any) -> str:
     if isinstance(answer, str):
         with contextlib.suppress(ValueError):
@@ -987,9 +1166,41 @@ def served_models(answer: Any) -> tuple[dict[str, Any], ...]:
 async def read_json_body(
     request: web.Request, limits: LimitsSection
 ) -> tuple[dict[str, Any], bytes]:
-    """The request's JSON object, within the limits: bytes (413), values and depth (400),
-    read time (408). Values are counted before parsing, so no body holds the event loop
-    longer than parsing ``max_json_items`` values takes."""
+    """A completion request's JSON object (``read_json_object``): a ``model``, and the
+    fields the router reads of the right types (400 naming the field)."""
+    body, raw = await read_json_object(request, limits)
+    _check_types(body, (("model", str), ("stream", bool), ("max_tokens", int), ("cache_salt", str)))
+    if not _utf8(body.get("cache_salt") or ""):  # the salt is hashed as UTF-8
+        raise ApiError(400, "`cache_salt` must be valid Unicode text", param="cache_salt")
+    if "model" not in body:
+        raise ApiError(400, "`model` is required", param="model")
+    return body, raw
+
+
+def _check_types(body: dict[str, Any], fields: Iterable[tuple[str, type]]) -> None:
+    """Each of ``fields`` the body sets (not null) is of its type; else a 400 naming it."""
+    for key, kind in fields:
+        if key in body and body[key] is not None and not isinstance(body[key], kind):
+            raise ApiError(400, f"`{key}` must be a {kind.__name__}", param=key)
+
+
+def _tokenize_kind(body: dict[str, Any]) -> bool:
+    """Whether a ``/tokenize`` body is a chat's (``messages``) rather than a ``prompt``; a
+    400 unless it gives exactly one of them."""
+    has_prompt, has_messages = body.get("prompt") is not None, body.get("messages") is not None
+    if has_prompt == has_messages:
+        param = "messages" if has_prompt else "prompt"
+        raise ApiError(400, "give exactly one of `prompt` and `messages`", param=param)
+    return has_messages
+
+
+async def read_json_object(
+    request: web.Request, limits: LimitsSection
+) -> tuple[dict[str, Any], bytes]:
+    """The request's JSON object, within the limits: bytes (413), values and depth (400,
+    ``param`` "body" as vLLM names a body's errors), read time (408). Values are counted
+    before parsing, so no body holds the event loop longer than parsing ``max_json_items``
+    values takes."""
     max_bytes = limits.max_body_bytes
     if request.content_length is not None and request.content_length > max_bytes:
         raise ApiError(413, f"request body over {max_bytes} bytes")
@@ -1002,26 +1213,23 @@ async def read_json_body(
         message = f"request body not received within {limits.body_read_timeout_seconds}s"
         raise ApiError(408, message) from None
     if raw.count(b",") >= limits.max_json_items:
-        raise ApiError(400, f"request body has over {limits.max_json_items} JSON values")
-    too_deep = ApiError(400, f"request body is nested deeper than {limits.max_json_depth} levels")
+        raise ApiError(
+            400, f"request body has over {limits.max_json_items} JSON values", param="body"
+        )
+    too_deep = ApiError(
+        400, f"request body is nested deeper than {limits.max_json_depth} levels", param="body"
+    )
     try:
         body = _loads(raw)
     except RecursionError:  # nested past the interpreter's limit: over ours too
         raise too_deep from None
     except ValueError:
-        raise ApiError(400, "request body is not valid JSON") from None
+        raise ApiError(400, "request body is not valid JSON", param="body") from None
     brackets = raw.count(b"[") + raw.count(b"{")  # a body with few cannot nest deeply
     if brackets > limits.max_json_depth and _deeper_than(body, limits.max_json_depth):
         raise too_deep
     if not isinstance(body, dict):
-        raise ApiError(400, "request body must be a JSON object")
-    for key, kind in (("model", str), ("stream", bool), ("max_tokens", int), ("cache_salt", str)):
-        if key in body and body[key] is not None and not isinstance(body[key], kind):
-            raise ApiError(400, f"`{key}` must be a {kind.__name__}", param=key)
-    if not _utf8(body.get("cache_salt") or ""):  # the salt is hashed as UTF-8
-        raise ApiError(400, "`cache_salt` must be valid Unicode text", param="cache_salt")
-    if "model" not in body:
-        raise ApiError(400, "`model` is required", param="model")
+        raise ApiError(400, "request body must be a JSON object", param="body")
     return body, raw
 
 
@@ -1112,6 +1320,7 @@ def create_app(router: Router) -> web.Application:
         [
             web.post("/v1/completions", router.completions),
             web.post("/v1/chat/completions", router.completions),
+            web.post("/tokenize", router.tokenize_prompt),
             web.get("/v1/models", router.models),
             web.get("/health", router.health),
             web.get("/metrics", router.prometheus),

@@ -4,7 +4,8 @@ plus our optional sections, or the equivalent CLI flags.
 Where a setting comes from: a flag given on the command line, else its environment variable,
 else the config file, else the default (docs/router.md has the table). Unknown keys are
 errors naming the key and its section; the few keys of the upstream proxy's layout that
-this router has no use for are listed in ``UPSTREAM_ONLY_KEYS`` and ignored.
+this router has no use for are listed in ``UPSTREAM_ONLY_KEYS`` and ignored. A bad value is
+a ``ConfigError`` naming where it came from: the config file, the flag or the variable.
 """
 
 from __future__ import annotations
@@ -22,16 +23,21 @@ from pydantic import (
     BaseModel,
     ConfigDict,
     Field,
+    ValidationError,
     field_validator,
     model_validator,
 )
 
-from conductor.config import master_address
+from conductor.config import master_address, one_line
 from conductor.runtime import port_number
 
 from .pending import GRACE_S, MAX_PENDING_S
 from .policy import REGISTRY, PrefillCostModel, RoutingParams
 from .prompt_encoder import CHUNK_CACHE_TOKENS
+
+
+class ConfigError(ValueError):
+    """Settings the router cannot start with; the message says where the bad one is."""
 
 
 class _Section(BaseModel):
@@ -95,6 +101,9 @@ class UpstreamSection(_Section):
     connect_timeout_seconds: float = Field(default=2.0, gt=0)
     # until the answer's first byte (a non-streamed answer's first byte is its end)
     first_byte_timeout_seconds: float = Field(default=300.0, gt=0)
+    # until a streamed answer's headers (vLLM sends them before the first token): an engine
+    # that accepted the connection and says nothing is passed over long before the above
+    stream_headers_timeout_seconds: float = Field(default=15.0, gt=0)
     # between two chunks of an answer once it started
     idle_timeout_seconds: float = Field(default=120.0, gt=0)
     # one /tokenize call; past it the next engine's tokenizer is asked
@@ -267,6 +276,7 @@ FLAG_KEYS: dict[str, tuple[str, ...]] = {
     "conductor_address": ("conductor", "address"),
     "query_timeout_seconds": ("conductor", "query_timeout_seconds"),
     "registration_timeout_seconds": ("conductor", "registration_timeout_seconds"),
+    "stream_headers_timeout_seconds": ("upstream", "stream_headers_timeout_seconds"),
     "modelname": ("prefill", "config", "modelname"),
     "block_size": ("prefill", "config", "block_size"),
     "tenant_id": ("prefill", "config", "tenant_id"),
@@ -288,7 +298,7 @@ def _hosts_ports(hosts: list[str], ports: list[int], what: str) -> list[str]:
     if len(ports) == 1 and len(hosts) > 1:
         ports = ports * len(hosts)
     if len(hosts) != len(ports):
-        raise ValueError(f"--{what}-hosts and --{what}-ports must pair up")
+        raise ConfigError(f"--{what}-hosts and --{what}-ports must pair up")
     return [f"http://{host}:{port}" for host, port in zip(hosts, ports, strict=True)]
 
 
@@ -297,11 +307,11 @@ def _prefill_instances(args: argparse.Namespace) -> list[dict[str, Any]]:
     prefill_urls = _hosts_ports(args.prefiller_hosts, args.prefiller_ports, "prefiller")
     ids = args.prefiller_instance_ids or [f"prefill-{i}" for i in range(len(prefill_urls))]
     if len(ids) != len(prefill_urls):
-        raise ValueError("--prefiller-instance-ids must name every prefill instance")
+        raise ConfigError("--prefiller-instance-ids must name every prefill instance")
     registrations: dict[str, list[dict[str, Any]]] = {name: [] for name in ids}
     for name, rank, endpoint in args.prefiller_registration or []:
         if name not in registrations:
-            raise ValueError(f"--prefiller-registration names unknown instance {name!r}")
+            raise ConfigError(f"--prefiller-registration names unknown instance {name}")
         registrations[name].append({"endpoint": endpoint, "dp_rank": int(rank)})
     return [
         {"instance_id": name, "http_endpoint": url, "registrations": registrations[name]}
@@ -318,14 +328,30 @@ def _put(layout: dict[str, Any], path: tuple[str, ...], value: Any) -> None:
     layout[path[-1]] = value
 
 
+def read_file(path: Path) -> dict[str, Any]:
+    """The config file's JSON object; raises ConfigError naming the file and what is wrong."""
+    if not path.expanduser().exists():
+        raise ConfigError(f"config file {path} does not exist")
+    try:
+        data = json.loads(path.expanduser().read_text(encoding="utf-8"))
+    except OSError as error:
+        raise ConfigError(f"{path}: cannot read it: {error.strerror or error}") from None
+    except UnicodeDecodeError:
+        raise ConfigError(f"{path}: not UTF-8 text") from None
+    except json.JSONDecodeError as error:
+        where = f"line {error.lineno} column {error.colno}"
+        raise ConfigError(f"{path}: not valid JSON: {error.msg} at {where}") from None
+    if not isinstance(data, dict):
+        raise ConfigError(f"{path}: the config must be a JSON object")
+    return data
+
+
 def layout(args: argparse.Namespace, environ: Mapping[str, str]) -> dict[str, Any]:
     """The config file (or the flags' defaults), then the environment, then the flags."""
     if args.config is not None:
-        data = json.loads(args.config.read_text(encoding="utf-8"))
-        if not isinstance(data, dict):
-            raise ValueError(f"{args.config}: the config must be a JSON object")
+        data = read_file(args.config)
     elif not args.prefiller_hosts or args.modelname is None:
-        raise ValueError("give --config FILE, or --prefiller-hosts/--ports and --modelname")
+        raise ConfigError("give --config FILE, or --prefiller-hosts/--ports and --modelname")
     else:
         data = json.loads(json.dumps(CLI_ONLY_DEFAULTS))
     for name, path in ENV_KEYS.items():
@@ -338,7 +364,7 @@ def layout(args: argparse.Namespace, environ: Mapping[str, str]) -> dict[str, An
     if args.prefiller_hosts:
         _put(data, ("prefill", "instances"), _prefill_instances(args))
     elif args.prefiller_registration:
-        raise ValueError("--prefiller-registration needs --prefiller-hosts")
+        raise ConfigError("--prefiller-registration needs --prefiller-hosts")
     if args.decoder_hosts:
         urls = _hosts_ports(args.decoder_hosts, args.decoder_ports, "decoder")
         _put(data, ("decode", "instances"), [{"http_endpoint": url} for url in urls])
@@ -347,12 +373,40 @@ def layout(args: argparse.Namespace, environ: Mapping[str, str]) -> dict[str, An
 
 def add_cli_flags(parser: argparse.ArgumentParser) -> None:
     """The upstream proxy's flags and ours; each overrides the config file's value."""
-    parser.add_argument("--config", type=Path, help="JSON config (upstream proxy layout)")
-    parser.add_argument("--host", default="0.0.0.0")
-    parser.add_argument("--port", type=port_number, default=8000)
-    parser.add_argument("--prefiller-hosts", nargs="+", default=[])
-    parser.add_argument("--prefiller-ports", nargs="+", type=port_number, default=[])
-    parser.add_argument("--prefiller-instance-ids", nargs="+")
+    parser.add_argument(
+        "--config",
+        type=Path,
+        metavar="FILE",
+        help="JSON config in the upstream Mooncake proxy's layout plus our sections "
+        "(docs/router.md); the flags below override its values",
+    )
+    parser.add_argument(
+        "--host", default="0.0.0.0", help="address to listen on (default 0.0.0.0: all)"
+    )
+    parser.add_argument(
+        "--port", type=port_number, default=8000, help="port to listen on (default 8000)"
+    )
+    parser.add_argument(
+        "--prefiller-hosts",
+        nargs="+",
+        default=[],
+        metavar="HOST",
+        help="hosts of the prefill instances (replaces the file's prefill.instances)",
+    )
+    parser.add_argument(
+        "--prefiller-ports",
+        nargs="+",
+        type=port_number,
+        default=[],
+        metavar="PORT",
+        help="their HTTP ports, one per host (or one for all)",
+    )
+    parser.add_argument(
+        "--prefiller-instance-ids",
+        nargs="+",
+        metavar="ID",
+        help="their instance ids as their KV events name them (default prefill-0, prefill-1...)",
+    )
     parser.add_argument(
         "--prefiller-registration",
         nargs=3,
@@ -360,26 +414,73 @@ def add_cli_flags(parser: argparse.ArgumentParser) -> None:
         metavar=("INSTANCE_ID", "DP_RANK", "ENDPOINT"),
         help="a KV-event stream to register with the conductor (repeatable)",
     )
-    parser.add_argument("--decoder-hosts", nargs="+", default=[])
-    parser.add_argument("--decoder-ports", nargs="+", type=port_number, default=[])
+    parser.add_argument(
+        "--decoder-hosts",
+        nargs="+",
+        default=[],
+        metavar="HOST",
+        help="hosts of the decode instances, for prefill/decode disaggregation "
+        "(replaces the file's decode.instances)",
+    )
+    parser.add_argument(
+        "--decoder-ports",
+        nargs="+",
+        type=port_number,
+        default=[],
+        metavar="PORT",
+        help="their HTTP ports, one per host (or one for all)",
+    )
     parser.add_argument(
         "--conductor-address",
         nargs="+",
         help="one conductor or several, in failover order (env ROUTER_CONDUCTOR_ADDRESS)",
     )
-    parser.add_argument("--modelname")
-    parser.add_argument("--block-size", type=int, help="default 16 without --config")
-    parser.add_argument("--tenant-id")
-    parser.add_argument("--lora-name")
-    parser.add_argument("--query-timeout-seconds", type=float)
-    parser.add_argument("--registration-timeout-seconds", type=float)
+    parser.add_argument(
+        "--modelname", help="the served model's name, as the engines and their events name it"
+    )
+    parser.add_argument(
+        "--block-size",
+        type=int,
+        help="the engines' KV block size in tokens (default 16 without --config)",
+    )
+    parser.add_argument(
+        "--tenant-id", help="the tenant the streams are registered under (default: default)"
+    )
+    parser.add_argument(
+        "--lora-name", help="the LoRA adapter the engines serve, if any (part of the cache key)"
+    )
+    parser.add_argument(
+        "--query-timeout-seconds",
+        type=float,
+        help="how long a request waits for a conductor's answer before routing by load "
+        "(default 0.2)",
+    )
+    parser.add_argument(
+        "--registration-timeout-seconds",
+        type=float,
+        help="how long one registration round retries an unreachable conductor (default "
+        "10; the router serves meanwhile and tries again later)",
+    )
+    parser.add_argument(
+        "--stream-headers-timeout-seconds",
+        type=float,
+        help="how long a streamed request waits for an engine's response headers before "
+        "the next engine is tried (default 15)",
+    )
     parser.add_argument(
         "--policy",
         choices=list(REGISTRY),
-        help="; ".join(policy.describe() for policy in REGISTRY.values()),
+        help="the routing policy (default ttft): "
+        + "; ".join(policy.describe() for policy in REGISTRY.values()),
     )
-    parser.add_argument("--ttft-slo-ms", type=float)
-    parser.add_argument("--max-body-bytes", type=int, help="default 8 MiB")
+    parser.add_argument(
+        "--ttft-slo-ms",
+        type=float,
+        help="reject (429) a request whose best estimated time to first token exceeds this",
+    )
+    parser.add_argument(
+        "--max-body-bytes", type=int, help="largest request body accepted (default 8 MiB)"
+    )
     parser.add_argument(
         "--tokenizer",
         help="model directory whose HF tokenizer the router tokenizes with (default: the "
@@ -388,5 +489,30 @@ def add_cli_flags(parser: argparse.ArgumentParser) -> None:
 
 
 def load(args: argparse.Namespace, environ: Mapping[str, str] = os.environ) -> RouterConfig:
-    """The settings from every source; raises ValueError (pydantic's) with the reason."""
-    return RouterConfig.model_validate(layout(args, environ))
+    """The settings from every source; raises ConfigError: ``<source>: <key path>: <reason>``,
+    the source being the flag or environment variable that set the value, else the file."""
+    data = layout(args, environ)
+    try:
+        return RouterConfig.model_validate(data)
+    except ValidationError as error:
+        location = tuple(str(part) for part in error.errors()[0]["loc"])
+        source = _source(location, args, environ) or args.config
+        reason = one_line(error)
+        raise ConfigError(f"{source}: {reason}" if source else reason) from None
+
+
+def _source(
+    location: tuple[str, ...], args: argparse.Namespace, environ: Mapping[str, str]
+) -> str | None:
+    """The flag, else the environment variable, that set the value at ``location``."""
+    set_by = [
+        (path, "--" + dest.replace("_", "-"))
+        for dest, path in FLAG_KEYS.items()
+        if getattr(args, dest) is not None
+    ]
+    if args.prefiller_hosts:
+        set_by.append((("prefill", "instances"), "--prefiller-hosts"))
+    if args.decoder_hosts:
+        set_by.append((("decode", "instances"), "--decoder-hosts"))
+    set_by += [(path, name) for name, path in ENV_KEYS.items() if environ.get(name)]
+    return next((where for path, where in set_by if location[: len(path)] == path), None)

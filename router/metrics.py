@@ -221,7 +221,7 @@ class RouterMetrics:
         )
         self.timeouts = Counter(
             "router_upstream_timeouts_total",
-            "Upstream calls that timed out, by stage (tokenize, first_byte, idle)",
+            "Upstream calls that timed out, by stage (tokenize, stream_headers, first_byte, idle)",
             ["instance", "stage"],
             registry=registry,
         )

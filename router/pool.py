@@ -201,6 +201,16 @@ class InstancePool:
                 cards.setdefault(card["id"], card)
         return list(cards.values())
 
+    def max_model_len(self, model: str) -> int | None:
+        """``model``'s context length as an upstream's ``/v1/models`` entry gives it (vLLM's
+        do); None while none does."""
+        for up in self.all():
+            for card in up.models or ():
+                length = card.get("max_model_len")
+                if card["id"] == model and type(length) is int and length > 0:
+                    return length
+        return None
+
     def healthy_decode(self) -> list[Upstream]:
         return [up for up in self.decode.values() if up.healthy]
 

@@ -258,6 +258,11 @@ class LocalTokenizer:
     def decode(self, ids: list[int]) -> str:
         return self._tokenizer.decode(ids, skip_special_tokens=False)
 
+    def token_strs(self, ids: list[int]) -> list[str | None]:
+        """Each id's vocabulary entry (transformers' ``convert_ids_to_tokens``): vLLM's
+        ``/tokenize`` answer with ``return_token_strs``."""
+        return [self._tokenizer.id_to_token(i) for i in ids]
+
     @property
     def vocab_size(self) -> int:
         return self._tokenizer.get_vocab_size(with_added_tokens=True)

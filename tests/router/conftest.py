@@ -3,12 +3,20 @@
 from __future__ import annotations
 
 from collections.abc import AsyncIterator, Awaitable, Callable
+from pathlib import Path
 from typing import Any
 
 import pytest
 from aiohttp.test_utils import TestServer
 
+from fleet.tiny_model import write_tiny_model
 from tests.router.inprocess import ServedRouter, serve_router
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The tiny model's directory: a real HF tokenizer and chat template (fleet.tiny_model)."""
+    return write_tiny_model(tmp_path_factory.mktemp("tiny") / "model")
 
 
 @pytest.fixture

@@ -453,6 +453,7 @@ async def cutting_engine() -> AsyncIterator[tuple[str, dict[str, str]]]:
             response = web.StreamResponse()
             await response.prepare(request)
             await response.write(b'{"choices": [{"text": "par')
+            await asyncio.sleep(0.2)  # the router has passed it on: the client has a part
         request.transport.close()
         return web.Response()
 
@@ -610,12 +611,17 @@ async def test_models_health_and_metrics(fleet, serve, http):
     router = await serve(fleet.config(["a"]))
     async with http.get(f"{router.url}/v1/models") as response:
         assert [m["id"] for m in (await response.json())["data"]] == [MODEL]
-    async with http.get(f"{router.url}/health") as response:
-        health = await response.json()
+
+    async def health() -> dict[str, Any]:  # ok once the conductor accepted the registrations
+        async with http.get(f"{router.url}/health") as response:
+            return await response.json()
+
+    health = await eventually(health, lambda body: body["status"] == "ok")
     tasks, conductors = health.pop("tasks"), health.pop("conductors")
     assert health.pop("event_loop_lag_worst_seconds") >= 0
     assert health == {
         "status": "ok",
+        "reasons": [],
         "prefill_instances": ["a"],
         "decode_instances": [],
         "policy": "ttft",

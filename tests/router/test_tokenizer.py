@@ -17,7 +17,7 @@ import pytest
 from aiohttp import web
 from aiohttp.test_utils import TestServer
 
-from fleet.tiny_model import CHAT_TEMPLATE, write_tiny_model
+from fleet.tiny_model import CHAT_TEMPLATE
 from publishers.engine.tokenizer import ModelTokenizer
 from router.__main__ import main as router_main
 from router.tokenizer import LocalTokenizer, TokenizerUnavailable, Unsupported
@@ -30,11 +30,6 @@ from tests.support.api import eventually, metric
 VLLM_IDS = {
     "Hello, world!": [0, 4056, 16, 933, 80, 72, 5],
 }
-
-
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return write_tiny_model(tmp_path_factory.mktemp("tiny") / "model")
 
 
 @pytest.fixture(scope="module")
