@@ -9,7 +9,8 @@ import asyncio
 import time
 
 from conductor.subscriber import ConnectionFaults
-from tests.support.api import metric, post
+from tests.support.api import eventually, get, matched, metric, post
+from tests.support.wire_publisher import stored
 
 LOST_LINE = "lost its publisher"
 
@@ -45,8 +46,9 @@ def test_a_connection_that_held_ends_the_fault() -> None:
 
 
 async def test_a_publisher_closing_every_connection_is_retried_with_backoff_and_logged_once(
-    conductor, http
+    conductor, http, publisher_factory
 ):
+    """... and once a real publisher takes the port, the stream connects and indexes."""
     accepted: list[float] = []
 
     async def accept_and_close(_: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
@@ -77,3 +79,19 @@ async def test_a_publisher_closing_every_connection_is_retried_with_backoff_and_
     assert 1 <= len(lost_lines) <= 2, lost_lines
     disconnects = await metric(http, conductor.url, "conductor_publisher_disconnects_total")
     assert len(accepted) - 1 <= disconnects <= len(accepted)  # every loss is counted
+
+    publisher = publisher_factory(port, with_replay=False)
+    await eventually(lambda: state_of(http, conductor.url), lambda s: s == "connected", 8)
+    await asyncio.sleep(0.1)  # the subscription travels after the TCP connect
+    await publisher.publish([stored([1], [1, 2, 3, 4])])
+    await eventually(lambda: matched(http, conductor.url, [1, 2, 3, 4], "flapping"), bool)
+    await eventually(lambda: held_line(conductor), bool, timeout=4)
+
+
+async def state_of(http, base: str) -> str:
+    _, services = await get(http, f"{base}/services")
+    return services["services"][0]["State"]
+
+
+async def held_line(conductor) -> bool:
+    return "connection to its publisher holds again" in conductor.log()
