@@ -13,7 +13,6 @@ import gc
 import logging
 import os
 import signal
-import socket
 import sys
 from pathlib import Path
 from typing import Any
@@ -30,6 +29,7 @@ from .config import (
     one_line,
     settings_model,
 )
+from .failures import cannot_listen
 from .http_guard import GuardedSite, listen
 from .manager import CapacityExceeded, RegistrationConflict, RegistrationFailed, StreamLimits
 from .runtime import add_common_flags, configure_logging, port_number, run
@@ -145,7 +145,7 @@ async def serve(
     try:  # before anything starts: a port in use must not leave streams registered
         server = await listen(runner, guard, host, port)
     except OSError as error:
-        raise CannotListen(f"cannot listen on {_address(host, port)}: {_reason(error)}") from None
+        raise CannotListen(cannot_listen(host, port, error)) from None
     try:
         await runner.setup()  # runs the cleanup_ctx: registrations, store checks, loop lag
     except BaseException:
@@ -171,19 +171,6 @@ async def serve(
     finally:
         guard.close_all()  # slow clients must not hold the shutdown
         await runner.cleanup()
-
-
-def _address(host: str, port: int) -> str:
-    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
-
-
-def _reason(error: OSError) -> str:
-    """``address already in use``: the OS's words, not asyncio's sentence around them."""
-    if isinstance(error, socket.gaierror) or not error.errno:
-        reason = error.strerror or str(error)
-    else:
-        reason = os.strerror(error.errno)
-    return reason[:1].lower() + reason[1:]
 
 
 def main(argv: list[str] | None = None) -> None:

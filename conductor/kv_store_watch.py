@@ -24,9 +24,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import os
 import re
-import socket
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -34,6 +32,7 @@ from typing import Any, cast
 
 import aiohttp
 
+from .failures import connect_failure
 from .index import PrefixCacheTable
 from .metrics import ConductorMetrics
 from .states import StoreState
@@ -87,17 +86,6 @@ class StoreKeys:
         self.digests.update(cast("Iterator[EngineHash]", digests))  # no NewType call per key
 
 
-def _connect_failure(error: aiohttp.ClientConnectorError) -> str:
-    """``cannot connect to host:port: Connection refused`` (aiohttp's own text carries a
-    tuple's repr: ``[Connect call failed ('127.0.0.1', 9003)]``)."""
-    cause = error.os_error
-    if cause.errno and not isinstance(cause, socket.gaierror):
-        reason = os.strerror(cause.errno)
-    else:
-        reason = cause.strerror or type(cause).__name__
-    return f"cannot connect to {error.host}:{error.port}: {reason}"
-
-
 async def fetch_keys(session: aiohttp.ClientSession, admin_url: str) -> StoreKeys:
     """Every key the master holds; raises CheckFailed when it cannot say."""
     keys = StoreKeys()
@@ -115,7 +103,7 @@ async def fetch_keys(session: aiohttp.ClientSession, admin_url: str) -> StoreKey
             f" of silence or no whole answer within {CHECK_TIMEOUT.total:g} s",
         ) from None
     except aiohttp.ClientConnectorError as error:
-        raise CheckFailed("unreachable", _connect_failure(error)) from None
+        raise CheckFailed("unreachable", connect_failure(error)) from None
     except aiohttp.ClientError as error:
         raise CheckFailed("error", f"{type(error).__name__}: {error}") from None
     return keys.finish()

@@ -32,9 +32,9 @@ from types import TracebackType
 
 import zmq
 
+from conductor.failures import describe
 from conductor.wire.events import Event
 from conductor.wire.frames import END_SEQ
-from router.notices import describe
 
 from .encoding import Layout, WireEvent, check_layout, encode_batch
 

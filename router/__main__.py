@@ -16,11 +16,11 @@ import sys
 
 from aiohttp import web
 
+from conductor.failures import cannot_listen, host_port
 from conductor.runtime import add_common_flags, configure_logging, run
 
 from . import config as router_config
 from .app import Router, create_app
-from .notices import os_reason
 from .tokenizer import TokenizerUnavailable
 
 log = logging.getLogger("router")
@@ -93,13 +93,8 @@ def listen(host: str, port: int) -> list[socket.socket]:
     except OSError as error:
         for sock in sockets:
             sock.close()
-        where = _host_port(host, port)
-        raise CannotListen(f"cannot listen on {where}: {os_reason(error)}") from None
+        raise CannotListen(cannot_listen(host, port, error)) from None
     return sockets
-
-
-def _host_port(host: str, port: int) -> str:
-    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
 
 
 async def serve(router: Router, sockets: list[socket.socket], access_log: bool) -> None:
@@ -122,7 +117,7 @@ async def serve(router: Router, sockets: list[socket.socket], access_log: bool) 
             await web.SockSite(runner, sock).start()
         for sock in sockets:
             host, port = sock.getsockname()[:2]
-            log.info("listening on http://%s", _host_port(host, port))
+            log.info("listening on http://%s", host_port(host, port))
         await stop.wait()
         log.info("shutting down")
     finally:

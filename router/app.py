@@ -44,6 +44,7 @@ import msgspec
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
+from conductor.failures import describe
 from conductor.hashing import prefix_hashes, token_bytes
 from conductor.runtime import LoopLagMonitor, SupervisedTask
 from conductor.states import StoreState
@@ -54,7 +55,7 @@ from .config import LimitsSection, RouterConfig
 from .embedded import EmbeddedConductor
 from .engine_metrics import IN_FLIGHT, engine_in_flight, in_range, parse_metrics
 from .metrics import RouterMetrics
-from .notices import Notices, describe
+from .notices import Notices
 from .pending import RECHECK_S, PendingPrefixes, PendingPrompt
 from .policy import Candidate, Decision, RoutingParams, SloViolation, choose, reusable_hits
 from .pool import CostLearner, InstancePool, Ticket, Upstream

@@ -42,10 +42,11 @@ import aiohttp
 import msgpack
 
 from conductor.api import HITS_ONLY_HEADER, INDEXED_UNTIL_HEADER, PROGRESS_HEADER
+from conductor.failures import describe
 from conductor.states import StoreState
 
 from .config import ConductorSection, PrefillInstance, PrefillModelConfig
-from .notices import Notices, describe
+from .notices import Notices
 
 log = logging.getLogger(__name__)
 

@@ -1,47 +1,16 @@
 """Log lines for state changes, said once: a fault that lasts is logged when it starts, then
 at most once per ``reminder_s`` (with how often it recurred meanwhile), and its end once.
 Without this a dead conductor or engine writes one line per request or per probe.
-
-``describe`` renders an expected failure (refused, reset, timed out, cut) for such a line:
-its type and a short reason, never its repr (aiohttp's carry a connection key and nested
-errors, ~400 characters of noise).
+Failures in such lines are rendered by ``conductor.failures.describe``.
 """
 
 from __future__ import annotations
 
 import logging
-import os
 import time
 from dataclasses import dataclass, field
 
-import aiohttp
-
 REMINDER_S = 30.0
-MAX_REASON_CHARS = 200
-
-
-def describe(error: BaseException) -> str:
-    """``Type: reason`` for a log line or an error message (``Type`` alone without one)."""
-    if isinstance(error, aiohttp.ClientConnectorError):
-        reason = f"cannot connect to {error.host}:{error.port}: {os_reason(error.os_error)}"
-    elif isinstance(error, OSError) and error.errno:
-        reason = os_reason(error)
-    elif isinstance(error, aiohttp.ClientResponseError):
-        reason = f"{error.status} {error.message}"
-    else:
-        reason = str(error)
-    # the first line, before any nested object's repr (ClientPayloadError appends its cause's)
-    reason = reason.split("\n", 1)[0].split(" <", 1)[0].rstrip(": ")
-    name = type(error).__name__
-    return f"{name}: {reason[:MAX_REASON_CHARS]}" if reason else name
-
-
-def os_reason(error: OSError) -> str:
-    """The system's words for ``error``: its errno's (asyncio's and socket's own texts repeat
-    the address as a tuple), else the resolver's (a failed name lookup's errno is negative)."""
-    if error.errno is not None and error.errno > 0:
-        return os.strerror(error.errno).lower()
-    return (error.strerror or str(error)).lower()
 
 
 @dataclass(slots=True)

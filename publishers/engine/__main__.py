@@ -35,8 +35,8 @@ import zmq
 from aiohttp import web
 from pydantic import BaseModel, ConfigDict, ValidationError
 
+from conductor.failures import cannot_listen, describe
 from conductor.runtime import add_version_flag, configure_logging, log_level, port_number, run
-from router.notices import describe
 
 from ..publisher import KVEventPublisher, binds, offset_endpoint
 from ..store import KVBlockShape, MooncakeConfig, StoreError
@@ -549,14 +549,6 @@ async def serve(args: argparse.Namespace) -> None:
         log.info("shutting down")
     finally:
         await runner.cleanup()
-
-
-def cannot_listen(host: str | None, port: int, error: OSError) -> str:
-    """``cannot listen on HOST:PORT: address already in use``: where, and the system's
-    reason without aiohttp's wrapping (``*``: every interface)."""
-    where = f"[{host}]" if host and ":" in host else host or "*"
-    reason = os.strerror(error.errno) if error.errno and error.errno > 0 else error.strerror
-    return f"cannot listen on {where}:{port}: {(reason or str(error)).lower()}"
 
 
 def registration_body(

@@ -39,7 +39,7 @@ from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
-from router.notices import describe
+from conductor.failures import describe
 
 from .loop import EngineError, EngineLoop, RequestStream
 from .metrics import EngineMetrics

@@ -360,7 +360,7 @@ async def test_a_store_nobody_answers_for_is_down_from_its_first_check(
     text = await (await http.get(f"{base}/metrics")).text()
     assert f'conductor_kv_store_checks_total{{kv_store="{other}",outcome="unreachable"}}' in text
     assert conductor.log().count(f"kv_store={other} down") == 1
-    reason = rf"kv_store={other} down: cannot connect to 127\.0\.0\.1:\d+: Connection refused at"
+    reason = rf"kv_store={other} down: cannot connect to 127\.0\.0\.1:\d+: connection refused at"
     assert re.search(reason, conductor.log()), conductor.log_tail()
 
 

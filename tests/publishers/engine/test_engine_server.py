@@ -8,7 +8,6 @@ subprocess, so these tests exercise exactly what a router would see.
 from __future__ import annotations
 
 import asyncio
-import errno
 import json
 import re
 import socket
@@ -23,7 +22,6 @@ import pytest
 
 from publishers.engine.__main__ import (
     build_parser,
-    cannot_listen,
     check,
     connectable,
     default_num_gpu_blocks,
@@ -516,16 +514,6 @@ def test_a_taken_port_is_one_line_and_exit_1() -> None:
     assert (result.returncode, result.stdout) == (1, "")
     assert result.stderr == (
         f"mooncake-engine-sim: cannot listen on 127.0.0.1:{port}: address already in use\n"
-    )
-
-
-def test_a_listen_failure_names_the_address_and_the_reason() -> None:
-    taken = OSError(errno.EADDRINUSE, "error while attempting to bind on address ('::1', 80)")
-    assert cannot_listen("::1", 80, taken) == "cannot listen on [::1]:80: address already in use"
-    assert cannot_listen(None, 80, taken) == "cannot listen on *:80: address already in use"
-    unknown = socket.gaierror(socket.EAI_NONAME, "Name or service not known")
-    assert cannot_listen("nowhere.invalid", 80, unknown) == (
-        "cannot listen on nowhere.invalid:80: name or service not known"
     )
 
 
