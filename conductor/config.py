@@ -30,6 +30,7 @@ from pydantic import (
     field_validator,
     model_validator,
 )
+from pydantic_core import ErrorDetails
 from yarl import URL
 
 from ._native import json_int32_field
@@ -372,16 +373,21 @@ def load_config(path: str | os.PathLike[str] | None) -> ConductorConfig:
 
 
 def one_line(error: Exception) -> str:
-    """A validation error as one readable line: ``field.path: message``."""
+    """An error as one readable line; a validation error's every problem, ``field.path:
+    message; field.path: message`` (a typo in a required key is two problems, the key
+    missing and the misspelt one unknown: naming only the first hides the one that says
+    what to fix)."""
     if isinstance(error, ValidationError):
-        first = error.errors()[0]
-        where = ".".join(str(p) for p in first["loc"])
-        message = first["msg"].removeprefix("Value error, ")
-        if first["type"] == "extra_forbidden":
-            message = "unknown key"
-        more = f" (+{error.error_count() - 1} more)" if error.error_count() > 1 else ""
-        return f"{where}: {message}{more}" if where else f"{message}{more}"
+        return "; ".join(_problem(detail) for detail in error.errors())
     return str(error).splitlines()[0] if str(error) else type(error).__name__
+
+
+def _problem(detail: ErrorDetails) -> str:
+    where = ".".join(str(part) for part in detail["loc"])
+    message = detail["msg"].removeprefix("Value error, ")
+    if detail["type"] == "extra_forbidden":
+        message = "unknown key"
+    return f"{where}: {message}" if where else message
 
 
 class Settings(_Strict):

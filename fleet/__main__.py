@@ -26,6 +26,7 @@ from pathlib import Path
 
 import aiohttp
 
+from conductor.config import one_line
 from conductor.runtime import add_version_flag, run
 
 from . import spec as fleet_spec
@@ -290,7 +291,7 @@ def main(argv: list[str] | None = None) -> None:
     try:
         spec = fleet_spec.load(args.fleet_file)
     except (OSError, ValueError) as error:
-        sys.exit(f"mooncake-fleet: {args.fleet_file}: {fleet_spec.explain(error)}")
+        sys.exit(f"mooncake-fleet: {args.fleet_file}: {one_line(error)}")
     if spec.has_vllm and not spec.vllm_interpreter().exists():
         sys.exit(
             f"mooncake-fleet: no vLLM at {spec.vllm_interpreter()}: run "

@@ -13,10 +13,8 @@ import os
 from pathlib import Path
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
-from pydantic_core import ErrorDetails
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from conductor.config import one_line
 from router.config import PolicyName
 
 NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,62}$"  # safe in file names, labels and URLs
@@ -113,22 +111,3 @@ class FleetSpec(_Section):
 def load(path: Path) -> FleetSpec:
     """Reads and validates a fleet file; raises OSError or ValueError with the reason."""
     return FleetSpec.model_validate(json.loads(path.read_text(encoding="utf-8")))
-
-
-def explain(error: Exception) -> str:
-    """Every problem of a fleet file on one line, ``path: problem; path: problem``: a typo
-    in a required key is two problems (the key missing, the misspelt one unknown), and
-    naming only the first hides the one that says what to fix."""
-    if not isinstance(error, ValidationError):
-        return one_line(error)
-    return "; ".join(_problem(detail) for detail in error.errors())
-
-
-def _problem(detail: ErrorDetails) -> str:
-    where = ".".join(str(part) for part in detail["loc"])
-    if detail["type"] == "extra_forbidden":
-        message = "unknown key"
-    else:
-        message = detail["msg"].removeprefix("Value error, ")
-        message = message[:1].lower() + message[1:]  # pydantic's "Field required" mid-line
-    return f"{where}: {message}" if where else message

@@ -141,12 +141,12 @@ def test_an_engine_that_fails_to_start_is_reported(tmp_path: Path) -> None:
         ({**SIM_FLEET, "kv_store": {"segment_gb": 1}}, "kv_store.segment_gb: unknown key"),
         (
             {**SIM_FLEET, "engines": [{"nmae": "x", "kind": "sim"}]},
-            ": engines.0.name: field required; engines.0.nmae: unknown key\n",
+            ": engines.0.name: Field required; engines.0.nmae: unknown key\n",
         ),
         (
             {**SIM_FLEET, "engines": [{"name": "a b", "kind": "gpu"}], "hots": "::1"},
-            "engines.0.name: string should match pattern '^[A-Za-z0-9][A-Za-z0-9_.-]{0,62}$'; "
-            "engines.0.kind: input should be 'vllm' or 'sim'; hots: unknown key\n",
+            "engines.0.name: String should match pattern '^[A-Za-z0-9][A-Za-z0-9_.-]{0,62}$'; "
+            "engines.0.kind: Input should be 'vllm' or 'sim'; hots: unknown key\n",
         ),
     ],
 )
