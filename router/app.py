@@ -681,6 +681,8 @@ class Router:
             reason,
         )
         self.pool.mark_failed(upstream)
+        if self.pending is not None:  # a restarted engine must not be credited its old prompts
+            self.pending.forget(upstream.instance_id)
         self.metrics.healthy.labels(upstream.instance_id).set(0)
         self._health_changed.set()
         taken_out = self._taken_out.pop(upstream.instance_id, None)

@@ -76,6 +76,17 @@ class PendingPrefixes:
         if not prompts:
             self._by_first_block.pop(prompt.hashes[0], None)
 
+    def forget(self, instance_id: str) -> None:
+        """``instance_id``'s cache is gone or unknown (it was taken out of rotation: its
+        process may have died and come back empty): none of its prompts counts any more."""
+        for first, prompts in list(self._by_first_block.items()):
+            kept = [prompt for prompt in prompts if prompt.instance_id != instance_id]
+            if kept:
+                self._by_first_block[first] = kept
+            else:
+                del self._by_first_block[first]
+        self._ended.pop(instance_id, None)
+
     def end(self, prompt: PendingPrompt, at: float) -> None:
         """The request ended (``at``, wall clock): held until ``release_indexed`` says."""
         prompt.ended_at = at

@@ -83,6 +83,19 @@ def test_finished_prompts_are_released_once_the_index_has_them():
     assert len(pending) == 0 and not pending.ending and not pending.awaiting_index()
 
 
+def test_an_instance_taken_out_of_rotation_loses_its_prompts():
+    """Held or in flight: its process may have died and restarted with an empty cache."""
+    pending = PendingPrefixes()
+    held, running, other = (pending.add(name, [1, 2]) for name in ("a", "a", "b"))
+    assert held is not None and running is not None
+    pending.end(held, 1.0)
+    pending.forget("a")
+    assert pending.match([1, 2]) == {"b": 2} and not pending.awaiting_index()
+    pending.end(running, 2.0)  # the request running there ends later: nothing to find
+    pending.release_indexed(lambda _: 3.0, now=3.0, grace_s=2.0)
+    assert pending.match([1, 2]) == {"b": 2} and len(pending) == 1
+
+
 @pytest.fixture
 def engines(tmp_path: Path) -> Iterator[list[EngineSim]]:
     """Two engine simulators whose KV events reach nobody: the conductor knows nothing."""
@@ -133,6 +146,35 @@ async def test_a_prompt_sharing_a_just_routed_ones_prefix_follows_it(
     assert await metric(http, url, "router_in_flight_hit_tokens_total") == len(PREFIX)
     assert router.pending is not None
     await eventually(lambda: asyncio.sleep(0, len(router.pending)), lambda n: n == 0, timeout=5)
+
+
+async def test_an_engine_that_dies_is_not_credited_its_prompts(
+    tmp_path, serve, engines, conductor, http
+):
+    """An engine that dies (and comes back empty) loses its in-flight prefixes as soon as
+    the router takes it out of rotation, not when their grace ends: back on its port, it
+    is credited nothing of what it held."""
+    config = layout([e.url for e in engines], conductor={"address": conductor.url})
+    config["upstream"] = {"metrics_interval_seconds": 0.1, "probe_interval_seconds": 0.2}
+    routing = {"policy": "ttft", "in_flight_grace_seconds": 30}
+    router, url = await serve(config | {"routing": routing})
+    first, _ = await _send(http, url, PREFIX)
+    assert router.pending is not None and len(router.pending) == 1
+    name = first["x-conductor-prefill-instance"]
+    died = next(e for e in engines if e.instance_id == name)
+    died.stop()
+    await eventually(lambda: asyncio.sleep(0, len(router.pending)), lambda n: n == 0, timeout=3)
+    back = EngineSim(tmp_path, name, port=died.port)
+    engines.append(back)  # stopped by the fixture
+    back.wait_ready()
+    await eventually(lambda: healthy(http, url), lambda names: name in names, timeout=5)
+    second, cached = await _send(http, url, [*PREFIX, *range(50)])
+    assert (second["x-conductor-cached-tokens"], cached) == ("0", 0)
+
+
+async def healthy(http: aiohttp.ClientSession, url: str) -> list[str]:
+    async with http.get(f"{url}/health") as response:
+        return (await response.json())["prefill_instances"]
 
 
 async def test_in_flight_prefixes_false_counts_the_conductor_alone(serve, engines, conductor, http):
