@@ -83,6 +83,8 @@ def _parser() -> argparse.ArgumentParser:
             options.update(action="append", metavar="ENTRY")
         elif key == "http_server_port":
             options.update(type=port_number, metavar="PORT")
+        elif key == "rpc_server_port":
+            options.update(metavar="PORT")
         help_text = (
             f"{spec.description} (env {setting_env(key)}, key {key}; default {spec.default!r})"
         )
@@ -166,6 +168,12 @@ async def serve(
             len(app[MANAGER].registrations),
             path or "-",
         )
+        if settings.rpc_server_port:
+            log.warning(
+                "rpc_server_port=%d is not served: this conductor speaks HTTP only "
+                "(docs/compatibility.md)",
+                settings.rpc_server_port,
+            )
         await stop.wait()
         log.info("shutting down")
     finally:

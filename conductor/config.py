@@ -30,10 +30,11 @@ from pydantic import (
     field_validator,
     model_validator,
 )
-from pydantic_core import ErrorDetails
+from pydantic_core import ErrorDetails, PydanticCustomError
 from yarl import URL
 
 from ._native import json_int32_field
+from .hash_profile import HashProfile
 from .hashing import pack_int32
 from .index import ContextKey, StreamSource
 from .runtime import log_level
@@ -110,6 +111,14 @@ def _default_tenant(value: str) -> str:
     return value or "default"
 
 
+def _cache_group_zero(value: int | None) -> int | None:
+    """The KV-cache group (vLLM's ``group_idx``) of the blocks indexed: absent, null or 0
+    only, as upstream's C++ conductor; null and 0 are different registrations there."""
+    if value not in (None, 0):
+        raise PydanticCustomError("unsupported", "only cache group zero is supported")
+    return value
+
+
 class Registration(_Strict):
     """One event stream: a ``/register`` body or a ``kvevent_instance`` entry."""
 
@@ -124,6 +133,9 @@ class Registration(_Strict):
     dp_rank: RankGoInt = 0
     additionalsalt: str = ""
     kv_store: str = ""  # our extension: the Mooncake store master (host:port) it saves to
+    # upstream C++'s: optional here (Go clients send neither); part of the identity
+    cache_group: Annotated[int | None, AfterValidator(_cache_group_zero)] = None
+    hash_profile: HashProfile | None = None
 
     _normalize_tenant = field_validator("tenant_id")(_default_tenant)
 
@@ -158,6 +170,10 @@ class Registration(_Strict):
         """Go's service key ``instance|tenant|dp_rank`` (endpoint when no instance id)."""
         return f"{self.instance_id or self.endpoint}|{self.tenant_id}|{self.dp_rank}"
 
+    def context_key(self) -> ContextKey:
+        """The context its blocks are indexed under (its events may name other LoRAs)."""
+        return ContextKey(self.tenant_id, self.modelname, self.lora_name, self.block_size)
+
     @property
     def first_sequence(self) -> int:
         """vLLM and SGLang count batches from 0, the Mooncake master from 1."""
@@ -190,6 +206,8 @@ class Registration(_Strict):
             "BlockSize": self.block_size,
             "DPRank": self.dp_rank,
             "AdditionalSalt": self.additionalsalt,
+            "CacheGroup": self.cache_group,
+            "HashProfile": self.hash_profile.wire_view() if self.hash_profile else None,
         }
 
 
@@ -242,19 +260,25 @@ class QueryBase(_Strict):
 
 
 def _int32_token_bytes(value: Any) -> bytes:
-    """Validate token ids once, keeping them packed as int32 for the hash (hot path)."""
+    """Validate token ids once, keeping them packed as int32 for the hash (hot path). A
+    bad element's error carries its ``index`` (the C++ dialect's error names it)."""
     if isinstance(value, bytes):  # msgpack clients of the C++ rewrite send LE int32 bytes
         if len(value) % 4:
             raise ValueError("token bytes must be little-endian int32 (length % 4 == 0)")
         return value
     if not isinstance(value, list):
-        raise ValueError("must be an array of int32 token ids")
+        raise PydanticCustomError("token_ids_type", "must be an array of int32 token ids")
     try:
         return pack_int32(value)
     except struct.error:
         for index, token in enumerate(value):
             if not isinstance(token, int) or not -(2**31) <= token < 2**31:
-                raise ValueError(f"element {index} ({token!r:.20}) is not an int32") from None
+                kind = "token_range" if isinstance(token, int) else "token_type"
+                raise PydanticCustomError(
+                    kind,
+                    "element {index} ({token}) is not an int32",
+                    {"index": index, "token": f"{token!r:.20}"},
+                ) from None
         raise
 
 
@@ -401,6 +425,13 @@ class Settings(_Strict):
     )
     http_server_port: int = Field(
         default=DEFAULT_PORT, ge=1, le=65535, description="port the HTTP server listens on"
+    )
+    rpc_server_port: int = Field(
+        default=0,
+        ge=0,
+        le=65535,
+        description="upstream C++ conductor's coro_rpc port: accepted so its config files "
+        "start this conductor, not served (HTTP only; 0: off)",
     )
     log_level: Annotated[str, AfterValidator(_log_level)] = Field(
         default="INFO", description="the lowest level logged: DEBUG, INFO, WARNING or ERROR"

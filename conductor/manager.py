@@ -17,7 +17,8 @@ import zmq
 import zmq.asyncio
 
 from .config import Registration
-from .index import ApplyStats, PrefixCacheTable
+from .hash_profile import HashProfile
+from .index import ApplyStats, ContextKey, PrefixCacheTable
 from .kv_store_watch import StoreWatch
 from .metrics import ConductorMetrics
 from .runtime import LoopShare
@@ -31,6 +32,11 @@ log = logging.getLogger(__name__)
 def _owner(registration: Registration) -> tuple[str, str]:
     """The (instance, tenant) a stream belongs to, as /instance_down names it."""
     return registration.source().instance_id, registration.tenant_id
+
+
+def _profile_text(registration: Registration) -> str:
+    profile = registration.hash_profile
+    return profile.describe() if profile is not None else "none"
 
 
 MIB = 1024 * 1024
@@ -223,6 +229,7 @@ class ServiceManager:
                     raise RegistrationConflict(
                         f"endpoint {registration.endpoint} is already registered as {other.key}"
                     )
+            self._check_profile(registration)
             self._check_capacity(registration)
             subscriber = StreamSubscriber(
                 self.context,
@@ -258,6 +265,23 @@ class ServiceManager:
                 registration.type,
             )
             return True
+
+    def _check_profile(self, registration: Registration) -> None:
+        """One context, one hash profile (none is a profile too): its registrations must
+        agree, as upstream's C++ conductor binds a context to the first one's profile."""
+        context = registration.context_key()
+        for other in self.registrations.values():
+            if other.context_key() == context and other.hash_profile != registration.hash_profile:
+                raise RegistrationConflict(
+                    f"{registration.key} has hash profile {_profile_text(registration)}, but "
+                    f"its context (model={context.model_name} lora_name={context.lora_name!r} "
+                    f"block_size={context.block_size} tenant_id={context.tenant_id}) is "
+                    f"registered with {_profile_text(other)} by {other.key}"
+                )
+
+    def context_profiles(self) -> dict[ContextKey, HashProfile | None]:
+        """The hash profile of each registered context (its registrations agree)."""
+        return {r.context_key(): r.hash_profile for r in self.registrations.values()}
 
     def _check_capacity(self, registration: Registration) -> None:
         """Refuse a stream that would pass the context's sockets or the process's file

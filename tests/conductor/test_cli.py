@@ -35,10 +35,43 @@ def run_conductor(*args: str, config_dir: Path, config: str = "{}", env=None):
     )
 
 
+PROFILE = {
+    "strategy": "vllm_v1",
+    "algorithm": "sha256_cbor",
+    "python_hash_seed": "0",
+    "index_projection": "low64_be",
+}
+ENTRY = {"endpoint": "tcp://127.0.0.1:5701", "type": "vLLM", "modelname": "m", "block_size": 16}
+
+
+def entries(**named: dict[str, object]) -> str:
+    """A config file whose ``kvevent_instance`` holds these entries, ENTRY's fields first."""
+    return json.dumps({"kvevent_instance": {name: {**ENTRY, **e} for name, e in named.items()}})
+
+
 @pytest.mark.parametrize(
     ("config", "args", "reason"),
     [
         ('{"http_server_prot": 1}', (), "http_server_prot: unknown key"),
+        ('{"rpc_server_port": 70000}', (), "rpc_server_port: Input should be less than or"),
+        ("{}", ("--rpc-server-port", "x"), "--rpc-server-port: rpc_server_port: Input should"),
+        (
+            entries(a={"hash_profile": {**PROFILE, "root_digest": "ab"}}),
+            (),
+            "kvevent_instance.a.hash_profile.root_digest: unknown key",
+        ),
+        (entries(a={"cache_group": 2}), (), "cache_group: only cache group zero is supported"),
+        (
+            entries(
+                a={"hash_profile": PROFILE},
+                b={
+                    "endpoint": "tcp://127.0.0.1:5702",
+                    "hash_profile": {**PROFILE, "algorithm": "sha256"},
+                },
+            ),
+            (),
+            'b|default|0 has hash profile vllm_v1/sha256 seed="0" low64_be, but its context',
+        ),
         ('{"kvevent_instance": {"a": {"endpiont": "tcp://h:1"}}}', (), "unknown key 'endpiont'"),
         ('{"max_connections": "9"}', (), "max_connections"),
         ('{"max_dp_ranks": 0}', (), "max_dp_ranks"),
