@@ -818,8 +818,11 @@ class QueryIndex:
         status, data = self.client.raw("POST", "/query", body, content_type)
         if status != 200:
             raise BenchError(f"/query -> {status}: {data[:300]!r}")
-        answer = msgpack.unpackb(data) if content_type == MSGPACK_TYPE else json.loads(data)
-        return {name: m["longest_matched"] for name, m in answer.get("default", {}).items()}
+        if content_type == MSGPACK_TYPE:  # answered in upstream C++'s shape
+            hits = msgpack.unpackb(data)["instances"]
+        else:
+            hits = json.loads(data).get("default", {})
+        return {name: m["longest_matched"] for name, m in hits.items()}
 
     def check_answer(self, body: bytes, content_type: str = JSON_TYPE) -> None:
         """The timed query must return the right thing, or its latency means nothing."""

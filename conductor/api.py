@@ -1,7 +1,10 @@
-"""HTTP API (aiohttp): Go-compatible routes and shapes, JSON or msgpack bodies.
+"""HTTP API (aiohttp): the Go service's routes, in two dialects chosen by the request.
 
-Errors are ``{"error": message, "field": path-or-null}`` with a precise status; every
-request body is validated by a pydantic model from ``config``.
+A JSON request gets the Go service's shapes, errors ``{"error": message, "field":
+path-or-null}``; a msgpack request (or a GET accepting msgpack) gets upstream's C++
+conductor's (``conductor.dialect``): its ``/query`` answer, errors ``{"error", "reason"[,
+"field"][, "index"]}``, a registration conflict as 400, an unknown body field refused.
+Every request body is validated by a pydantic model from ``config``.
 """
 
 from __future__ import annotations
@@ -39,8 +42,20 @@ from .config import (
     Registration,
     UnregisterRequest,
 )
+from .dialect import (
+    INVALID_MSGPACK,
+    INVALID_REGISTRATION,
+    INVALID_TYPE,
+    INVALID_VALUE,
+    OUT_OF_RANGE,
+    UNKNOWN_FIELD,
+    accepted_fields,
+    cpp_match,
+    reason_of,
+)
+from .hash_profile import HashProfile
 from .http_guard import ConnectionGuard
-from .index import ContextKey, InstanceMatch
+from .index import ContextKey, ContextView, InstanceMatch
 from .manager import (
     CapacityExceeded,
     RegistrationConflict,
@@ -80,27 +95,35 @@ NO_CONTEXT_TEXT_CHARS = 80  # of each name in it: a header line stays well under
 _progress_decoder = msgspec.json.Decoder(list[str])
 _msgpack_numbers = msgspec.msgpack.Decoder(list[int] | bytes)  # an item array, or ints packed
 Body = TypeVar("Body", bound=BaseModel)
+Answer = TypeVar("Answer")
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
 
 class ApiError(Exception):
+    """A refused request. ``reason`` and ``index`` show in the C++ dialect only."""
+
     def __init__(
         self,
         status: int,
         message: str,
         field: str | None = None,
         headers: dict[str, str] | None = None,
+        reason: str | None = None,
+        index: int | None = None,
     ) -> None:
         super().__init__(message)
         self.status = status
         self.message = message
         self.field = field
         self.headers = headers or {}
+        self.reason = reason
+        self.index = index
 
 
 def _at_most(count: int, limit: int, field: str) -> None:
     if count > limit:
-        raise ApiError(413, f"{field}: at most {limit} per request, got {count}", field)
+        message = f"{field}: at most {limit} per request, got {count}"
+        raise ApiError(413, message, field, reason=OUT_OF_RANGE)
 
 
 @dataclass(frozen=True)
@@ -130,7 +153,8 @@ class ItemLimit:
             )
 
     def not_numbers(self) -> ApiError:
-        return ApiError(400, f"{self.field}: must be an array of integers", self.field)
+        message = f"{self.field}: must be an array of integers"
+        return ApiError(400, message, self.field, reason=INVALID_TYPE)
 
     def decode_field(self, key: str | bytes, value: msgspec.Raw) -> Any:
         """A msgpack map's value. The array field's is decoded as numbers, by a decoder
@@ -201,6 +225,14 @@ def _wants_msgpack(request: web.Request) -> bool:
     return request.content_type == MSGPACK or MSGPACK in request.headers.get("Accept", "")
 
 
+def speaks_cpp(request: web.Request) -> bool:
+    """Upstream C++'s dialect: a msgpack body, or a GET that accepts msgpack (a JSON body
+    that accepts msgpack gets the Go shapes, in msgpack, as before the dialects)."""
+    if request.method == "GET":
+        return MSGPACK in request.headers.get("Accept", "")
+    return request.content_type == MSGPACK
+
+
 def reply(request: web.Request, payload: Any, status: int = 200) -> web.Response:
     """JSON by default; msgpack when the client spoke or asked for msgpack."""
     if _wants_msgpack(request):
@@ -246,7 +278,9 @@ async def parse_body(
     items = limits.item_limits.get(request.path)
     try:
         if request.content_type == MSGPACK:
-            return model.model_validate(_decode_msgpack(body, items))
+            fields = _decode_msgpack(body, items)
+            _refuse_unknown_fields(fields, model)
+            return model.model_validate(fields)
         parsed = plain_json(body) if plain_json is not None else None
         if parsed is not None:
             return parsed
@@ -254,14 +288,43 @@ async def parse_body(
             _check_json_shape(body, items)
         return model.model_validate_json(body)
     except ValidationError as error:
-        first = error.errors()[0]
-        if first["type"] == "json_invalid":
-            raise ApiError(400, "Invalid JSON") from None
-        if first["type"] == "model_type":
-            raise ApiError(400, NOT_AN_OBJECT) from None
-        field = ".".join(str(part) for part in first["loc"]) or None
-        message = first["msg"].removeprefix("Value error, ")
-        raise ApiError(400, f"{field}: {message}" if field else message, field) from None
+        raise _invalid(error) from None
+
+
+def _invalid(error: ValidationError) -> ApiError:
+    """A validation error as a 400 naming its first problem's field (and, for a bad token
+    id, its index) with upstream's reason for it."""
+    first = error.errors()[0]
+    kind = first["type"]
+    if kind == "json_invalid":
+        return ApiError(400, "Invalid JSON")
+    if kind == "model_type" and not first["loc"]:
+        return ApiError(400, NOT_AN_OBJECT, reason=INVALID_MSGPACK)
+    field = ".".join(str(part) for part in first["loc"]) or None
+    message = first["msg"].removeprefix("Value error, ")
+    if kind == "extra_forbidden":
+        message = "unsupported request field"
+    index = first.get("ctx", {}).get("index")
+    return ApiError(
+        400,
+        f"{field}: {message}" if field else message,
+        field,
+        reason=reason_of(kind),
+        index=index if isinstance(index, int) else None,
+    )
+
+
+def _refuse_unknown_fields(fields: Any, model: type[BaseModel]) -> None:
+    """Upstream C++ refuses a key its route does not know: the first one, in body order
+    (a JSON body's are ignored, as the Go service does)."""
+    if not isinstance(fields, dict):
+        return  # not a map: validation says so
+    accepted = accepted_fields(model)
+    for key in fields:
+        if key not in accepted:
+            name = str(key)
+            message = f"{name}: unsupported request field"
+            raise ApiError(400, message, name, reason=UNKNOWN_FIELD)
 
 
 def _decode_msgpack(body: bytes, items: ItemLimit | None) -> Any:
@@ -274,16 +337,20 @@ def _decode_msgpack(body: bytes, items: ItemLimit | None) -> Any:
         if not all(isinstance(key, str | bytes) for key in fields):
             raise Malformed  # as msgpack's strict_map_key says
     except NotAnObject:
-        raise ApiError(400, NOT_AN_OBJECT) from None
+        raise ApiError(400, NOT_AN_OBJECT, reason=INVALID_MSGPACK) from None
     except Exception:
-        raise ApiError(400, "Invalid msgpack") from None
+        raise _undecodable() from None
     items.check(msgpack_shape(fields, items.names, items.packed_bytes), len(body))
     try:
         return {key: items.decode_field(key, raw) for key, raw in fields.items()}
     except ApiError:
         raise
     except Exception:  # a value msgspec skipped over but cannot be decoded (bad UTF-8)
-        raise ApiError(400, "Invalid msgpack") from None
+        raise _undecodable() from None
+
+
+def _undecodable() -> ApiError:
+    return ApiError(400, "Invalid msgpack", reason=INVALID_MSGPACK)
 
 
 def _check_json_shape(body: bytes, items: ItemLimit) -> None:
@@ -331,18 +398,30 @@ def _go_match(match: InstanceMatch) -> GoMatch:
     return GoMatch(match.disk, dp, match.gpu, match.cpu, match.disk)
 
 
-def _go_matches(matches: dict[str, InstanceMatch]) -> dict[str, GoMatch]:
-    """Each instance's Go answer, by name, in the order of ``matches`` (the index's is
-    instance-id order, as Go writes a map's keys); written once per distinct match object
-    (the index shares equal answers: in a large fleet most instances have one of a few)."""
-    written: dict[int, GoMatch] = {}
+def _each_answer(
+    matches: dict[str, InstanceMatch], write: Callable[[InstanceMatch], Answer]
+) -> dict[str, Answer]:
+    """Each instance's answer, by name, in the order of ``matches`` (the index's is
+    instance-id order, as Go writes a map's keys and C++ a std::map's); written once per
+    distinct match object (the index shares equal answers: in a large fleet most instances
+    have one of a few)."""
+    written: dict[int, Answer] = {}
     answers = {}
     for name, match in matches.items():
         answer = written.get(id(match))
         if answer is None:
-            answer = written[id(match)] = _go_match(match)
+            answer = written[id(match)] = write(match)
         answers[name] = answer
     return answers
+
+
+def _hits(
+    request: web.Request, matches: dict[str, InstanceMatch] | None
+) -> dict[str, InstanceMatch]:
+    """``matches`` (none: no context), only those with a hit if the request asks so."""
+    if matches and request.headers.get(HITS_ONLY_HEADER) == "1":
+        return {name: match for name, match in matches.items() if match.disk}
+    return matches or {}
 
 
 @dataclass
@@ -382,9 +461,14 @@ class ConductorApi:
     def _answer(
         self, request: web.Request, query: QueryBase, matches: dict[str, InstanceMatch] | None
     ) -> web.Response:
-        """The Go shape of ``matches`` (only the instances with a hit when asked so); when
-        no context matched, a header saying so."""
-        response = self._go_answer(request, query.tenant_id, query.instance_id, matches)
+        """``matches`` in the request's dialect (only the instances with a hit when asked
+        so); when no context matched, a header saying so. Upstream C++ answers an instance
+        filter naming no instance of the context, and no context, with no instance."""
+        if speaks_cpp(request):
+            answers = _each_answer(_hits(request, matches), cpp_match)
+            response = reply(request, {"instances": answers})
+        else:
+            response = self._go_answer(request, query.tenant_id, query.instance_id, matches)
         if matches is None:
             response.headers[NO_CONTEXT_HEADER] = self._no_context(query.context_key())
         return response
@@ -401,9 +485,7 @@ class ConductorApi:
             return reply(request, {tenant: {instance_id: _go_match(match)}})
         if matches is None and tenant not in self.table.tenants():
             return reply(request, {})
-        if matches and request.headers.get(HITS_ONLY_HEADER) == "1":
-            matches = {name: match for name, match in matches.items() if match.disk}
-        return reply(request, {tenant: _go_matches(matches or {})})
+        return reply(request, {tenant: _each_answer(_hits(request, matches), _go_match)})
 
     def _no_context(self, asked: ContextKey) -> str:
         """What was asked and the contexts its model has, as one ASCII header line:
@@ -446,6 +528,7 @@ class ConductorApi:
                 f"{PROGRESS_HEADER}: expected a JSON list of at most "
                 f"{MAX_PROGRESS_INSTANCES} instance ids",
                 field=PROGRESS_HEADER,
+                reason=INVALID_VALUE,
             )
         progress = {i: self.manager.indexed_until(i, tenant) for i in instances}
         return json.dumps(progress, separators=(",", ":"))  # ASCII: a header's value
@@ -462,6 +545,7 @@ class ConductorApi:
 
     # -- registrations -------------------------------------------------------------------
     async def register(self, request: web.Request) -> web.Response:
+        """Go answers a conflict 409, upstream C++ 400 ``invalid_registration``."""
         registration = await parse_body(request, Registration, self.options.limits)
         try:
             self.options.allowlist.check(registration)
@@ -472,9 +556,10 @@ class ConductorApi:
             added = await self.manager.register(registration)
         except RegistrationConflict as error:
             self.refusals.warning(registration.key, "register conflict: %s", error)
-            raise ApiError(409, str(error)) from None
+            status = 400 if speaks_cpp(request) else 409
+            raise ApiError(status, str(error), reason=INVALID_REGISTRATION) from None
         except RegistrationFailed as error:
-            raise ApiError(400, str(error), "endpoint") from None
+            raise ApiError(400, str(error), "endpoint", reason=INVALID_VALUE) from None
         except CapacityExceeded as error:
             retry = {"Retry-After": str(CAPACITY_RETRY_AFTER_S)}
             raise ApiError(503, str(error), headers=retry) from None
@@ -533,35 +618,24 @@ class ConductorApi:
         return reply(request, {"count": len(services), "services": services})
 
     async def global_view(self, request: web.Request) -> web.Response:
-        """Counts per context; engine->prefix hashes only on request (``?hashes=N``)."""
+        """Counts per context; engine->prefix hashes only on request (``?hashes=N``). One
+        shape for both dialects: upstream C++'s keys (``context_count``, each context's
+        ``prefix_count``, ``hash_profile`` and ``instances``) and Go's, side by side."""
         try:
             wanted = min(int(request.query.get("hashes", "0")), GLOBAL_VIEW_MAX_HASHES)
         except ValueError:
-            raise ApiError(400, "hashes must be an integer", "hashes") from None
+            message = "hashes must be an integer"
+            raise ApiError(400, message, "hashes", reason=INVALID_TYPE) from None
         views = sorted(self.table.context_views(), key=lambda view: repr(view.key))
         held = chain.from_iterable(self.table.held_hashes(view.key) for view in views)
         hashmap = [
             {str(engine_hash): prefix_hash} for engine_hash, prefix_hash in islice(held, wanted)
         ]
-        contexts: list[dict[str, Any]] = []
+        profiles = self.manager.context_profiles()
+        contexts = [self._context_entry(view, profiles.get(view.key)) for view in views]
         model_contexts: list[dict[str, Any]] = []
         for view in views:
             key = view.key
-            gpu, cpu, disk = view.blocks
-            contexts.append(
-                {
-                    "tenant_id": key.tenant_id,
-                    "model_name": key.model_name,
-                    "lora_name": key.lora_name,
-                    "block_size": key.block_size,
-                    "blocks": {"GPU": gpu, "CPU": cpu, "DISK": disk},
-                    "instances": {name: list(ranks) for name, ranks in view.instances.items()},
-                    "kv_stores": {
-                        pool.kv_store: {"blocks": pool.blocks, "instances": list(pool.instances)}
-                        for pool in view.store_pools
-                    },
-                }
-            )
             model_contexts.extend(
                 {
                     "model_name": key.model_name,
@@ -582,6 +656,26 @@ class ConductorApi:
                 "contexts": contexts,
             },
         )
+
+    def _context_entry(self, view: ContextView, profile: HashProfile | None) -> dict[str, Any]:
+        """One context of ``/global_view``; ``prefix_count`` counts its distinct blocks on
+        any tier (linear in its CPU and disk blocks, constant for a GPU-only context)."""
+        key = view.key
+        gpu, cpu, disk = view.blocks
+        return {
+            "tenant_id": key.tenant_id,
+            "model_name": key.model_name,
+            "lora_name": key.lora_name,
+            "block_size": key.block_size,
+            "prefix_count": self.table.prefix_count(key),
+            "hash_profile": profile.wire_view() if profile else None,
+            "blocks": {"GPU": gpu, "CPU": cpu, "DISK": disk},
+            "instances": {name: list(ranks) for name, ranks in view.instances.items()},
+            "kv_stores": {
+                pool.kv_store: {"blocks": pool.blocks, "instances": list(pool.instances)}
+                for pool in view.store_pools
+            },
+        }
 
     async def health(self, request: web.Request) -> web.Response:
         """Always 200 while serving; ``status`` is "degraded" when a stream's events cannot
@@ -639,12 +733,10 @@ def _error_middleware(api: ConductorApi) -> Callable[..., Awaitable[web.StreamRe
             api.refusals.warning(
                 f"401 {request.remote}", "unauthorized %s from %s", request.path, request.remote
             )
-            response = reply(
-                request, {"error": "missing or invalid bearer token", "field": None}, 401
-            )
+            response = _refusal(request, ApiError(401, "missing or invalid bearer token"))
             response.headers["WWW-Authenticate"] = "Bearer"
         except ApiError as error:
-            response = reply(request, {"error": error.message, "field": error.field}, error.status)
+            response = _refusal(request, error)
             response.headers.update(error.headers)
             if error.status in (408, 413):  # the rest of the body is not worth reading
                 response.force_close()
@@ -652,16 +744,26 @@ def _error_middleware(api: ConductorApi) -> Callable[..., Awaitable[web.StreamRe
             if error.status < 400:
                 raise
             message = {413: "request body too large"}.get(error.status, error.reason)
-            response = reply(request, {"error": message, "field": None}, error.status)
+            response = _refusal(request, ApiError(error.status, message))
         except Exception:
             log.exception("unhandled error on %s %s", request.method, request.path)
-            response = reply(request, {"error": "internal error", "field": None}, 500)
+            response = _refusal(request, ApiError(500, "internal error"))
         api.metrics.http_requests.labels(name, str(response.status)).inc()
         if api.options.guard is not None:
             api.options.guard.request_done(request.transport)
         return response
 
     return middleware
+
+
+def _refusal(request: web.Request, error: ApiError) -> web.Response:
+    """The error in the request's dialect: Go's ``{"error", "field"}``, or upstream C++'s
+    ``{"error"[, "reason"][, "field"][, "index"]}`` (no key without a value)."""
+    if not speaks_cpp(request):
+        return reply(request, {"error": error.message, "field": error.field}, error.status)
+    extras = {"reason": error.reason, "field": error.field, "index": error.index}
+    body = {"error": error.message, **{k: v for k, v in extras.items() if v is not None}}
+    return reply(request, body, error.status)
 
 
 def api_app(manager: ServiceManager, options: ApiOptions) -> web.Application:

@@ -70,7 +70,8 @@ class ConductorUnavailable(Exception):
 
 
 class RegistrationRefused(Exception):
-    """The conductor answered, and said no (409: the stream is registered differently)."""
+    """The conductor answered, and said no (a conflict, 409 in JSON and 400 in msgpack: the
+    stream is registered differently)."""
 
 
 class ConductorClient:

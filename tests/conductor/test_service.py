@@ -166,7 +166,7 @@ async def test_msgpack_requests_get_msgpack_answers(served, http, publisher_fact
     async with http.post(f"{base}/query", data=body, headers=headers) as response:
         assert response.content_type == "application/msgpack"
         answer = msgpack.unpackb(await response.read())
-    assert answer["default"]["engine-a"]["GPU"] == 12
+    assert answer["instances"]["engine-a"]["gpu"] == 12  # upstream C++'s shape (dialect)
 
 
 async def test_query_by_hash_matches_query(served, http, publisher_factory):
