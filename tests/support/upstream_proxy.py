@@ -30,6 +30,8 @@ from typing import Any
 import aiohttp
 import msgpack
 
+from router.disagg import PREFILL_TRANSFER_PARAMS  # the vLLM-defined ask, as the proxy sends it
+
 MSGPACK = "application/msgpack"
 REGISTERED = "registered successfully"
 # the profile of upstream's sample config: vLLM's sha256_cbor block hashes, PYTHONHASHSEED=0
@@ -38,15 +40,6 @@ HASH_PROFILE = {
     "algorithm": "sha256_cbor",
     "python_hash_seed": "0",
     "index_projection": "low64_be",
-}
-# what the proxy adds to the request it sends a prefill engine: compute, keep the blocks
-REMOTE_DECODE = {
-    "do_remote_decode": True,
-    "do_remote_prefill": False,
-    "remote_engine_id": None,
-    "remote_block_ids": None,
-    "remote_host": None,
-    "remote_port": None,
 }
 
 
@@ -200,7 +193,7 @@ class UpstreamProxy:
         self, instance_id: str, api: str, request: Mapping[str, Any], request_id: str
     ) -> dict[str, Any]:
         """The proxy's prefill request to the chosen engine; its JSON answer."""
-        body = _one_token(request) | {"kv_transfer_params": dict(REMOTE_DECODE)}
+        body = _one_token(request) | {"kv_transfer_params": dict(PREFILL_TRANSFER_PARAMS)}
         url = f"{self.prefills[instance_id].http_endpoint}{api}"
         async with self.http.post(url, json=body, headers=_engine_headers(request_id)) as response:
             response.raise_for_status()
