@@ -14,20 +14,18 @@ what is allowed.
 
 from __future__ import annotations
 
-import hashlib
-import pickle
+from collections.abc import Iterator, Sequence
 from typing import Annotated, Any
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field
+
+from .vllm_hash import block_keys, none_hash
 
 STRATEGIES = ("vllm_v1",)
 ALGORITHMS = ("sha256", "sha256_cbor")
 PROJECTIONS = ("low64_be",)
 RANDOM_SEED = "random"  # vLLM hashes the literal text when PYTHONHASHSEED=random
 MAX_SEED = 2**32 - 1  # CPython's PYTHONHASHSEED range
-PICKLE_PROTOCOL = 5  # what vLLM's sha256 pickles with (pickle.HIGHEST_PROTOCOL on 3.8+)
-_CBOR_TEXT = 0x60  # CBOR major type 3 (text string), length in the low five bits
-_CBOR_LENGTH_BYTES = {24: 1, 25: 2, 26: 4, 27: 8}  # additional info -> length bytes
 
 
 def _one_of(allowed: tuple[str, ...], what: str) -> AfterValidator:
@@ -53,28 +51,9 @@ def _seed_text(value: str) -> str:
 Selector = Annotated[str, Field(min_length=1)]
 
 
-def cbor_text(text: str) -> bytes:
-    """``text`` as a CBOR text string (RFC 8949 §3.1, the shortest length form)."""
-    data = text.encode("utf-8")
-    size = len(data)
-    if size < 24:
-        return bytes([_CBOR_TEXT | size]) + data
-    for info, width in _CBOR_LENGTH_BYTES.items():
-        if size < 1 << (8 * width):
-            return bytes([_CBOR_TEXT | info]) + size.to_bytes(width, "big") + data
-    raise ValueError("text too long for CBOR")
-
-
-def encode_seed(algorithm: str, seed: str) -> bytes:
-    """The bytes vLLM's hash function digests for the seed text under ``algorithm``."""
-    if algorithm == "sha256_cbor":
-        return cbor_text(seed)
-    return pickle.dumps(seed, protocol=PICKLE_PROTOCOL)
-
-
 def root_digest(algorithm: str, seed: str) -> str:
     """vLLM's ``NONE_HASH`` for this algorithm and seed text, as lowercase hex."""
-    return hashlib.sha256(encode_seed(algorithm, seed)).hexdigest()
+    return none_hash(algorithm, seed).hex()
 
 
 class HashProfile(BaseModel):
@@ -100,6 +79,19 @@ class HashProfile(BaseModel):
             "root_digest": self.root_digest,
             "index_projection": self.index_projection,
         }
+
+    def block_keys(
+        self,
+        token_ids: Sequence[int] | bytes,
+        block_size: int,
+        lora_name: str = "",
+        cache_salt: str = "",
+    ) -> Iterator[int]:
+        """The keys the engine's events name a prompt's complete blocks by, lazily
+        (``vllm_hash.block_keys``)."""
+        return block_keys(
+            self.algorithm, self.python_hash_seed, token_ids, block_size, lora_name, cache_salt
+        )
 
     def describe(self) -> str:
         """One line for a log or an error: ``vllm_v1/sha256_cbor seed="0" low64_be``."""

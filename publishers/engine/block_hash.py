@@ -4,7 +4,8 @@ The simulator must publish the hashes a real vLLM 0.33 engine would publish for 
 request, so that an index fed by simulated engines behaves like one fed by real ones and the
 golden vectors in ``tests/fixtures/vllm_hash_vectors.json`` hold:
 
-- ``hash_fn`` serializes its argument with pickle (protocol 5) or canonical CBOR and digests
+- ``hash_fn`` serializes its argument with pickle (protocol 5) or canonical CBOR
+  (``conductor/vllm_hash.py``, which the conductor hashes profiled queries with) and digests
   it with SHA-256 (32 bytes) or XXH3-128 (16 bytes);
 - the chain root is ``NONE_HASH = hash_fn(seed)`` — the seed *string* is hashed;
 - block ``i`` is ``hash_fn((parent_digest, tuple(tokens_i), extra_keys_i))`` with the root as
@@ -20,43 +21,30 @@ from __future__ import annotations
 
 import hashlib
 import os
-import pickle
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import xxhash
 
+from conductor.vllm_hash import cbor, low64_be, pickled
+
 HASH_ALGORITHMS = ("sha256", "sha256_cbor", "xxhash", "xxhash_cbor")
 DEFAULT_NONE_HASH_SEED = "vllm-none-hash"  # sha256 variants with PYTHONHASHSEED unset, >= 0.29
-PICKLE_PROTOCOL = 5  # pickle.HIGHEST_PROTOCOL of every Python vLLM 0.33 supports
 HashFunction = Callable[[object], bytes]
 ExtraKeys = tuple[object, ...] | None
-
-
-def _pickled(value: object) -> bytes:
-    return pickle.dumps(value, protocol=PICKLE_PROTOCOL)
-
-
-def _cbor(value: object) -> bytes:
-    try:
-        import cbor2
-    except ImportError:
-        raise ImportError("the *_cbor hash algorithms need cbor2: pip install cbor2") from None
-    return cbor2.dumps(value, canonical=True)
+event_hash = low64_be  # a digest as events carry it (VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES=1)
 
 
 def hash_function(algorithm: str) -> HashFunction:
     """vLLM's ``--prefix-caching-hash-algo`` as a function of any picklable/CBOR value."""
     if algorithm == "sha256":
-        return lambda value: hashlib.sha256(_pickled(value)).digest()
+        return lambda value: hashlib.sha256(pickled(value)).digest()
     if algorithm == "sha256_cbor":
-        _cbor(None)  # fail when configured, not on the first request
-        return lambda value: hashlib.sha256(_cbor(value)).digest()
+        return lambda value: hashlib.sha256(cbor(value)).digest()
     if algorithm == "xxhash":
-        return lambda value: xxhash.xxh3_128_digest(_pickled(value))
+        return lambda value: xxhash.xxh3_128_digest(pickled(value))
     if algorithm == "xxhash_cbor":
-        _cbor(None)
-        return lambda value: xxhash.xxh3_128_digest(_cbor(value))
+        return lambda value: xxhash.xxh3_128_digest(cbor(value))
     raise ValueError(f"unknown hash algorithm {algorithm!r}; expected one of {HASH_ALGORITHMS}")
 
 
@@ -106,11 +94,6 @@ def event_extra_keys(
     if block_index == 0 and cache_salt:
         keys.append(cache_salt)
     return tuple(keys) if keys else None
-
-
-def event_hash(digest: bytes) -> int:
-    """The integer form of a digest in events (``VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES=1``)."""
-    return int.from_bytes(digest[-8:], "big")  # the low 64 bits, as ``normalize_hash`` reads
 
 
 class BlockHasher:

@@ -11,7 +11,8 @@ import cbor2
 import pytest
 from pydantic import ValidationError
 
-from conductor.hash_profile import HashProfile, cbor_text, root_digest
+from conductor.hash_profile import HashProfile, root_digest
+from conductor.vllm_hash import cbor_text
 
 FIXTURES = Path(__file__).resolve().parents[1] / "fixtures"
 PROFILE = {
