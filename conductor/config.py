@@ -191,6 +191,7 @@ class Registration(_Strict):
             salt=self.additionalsalt,
             shared_pool=self.type == "Mooncake",
             kv_store=self.kv_store,
+            hash_profile=self.hash_profile,
         )
 
     def go_view(self) -> dict[str, Any]:

@@ -39,9 +39,11 @@ import sys
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from collections.abc import Set as AbstractSet
 from dataclasses import dataclass, field
+from typing import cast
 
 from . import _native
 from ._native import HashMap, MaskMap, PackedBatch
+from .hash_profile import HashProfile
 from .hashing import PrefixHash, chain_hashes, prefix_hashes, salt_root
 from .wire.events import (
     AllBlocksCleared,
@@ -84,6 +86,9 @@ class StreamSource:
     salt: str = ""
     shared_pool: bool = False
     kv_store: str = ""  # the Mooncake store master (host:port) its CPU blocks are saved to
+    # how the engine hashes blocks (upstream C++'s registrations): its events' hashes are
+    # then the index's keys, and a query's tokens are hashed so; None: the Go prefix hash
+    hash_profile: HashProfile | None = None
 
     @property
     def default_tier(self) -> Tier:
@@ -213,10 +218,15 @@ class _Slot:
 
 
 class PrefixContext:
-    """All blocks of one (tenant, model, LoRA, block size), shared by its owners."""
+    """All blocks of one (tenant, model, LoRA, block size), shared by its owners.
 
-    def __init__(self, key: ContextKey) -> None:
+    A context whose registrations carry a hash profile keys its blocks by the engines' own
+    hashes (prefix hash = engine hash), and hashes a query's tokens as the engines do.
+    """
+
+    def __init__(self, key: ContextKey, profile: HashProfile | None = None) -> None:
         self.key = key
+        self.profile = profile
         self.blocks: tuple[MaskMap[PrefixHash], ...] = (MaskMap(), MaskMap(), MaskMap())
         self.slots: dict[SlotKey, _Slot] = {}
         self._by_index: dict[int, _Slot] = {}
@@ -398,6 +408,23 @@ class PrefixContext:
         return not self.slots and not any(self.blocks)
 
     # -- matching ------------------------------------------------------------------------
+    def query_hashes(self, token_ids: Sequence[int] | bytes, salt: str) -> list[PrefixHash]:
+        """A prompt's keys in this context: the Go prefix hashes of its complete blocks; in
+        a profiled context the engines' block hashes (LoRA name on every block, ``salt``
+        as vLLM's cache salt), hashed only up to the first block no owner holds, where
+        every walk stops anyway (a SHA-256 and a serialization per block)."""
+        if self.profile is None:
+            return prefix_hashes(token_ids, self.key.block_size, salt)
+        gpu, cpu, disk = self.blocks
+        held: list[PrefixHash] = []
+        for key in self.profile.block_keys(
+            token_ids, self.key.block_size, self.key.lora_name, salt
+        ):
+            if key not in gpu and key not in cpu and key not in disk:
+                break
+            held.append(PrefixHash(key))
+        return held
+
     def match(
         self, hashes: Sequence[PrefixHash], instance_id: str | None = None
     ) -> dict[str, InstanceMatch]:
@@ -718,7 +745,8 @@ class PrefixCacheTable:
         """The stream's engine slot in a context, linked (with its kv_store's pool) once."""
         context = self.contexts.get(context_key)
         if context is None:
-            context = self.contexts[context_key] = PrefixContext(context_key)
+            context = PrefixContext(context_key, source.hash_profile)
+            self.contexts[context_key] = context
         slot = context.slot(source.instance_id, dp_rank, source.shared_pool)
         if source.key not in slot.streams:
             self._link(source.key, context, slot)
@@ -792,10 +820,12 @@ class PrefixCacheTable:
         ``_remove`` do for an engine's own GPU blocks once its first stored event made its
         slot, in a context where no other of the stream's slots at that rank, and no other
         tier of this one, could take a removal."""
+        if not self.lane_takes(key):
+            return None
         source = self._sources[key]
         rank = source.dp_rank if packed.dp_rank is None else packed.dp_rank
         target = self._targets.get((key, rank, None))
-        if target is None or source.shared_pool:
+        if target is None:
             return None
         context, slot = target
         if packed.removals and not (
@@ -814,6 +844,13 @@ class PrefixCacheTable:
         stats.orphaned += orphaned
         stats.drop("token_count_mismatch", mismatched)
         return reached
+
+    def lane_takes(self, key: str) -> bool:
+        """Whether the C lane may apply the stream's batches at all: not a pool's (its
+        blocks go to the pool's slot), not a profiled stream's (the lane keys blocks by
+        their tokens' Go prefix hash, a profiled context by the engine's hashes)."""
+        source = self._sources.get(key)
+        return source is not None and not source.shared_pool and source.hash_profile is None
 
     def _store(
         self, source: StreamSource, dp_rank: int, event: BlockStored, stats: ApplyStats
@@ -842,6 +879,9 @@ class PrefixCacheTable:
                 stats.drop(limit)
                 return
             known = self.contexts.get(context_key)
+            if known is not None and known.profile != source.hash_profile:
+                stats.drop("hash_profile_mismatch")  # another LoRA's context, keyed otherwise
+                return
         else:
             known = target[0]
         owner = (source.instance_id, dp_rank)
@@ -866,8 +906,12 @@ class PrefixCacheTable:
         event: BlockStored,
         stats: ApplyStats,
     ) -> list[PrefixHash]:
-        """The prefix hash of each stored block, or as many as can be placed ([] = none)."""
+        """The prefix hash of each stored block, or as many as can be placed ([] = none).
+        A profiled stream's blocks are keyed by their engine hashes: tokens and parent are
+        not needed."""
         hashes, size = event.block_hashes, source.block_size
+        if source.hash_profile is not None:
+            return cast(list[PrefixHash], list(hashes))
         if event.token_ids:
             if len(event.token_ids) != len(hashes) * size:
                 stats.drop("token_count_mismatch")
@@ -934,9 +978,12 @@ class PrefixCacheTable:
         salt: str = "",
         instance_id: str | None = None,
     ) -> dict[str, InstanceMatch] | None:
-        """Per-instance cumulative matches of a prompt; None when the context is unknown."""
-        hashes = prefix_hashes(token_ids, context_key.block_size, salt)
-        return self.match_prefix_hashes(context_key, hashes, instance_id)
+        """Per-instance cumulative matches of a prompt; None when the context is unknown.
+        ``salt`` roots the Go chain, or is vLLM's cache salt in a profiled context."""
+        context = self.contexts.get(context_key)
+        if context is None:
+            return None
+        return context.match(context.query_hashes(token_ids, salt), instance_id)
 
     def match_prefix_hashes(
         self,

@@ -475,7 +475,9 @@ class ServiceManager:
         key = registration.key
         stats = ApplyStats()
         applied: int | None = 0
-        packed = pack_batch(message.payload, message.topic, registration.block_size)
+        packed = None
+        if self.table.lane_takes(key):
+            packed = pack_batch(message.payload, message.topic, registration.block_size)
         if packed is not None:
 
             def apply_packed(start: int) -> int | None:

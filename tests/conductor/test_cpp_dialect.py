@@ -23,7 +23,7 @@ from conductor.api import (
     NO_CONTEXT_HEADER,
     PROGRESS_HEADER,
 )
-from conductor.hash_profile import root_digest
+from conductor.hash_profile import HashProfile, root_digest
 from router.conductor_client import registration_bodies
 from router.config import PrefillInstance, PrefillModelConfig, StreamRegistration
 from tests.support.api import eventually, get, post
@@ -37,6 +37,8 @@ PROFILE = {
     "index_projection": "low64_be",
 }
 PROMPT = list(range(1, 13))  # three blocks of 4
+# PROMPT's blocks as an engine hashing as PROFILE says names them in its events
+BLOCK_KEYS = list(HashProfile.model_validate(PROFILE).block_keys(PROMPT, 4))
 UPSTREAM_SERVICE_KEYS = {
     "Endpoint",
     "ReplayEndpoint",
@@ -135,10 +137,14 @@ async def tiered_fleet(http, base: str, publisher_factory) -> None:
     await register_connected(http, base, rank0, "a")
     await register_connected(http, base, rank1, "a", dp_rank=1)
     await register_connected(http, base, idle, "b")
+    first, second, third = BLOCK_KEYS  # the streams are profiled: keyed by engine hashes
     await rank0.publish(
-        [stored([101, 102], PROMPT[:8]), stored([103], PROMPT[8:], parent=102, medium="CPU")]
+        [
+            stored([first, second], PROMPT[:8]),
+            stored([third], PROMPT[8:], parent=second, medium="CPU"),
+        ]
     )
-    await rank1.publish([stored([101], PROMPT[:4])], dp_rank=1)
+    await rank1.publish([stored([first], PROMPT[:4])], dp_rank=1)
 
     async def hit() -> int:
         _, answer, _ = await mp_post(http, f"{base}/query", query_body())
