@@ -41,6 +41,8 @@ from typing import TYPE_CHECKING, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, ValidationError, field_validator, model_validator
 
+from conductor.vllm_hash import low64_be
+
 from .local import free_port
 
 if TYPE_CHECKING:
@@ -80,11 +82,6 @@ def block_key(model_name: str, digest: bytes) -> str:
     return f"{model_name}@{KEY_RANKS}@{digest.hex()}"
 
 
-def digest_event_hash(digest: bytes) -> int:
-    """The integer hash KV events carry for a block (``int.from_bytes(digest) & 2**64-1``)."""
-    return int.from_bytes(digest[-8:], "big")
-
-
 @dataclass(frozen=True, slots=True)
 class BlockKey:
     model_name: str
@@ -92,7 +89,7 @@ class BlockKey:
 
     @property
     def event_hash(self) -> int:
-        return digest_event_hash(self.digest)
+        return low64_be(self.digest)
 
 
 def parse_block_key(key: str) -> BlockKey:
@@ -232,7 +229,7 @@ def kv_block(shape: KVBlockShape, digest: bytes) -> torch.Tensor:
     """The block an engine would hold for ``digest``: content derived from the digest."""
     import torch
 
-    generator = torch.Generator().manual_seed(digest_event_hash(digest) & ((1 << 63) - 1))
+    generator = torch.Generator().manual_seed(low64_be(digest) & ((1 << 63) - 1))
     return torch.randn(shape.dims, generator=generator).to(shape.torch_dtype)
 
 

@@ -128,7 +128,7 @@ async def test_a_killed_master_stops_pricing_until_it_returns(
 
 
 async def _killed_and_back(store_fleet, http, publisher_factory, store, digests) -> None:
-    from publishers.store import digest_event_hash
+    from conductor.vllm_hash import low64_be
 
     master = store.address.master
     fleet = store_fleet(master, store.admin_url)
@@ -146,7 +146,7 @@ async def _killed_and_back(store_fleet, http, publisher_factory, store, digests)
     await indexed_everywhere(http, fleet, ["a", "b"])
     health = lambda: router_json(http, router, "/health")  # noqa: E731
     await eventually(health, lambda answer: answer["kv_stores"] == {master: "up"})
-    hashes = [digest_event_hash(digest) for digest in digests]
+    hashes = [low64_be(digest) for digest in digests]
     await publishers["a"].publish([stored(hashes, PROMPT[:STORED_TOKENS], medium="cpu")])
 
     async def cached() -> int:

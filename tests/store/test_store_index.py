@@ -99,9 +99,9 @@ class Saver:
         return self.client.keys([digest(block)])[0]
 
     def event_hash(self, block: int) -> int:
-        from publishers.store import digest_event_hash
+        from conductor.vllm_hash import low64_be
 
-        return digest_event_hash(digest(block))
+        return low64_be(digest(block))
 
     async def save(self, block: int, attempts: int = 20, pause: float = 0.05) -> bool:
         """True once the store took the block and it was announced; a full store evicts

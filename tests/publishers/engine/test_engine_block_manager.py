@@ -84,8 +84,6 @@ def manager(num_gpu_blocks: int = 8, **options: Any) -> BlockManager:
 )
 def test_stored_event_matches_vllm(profile: dict[str, Any], case: dict[str, Any]) -> None:
     """The BlockStored of a fresh prompt equals BlockPool's event for the vectors' request."""
-    if profile["algorithm"].endswith("_cbor"):
-        pytest.importorskip("cbor2", reason="*_cbor hashing needs the optional cbor2 package")
     lora_request = case["lora_request"]
     lora = None
     if lora_request is not None:
