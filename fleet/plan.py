@@ -16,7 +16,9 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-from .service import ServicePlan, free_port
+from publishers.local import free_port
+
+from .service import ServicePlan
 from .spec import EngineSpec, FleetSpec
 from .store import StorePlan, plan_store
 from .tiny_model import write_json

@@ -1,20 +1,11 @@
-"""One process of the fleet, as the plan describes it, and the ports the fleet chooses."""
+"""One process of the fleet, as the plan describes it."""
 
 from __future__ import annotations
 
-import random
-import socket
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
-
-# Ports the fleet chooses: below Linux's ephemeral range (32768 on), whose ports any
-# outgoing connection may take as its source port before a service binds one (a vLLM engine
-# binds its replay port a minute after the plan; a store fleet's many connections took it),
-# and above 17000, below which Mooncake's transfer engine picks its own.
-SERVICE_PORTS = range(20000, 32768)
-_handed_out: set[int] = set()
 
 
 @dataclass(frozen=True)
@@ -44,19 +35,3 @@ class ServicePlan:
         if self.events_endpoint.startswith(prefix):
             return Path(self.events_endpoint.removeprefix(prefix))
         return None
-
-
-def free_port() -> int:
-    """A loopback port of ``SERVICE_PORTS`` that is free now and not handed out before."""
-    for _ in range(1000):
-        port = random.choice(SERVICE_PORTS)
-        if port in _handed_out:
-            continue
-        with socket.socket() as sock:
-            try:
-                sock.bind(("127.0.0.1", port))
-            except OSError:
-                continue
-        _handed_out.add(port)
-        return port
-    raise OSError(f"no free port in {SERVICE_PORTS.start}-{SERVICE_PORTS.stop - 1}")

@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
 
+from publishers.local import free_port
 from publishers.store import (
     LOOPBACK_ENV,
     MIB,
@@ -30,7 +31,7 @@ from publishers.store import (
     store_process_command,
 )
 
-from .service import ServicePlan, free_port
+from .service import ServicePlan
 from .spec import MASTER_NAME, STORE_NAME, StoreSection
 from .tiny_model import write_json
 

@@ -8,6 +8,7 @@ service binds it (an ephemeral bind or connect) is retried on a fresh one.
 from __future__ import annotations
 
 import os
+import random
 import signal
 import socket
 import subprocess
@@ -20,10 +21,30 @@ HOST = "127.0.0.1"
 STARTUP_TIMEOUT_S = 20.0
 
 
+# Ports handed out: below Linux's ephemeral range (32768 on), whose ports any outgoing
+# connection may take as its source port before a service binds one (a vLLM engine binds its
+# replay port a minute after the plan; a store fleet's many connections took it), and above
+# 17000, below which Mooncake's transfer engine picks its own. A port is never handed out
+# twice in one process: the OS's own "free port" (bind to 0) can be given again before the
+# service that was told it binds it.
+SERVICE_PORTS = range(20000, 32768)
+_handed_out: set[int] = set()
+
+
 def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind((HOST, 0))
-        return sock.getsockname()[1]
+    """A loopback port of ``SERVICE_PORTS`` that is free now and not handed out before."""
+    for _ in range(1000):
+        port = random.choice(SERVICE_PORTS)
+        if port in _handed_out:
+            continue
+        with socket.socket() as sock:
+            try:
+                sock.bind((HOST, port))
+            except OSError:
+                continue
+        _handed_out.add(port)
+        return port
+    raise OSError(f"no free port in {SERVICE_PORTS.start}-{SERVICE_PORTS.stop - 1}")
 
 
 class LocalService:

@@ -17,9 +17,9 @@ import psutil
 import pytest
 
 from fleet.plan import cpu_share, make_plan
-from fleet.service import SERVICE_PORTS
 from fleet.spec import FleetSpec
 from fleet.tiny_model import write_tiny_model
+from publishers.local import SERVICE_PORTS
 from tests.support.api import eventually, metric
 from tests.support.fleet import FleetProcess
 
