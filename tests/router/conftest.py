@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -11,6 +11,7 @@ from aiohttp.test_utils import TestServer
 
 from fleet.tiny_model import write_tiny_model
 from tests.router.inprocess import ServedRouter, serve_router
+from tests.support.processes import RouterProcess
 
 
 @pytest.fixture(scope="module")
@@ -30,3 +31,17 @@ async def serve() -> AsyncIterator[Callable[[dict[str, Any]], Awaitable[ServedRo
     yield start
     for server in servers:
         await server.close()
+
+
+@pytest.fixture
+def routers(tmp_path: Path) -> Iterator[Callable[..., RouterProcess]]:
+    """Starts router processes (not waiting for them to listen); stops them after the test."""
+    started: list[RouterProcess] = []
+
+    def start(config: dict[str, Any], *args: str) -> RouterProcess:
+        started.append(RouterProcess(tmp_path, config, *args))
+        return started[-1]
+
+    yield start
+    for router in started:
+        router.stop()

@@ -11,9 +11,8 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
 
 import aiohttp
 import pytest
@@ -34,20 +33,6 @@ def engine(tmp_path: Path) -> Iterator[EngineSim]:
     process.wait_ready()
     yield process
     process.stop()
-
-
-@pytest.fixture
-def routers(tmp_path: Path) -> Iterator[Callable[..., RouterProcess]]:
-    """Starts router processes (not waiting for them to listen); stops them after the test."""
-    started: list[RouterProcess] = []
-
-    def start(config: dict[str, Any], *args: str) -> RouterProcess:
-        started.append(RouterProcess(tmp_path, config, *args))
-        return started[-1]
-
-    yield start
-    for router in started:
-        router.stop()
 
 
 async def complete(http: aiohttp.ClientSession, url: str) -> tuple[int, dict[str, str]]:

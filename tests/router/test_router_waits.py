@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -55,21 +55,12 @@ def working(tmp_path: Path) -> Iterator[EngineSim]:
     engine.stop()
 
 
-@pytest.fixture
-def router_process(tmp_path: Path) -> Iterator[list[RouterProcess]]:
-    started: list[RouterProcess] = []
-    yield started
-    for router in started:
-        router.stop()
-
-
 def start_router(
-    started: list[RouterProcess], tmp_path: Path, urls: list[str], **upstream: float
+    routers: Callable[..., RouterProcess], urls: list[str], **upstream: float
 ) -> RouterProcess:
     """A router process over ``urls`` (e0, e1...); no conductor: it routes by load, so the
     first request goes to e0 (ties rotate from the first instance)."""
-    router = RouterProcess(tmp_path, layout(urls, upstream=upstream))
-    started.append(router)
+    router = routers(layout(urls, upstream=upstream))
     router.wait_ready()
     return router
 
@@ -87,11 +78,10 @@ async def timed_completion(
 
 
 async def test_a_stream_without_headers_in_time_goes_to_the_next_engine(
-    tmp_path, silent, working, router_process, http
+    silent, working, routers, http
 ):
     router = start_router(
-        router_process,
-        tmp_path,
+        routers,
         [silent.url, working.url],
         stream_headers_timeout_seconds=1.0,
         first_byte_timeout_seconds=60,
@@ -105,11 +95,10 @@ async def test_a_stream_without_headers_in_time_goes_to_the_next_engine(
 
 
 async def test_a_request_waiting_on_an_engine_found_dead_moves_on_at_once(
-    tmp_path, silent, working, router_process, http
+    silent, working, routers, http
 ):
     router = start_router(
-        router_process,
-        tmp_path,
+        routers,
         [silent.url, working.url],
         first_byte_timeout_seconds=60,
         metrics_interval_seconds=0.2,
