@@ -1102,7 +1102,7 @@ static int low_words(PyObject *value, uint64_t *out, Py_ssize_t words, Scratch *
     return 0;
 }
 
-/* (the set bits of ``bits``, lowest first, as a list of ints, (position,) * 3) appended
+/* (the set bits of ``bits``, lowest first, as a list of ints, (position,) * 4) appended
  * to ``stops``. */
 static int add_stop(PyObject *stops, const uint64_t *bits, Py_ssize_t words, Py_ssize_t at) {
     PyObject *indices = PyList_New(0);
@@ -1118,7 +1118,7 @@ static int add_stop(PyObject *stops, const uint64_t *bits, Py_ssize_t words, Py_
             }
         }
     }
-    PyObject *stop = Py_BuildValue("(N(nnn))", indices, at, at, at);
+    PyObject *stop = Py_BuildValue("(N(nnnn))", indices, at, at, at, at);
     if (stop == NULL) return -1;
     int result = PyList_Append(stops, stop);
     Py_DECREF(stop);
@@ -1129,7 +1129,7 @@ PyDoc_STRVAR(walk_masks_doc,
 "walk_masks(blocks, hashes, interest, /)\n--\n\n"
 "Where the owners in ``interest`` (a mask) stop along ``hashes``: each walks while\n"
 "``blocks`` (a MaskMap: prefix hash -> owner mask) has its bit for the next hash. A list\n"
-"of (owner indices, (position,) * 3): the owners whose first missing block is at that\n"
+"of (owner indices, (position,) * 4): the owners whose first missing block is at that\n"
 "position (on each tier, for the index's answers), in order; those that hold every block\n"
 "last, at len(hashes). A hash that is no unsigned 64-bit int is held by nobody.\n"
 "~0.2 us a block for 1,000 owners, where Python's walk allocates a 1,000-bit int for\n"

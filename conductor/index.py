@@ -61,7 +61,11 @@ EVERY_SLOT = -1  # the member mask of a Mooncake pool: all bits set
 RECONCILE_STEP = 5_000  # pool blocks a store check looks at between two yields: <20 ms
 UNKNOWN_PREFIX = PrefixHash(-1)  # an engine hash nobody published: no block has it
 SlotKey = tuple[str, int]  # (instance id, DP rank); a kv_store pool: (address, -1)
-_Stop = tuple[list[int], tuple[int, int, int]]  # slot indices, blocks matched per tier
+# Cumulative hits of one DP rank, in walk order: GPU; GPU or the engine's own CPU offload
+# (upstream's later "cpu_local"); CPU of either kind, own or through a pool it can load
+# from ("cpu", later "cpu_share"); any tier ("disk")
+TierHits = tuple[int, int, int, int]
+_Stop = tuple[list[int], TierHits]  # slot indices, blocks matched per tier
 
 
 @dataclass(frozen=True, slots=True)
@@ -141,12 +145,14 @@ class ContextView:
 
 @dataclass(slots=True)
 class InstanceMatch:
-    """Cumulative matched tokens of one instance: GPU <= CPU <= DISK, per DP rank too."""
+    """Cumulative matched tokens of one instance: GPU <= own CPU <= any CPU <= DISK (see
+    ``TierHits``), per DP rank too."""
 
     gpu: int = 0
+    cpu_local: int = 0
     cpu: int = 0
     disk: int = 0
-    ranks: dict[int, tuple[int, int, int]] = field(default_factory=dict)
+    ranks: dict[int, TierHits] = field(default_factory=dict)
 
 
 @dataclass(frozen=True, slots=True)
@@ -452,39 +458,41 @@ class PrefixContext:
         else:
             stops = self._walk_tiers(hashes, interest)
         size = self.key.block_size
-        alike: dict[tuple[int, int, int, int], InstanceMatch] = {}
-        groups: dict[tuple[int, int, int], InstanceMatch] = {}  # by blocks, for one rank
+        alike: dict[tuple[int, TierHits], InstanceMatch] = {}
+        groups: dict[TierHits, InstanceMatch] = {}  # by blocks, for one rank
         single, uniform_rank, names = engines.single, engines.uniform_rank, engines.names
         for indices, blocks in stops:
+            gpu, cpu_local, cpu, disk = tokens = (
+                blocks[0] * size,
+                blocks[1] * size,
+                blocks[2] * size,
+                blocks[3] * size,
+            )
             if uniform_rank is not None:  # one answer for the group, one store per instance
                 match = groups.get(blocks)
                 if match is None:
-                    tokens = (blocks[0] * size, blocks[1] * size, blocks[2] * size)
                     match = groups[blocks] = InstanceMatch(*tokens, {uniform_rank: tokens})
                 for index in indices:
                     matches[names[index]] = match
                 continue
-            gpu, cpu, disk = (n * size for n in blocks)
             for index in indices:
                 owner = single.get(index)
                 if owner is not None:  # its answer is this slot's alone
                     name, rank = owner
-                    key = (rank, gpu, cpu, disk)
-                    match = alike.get(key)  # shared: most of a fleet stops where others do
+                    match = alike.get((rank, tokens))  # shared: most stop where others do
                     if match is None:
-                        match = alike[key] = InstanceMatch(gpu, cpu, disk, {rank: key[1:]})
+                        match = alike[rank, tokens] = InstanceMatch(*tokens, {rank: tokens})
                     matches[name] = match
                     continue
                 slot = self._by_index[index]
                 match = matches[slot.instance_id]
                 if match is engines.zero[slot.instance_id]:  # the first of its slots to match
                     match = matches[slot.instance_id] = InstanceMatch(ranks=dict(match.ranks))
-                match.ranks[slot.dp_rank] = (gpu, cpu, disk)
-                match.gpu, match.cpu, match.disk = (
-                    max(match.gpu, gpu),
-                    max(match.cpu, cpu),
-                    max(match.disk, disk),
-                )
+                match.ranks[slot.dp_rank] = tokens
+                match.gpu = max(match.gpu, gpu)
+                match.cpu_local = max(match.cpu_local, cpu_local)
+                match.cpu = max(match.cpu, cpu)
+                match.disk = max(match.disk, disk)
         return matches
 
     def _walk_gpu(self, hashes: Sequence[PrefixHash], interest: int) -> list[_Stop]:
@@ -507,7 +515,7 @@ class PrefixContext:
             for instance_id, its_ranks in sorted(ranks.items()):
                 key = tuple(sorted(its_ranks))
                 if key not in zeros:
-                    zeros[key] = InstanceMatch(ranks=dict.fromkeys(key, (0, 0, 0)))
+                    zeros[key] = InstanceMatch(ranks=dict.fromkeys(key, (0, 0, 0, 0)))
                 zero[instance_id] = zeros[key]
             mask = 0
             for bits in masks.values():
@@ -539,36 +547,33 @@ class PrefixContext:
         return held
 
     def _walk_tiers(self, hashes: Sequence[PrefixHash], interest: int) -> list[_Stop]:
-        """The general walk: GPU, then CPU (own offload or a pool), then DISK; each slot
-        stops on its own."""
+        """The general walk: GPU, then the slot's own CPU, then CPU through a pool, then
+        DISK (own or a pool's); each slot stops on its own, on each tier."""
         everywhere = len(hashes)
-        lengths = {i: [everywhere, everywhere, everywhere] for i in _bit_indices(interest)}
+        lengths = {i: [everywhere] * 4 for i in _bit_indices(interest)}
         gpu_blocks, cpu_blocks, disk_blocks = self.blocks
         pools = self.pool_mask
         served_by = self.pool_members.get  # one pool holds the block: one lookup
-        alive_gpu = alive_cpu = alive_disk = interest
+        alive = [interest] * 4
         for position, prefix_hash in enumerate(hashes):
             on_gpu = gpu_blocks.get(prefix_hash, 0)
             on_cpu = cpu_blocks.get(prefix_hash, 0)
+            on_own_cpu = on_gpu | on_cpu  # pool bits in it are no slot of interest
             if on_cpu & pools:
                 on_cpu |= served_by(on_cpu & pools) or self._members(on_cpu & pools)
-            on_cpu |= on_gpu
+            on_cpu |= on_own_cpu
             on_disk = disk_blocks.get(prefix_hash, 0)
             if on_disk & pools:
                 on_disk |= served_by(on_disk & pools) or self._members(on_disk & pools)
             on_disk |= on_cpu
-            if alive_gpu & ~on_gpu:
-                _record_stops(lengths, alive_gpu & ~on_gpu, position, 0)
-                alive_gpu &= on_gpu
-            if alive_cpu & ~on_cpu:
-                _record_stops(lengths, alive_cpu & ~on_cpu, position, 1)
-                alive_cpu &= on_cpu
-            if alive_disk & ~on_disk:
-                _record_stops(lengths, alive_disk & ~on_disk, position, 2)
-                alive_disk &= on_disk
-                if not alive_disk:
-                    break
-        return [([index], (gpu, cpu, disk)) for index, (gpu, cpu, disk) in lengths.items()]
+            for tier, holders in enumerate((on_gpu, on_own_cpu, on_cpu, on_disk)):
+                stopped = alive[tier] & ~holders
+                if stopped:
+                    _record_stops(lengths, stopped, position, tier)
+                    alive[tier] &= holders
+            if not alive[3]:
+                break
+        return [([index], (hits[0], hits[1], hits[2], hits[3])) for index, hits in lengths.items()]
 
     def _members(self, pools: int) -> int:
         """The engine slots served by several pools that hold the same block."""

@@ -32,6 +32,7 @@ from conductor.index import (
     PrefixContext,
     StorePoolView,
     StreamSource,
+    TierHits,
 )
 from conductor.wire import decode_batch, pack_batch
 from conductor.wire.events import (
@@ -322,8 +323,8 @@ def test_a_large_fleet_answers_for_every_instance(table: PrefixCacheTable) -> No
         "i150": (4, 4, 4),
         "b": (12, 12, 12),
     }
-    assert got["b"].ranks == {0: (0, 0, 0), 1: (12, 12, 12)}
-    assert got["i000"].ranks == {0: (0, 0, 0)}
+    assert got["b"].ranks == {0: (0, 0, 0, 0), 1: (12, 12, 12, 12)}
+    assert got["i000"].ranks == {0: (0, 0, 0, 0)}
     # the answers are fresh where something matched: the zero answers stay zero
     assert query(table, toks(9)) == {name: (0, 0, 0) for name in got}
     table.remove_stream("i150|default|0")
@@ -349,7 +350,7 @@ def test_a_fleet_of_one_rank_answers_in_instance_id_order_with_shared_answers(
     assert list(got) == names
     assert answer(got) == {name: (min(n % 5 + 1, 4) * BS,) * 3 for n, name in enumerate(names)}
     assert got["i00"] is got["i05"] and got["i03"] is got["i04"]  # 4 blocks: the whole prompt
-    assert got["i01"].ranks == {3: (2 * BS,) * 3}
+    assert got["i01"].ranks == {3: (2 * BS,) * 4}
     assert list(table.match_tokens(ctx(), toks(9)) or {}) == names  # nothing held: zeros
     check_invariants(table)
 
@@ -378,13 +379,13 @@ def test_all_blocks_cleared_only_at_the_batch_dp_rank(table: PrefixCacheTable) -
     table.apply(key, batch(AllBlocksCleared(), dp_rank=1))
     result = table.match_tokens(ctx(), prompt(3))
     assert result is not None
-    assert result["a"].ranks == {0: (8, 8, 8), 1: (0, 0, 0)}
+    assert result["a"].ranks == {0: (8, 8, 8, 8), 1: (0, 0, 0, 0)}
     # without a batch rank the registration's rank (0) is cleared
     table.apply(key, batch(stored([10, 11, 12], prompt(3)), dp_rank=1))
     table.apply(key, batch(AllBlocksCleared()))
     result = table.match_tokens(ctx(), prompt(3))
     assert result is not None
-    assert result["a"].ranks == {0: (0, 0, 0), 1: (12, 12, 12)}
+    assert result["a"].ranks == {0: (0, 0, 0, 0), 1: (12, 12, 12, 12)}
     check_invariants(table)
 
 
@@ -551,7 +552,7 @@ def test_cpu_offload_at_another_rank_does_not_count(table: PrefixCacheTable) -> 
     table.apply("a|default|0", batch(stored([12], toks(2), parent=11, tier=Tier.CPU), dp_rank=1))
     result = table.match_tokens(ctx(), prompt(3))
     assert result is not None
-    assert result["a"].ranks == {0: (8, 8, 8), 1: (0, 0, 0)}
+    assert result["a"].ranks == {0: (8, 8, 8, 8), 1: (0, 0, 0, 0)}
 
 
 def test_shared_pool_counts_for_every_engine_and_is_not_listed(table: PrefixCacheTable) -> None:
@@ -836,7 +837,7 @@ def test_kv_store_pool_membership_is_per_slot(table: PrefixCacheTable) -> None:
     table.apply("b|default|0", batch(stored([10], prompt(1)), dp_rank=1))
     result = table.match_tokens(ctx(), prompt(3))
     assert result is not None
-    assert result["b"].ranks == {0: (0, 12, 12), 1: (4, 12, 12)}
+    assert result["b"].ranks == {0: (0, 0, 12, 12), 1: (4, 4, 12, 12)}  # the pool: shared
     freed = {table.contexts[ctx()].slots[("b", rank)].index for rank in (0, 1)}
     table.remove_stream("b|default|0")
     register(table, src("f"))
@@ -859,14 +860,14 @@ def test_batch_dp_rank_overrides_registration(table: PrefixCacheTable) -> None:
     result = table.match_tokens(ctx(), prompt(3))
     assert result is not None
     match = result["a"]
-    assert match.ranks == {0: (4, 4, 4), 1: (12, 12, 12), 2: (0, 8, 8)}
-    assert (match.gpu, match.cpu, match.disk) == (12, 12, 12)
+    assert match.ranks == {0: (4, 4, 4, 4), 1: (12, 12, 12, 12), 2: (0, 8, 8, 8)}
+    assert (match.gpu, match.cpu_local, match.cpu, match.disk) == (12, 12, 12, 12)
 
     assert table.apply(key, batch(removed([11]), dp_rank=0)).blocks_removed == 0
     assert table.apply(key, batch(removed([11]), dp_rank=1)).blocks_removed == 1
     result = table.match_tokens(ctx(), prompt(3))
     assert result is not None
-    assert result["a"].ranks == {0: (4, 4, 4), 1: (4, 4, 4), 2: (0, 8, 8)}
+    assert result["a"].ranks == {0: (4, 4, 4, 4), 1: (4, 4, 4, 4), 2: (0, 8, 8, 8)}
     assert answer(result) == {"a": (4, 8, 8)}
     check_invariants(table)
 
@@ -877,7 +878,7 @@ def test_registration_dp_rank_is_the_default(table: PrefixCacheTable) -> None:
     table.apply("a|default|3", batch(stored([10], prompt(1))))
     result = table.match_tokens(ctx(), prompt(1))
     assert result is not None
-    assert result["a"].ranks == {3: (4, 4, 4)}
+    assert result["a"].ranks == {3: (4, 4, 4, 4)}
 
 
 # -- salts, tenants, LoRA -----------------------------------------------------------------------
@@ -1338,8 +1339,9 @@ class ReferenceModel:
             self.announced.pop(self.store_key(kv_store), None)
         self.ranks = {(i, r) for i, r in self.ranks if i != instance}
 
-    def answer(self, query: list[Prefix | None]) -> dict[str, dict[int, tuple[int, int, int]]]:
-        """Per engine instance and rank, the cumulative (GPU, CPU, DISK) match in tokens."""
+    def answer(self, query: list[Prefix | None]) -> dict[str, dict[int, TierHits]]:
+        """Per engine instance and rank, the cumulative (GPU, own CPU, any CPU, DISK) match
+        in tokens."""
 
         def run(available: set[Prefix]) -> int:
             n = 0
@@ -1351,21 +1353,22 @@ class ReferenceModel:
 
         pool_cpu = self.pool_prefixes([Tier.CPU])
         pool_disk = self.pool_prefixes([Tier.CPU, Tier.DISK])
-        result: dict[str, dict[int, tuple[int, int, int]]] = {}
+        result: dict[str, dict[int, TierHits]] = {}
         for instance, rank in self.ranks:
             if instance == MC_POOL:
                 continue
             gpu = self.prefixes(instance, rank, [Tier.GPU])
-            own_cpu = self.prefixes(instance, rank, [Tier.CPU]) | self.store_prefixes(instance)
-            cpu = gpu | own_cpu | pool_cpu
+            own_cpu = gpu | self.prefixes(instance, rank, [Tier.CPU])
+            cpu = own_cpu | self.store_prefixes(instance) | pool_cpu
             disk = cpu | self.prefixes(instance, rank, [Tier.DISK]) | pool_disk
-            result.setdefault(instance, {})[rank] = (run(gpu), run(cpu), run(disk))
+            hits = (run(gpu), run(own_cpu), run(cpu), run(disk))
+            result.setdefault(instance, {})[rank] = hits
         return result
 
 
 def _compare(
     got: dict[str, InstanceMatch] | None,
-    want: dict[str, dict[int, tuple[int, int, int]]],
+    want: dict[str, dict[int, TierHits]],
     where: str,
 ) -> None:
     got = got or {}
@@ -1373,9 +1376,9 @@ def _compare(
     for instance, ranks in want.items():
         match = got[instance]
         assert match.ranks == ranks, where
-        best = tuple(max(v[t] for v in ranks.values()) for t in range(3))
-        assert (match.gpu, match.cpu, match.disk) == best, where
-        assert match.gpu <= match.cpu <= match.disk, where
+        best = tuple(max(v[t] for v in ranks.values()) for t in range(4))
+        assert (match.gpu, match.cpu_local, match.cpu, match.disk) == best, where
+        assert match.gpu <= match.cpu_local <= match.cpu <= match.disk, where
 
 
 def _mc_prompts(rng: random.Random, count: int) -> list[Prefix]:
@@ -1565,7 +1568,7 @@ class ModelCheck:
             self.seen["cpu_beyond_gpu"] += match.cpu > match.gpu
             self.seen["disk_beyond_cpu"] += match.disk > match.cpu
             self.seen["full_gpu"] += match.gpu == MC_BLOCKS * MC_BS
-            self.seen["rank1_hit"] += match.ranks.get(1, (0, 0, 0))[2] > 0
+            self.seen["rank1_hit"] += match.ranks.get(1, (0, 0, 0, 0))[3] > 0
 
     def note_stores(self, got: dict[str, InstanceMatch] | None) -> None:
         """A CPU hit of an instance that holds nothing itself, with no Mooncake pool around:

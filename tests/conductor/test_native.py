@@ -354,11 +354,11 @@ def walk_in_python(blocks: dict[int, int], hashes: list[Any], interest: int) -> 
     for position, prefix_hash in enumerate(hashes):
         still = alive & blocks.get(prefix_hash, 0)
         if still != alive:
-            stops.append((bit_indices(alive ^ still), (position,) * 3))
+            stops.append((bit_indices(alive ^ still), (position,) * 4))
             alive = still
             if not alive:
                 return stops
-    return [*stops, (bit_indices(alive), (len(hashes),) * 3)]
+    return [*stops, (bit_indices(alive), (len(hashes),) * 4)]
 
 
 def bit_indices(mask: int) -> list[int]:
@@ -394,4 +394,4 @@ def test_walk_masks_refuses_what_it_cannot_walk() -> None:
         _native.walk_masks(_native.MaskMap(), [1], -1)
     with pytest.raises(TypeError, match="hashes must be a sequence"):
         _native.walk_masks(_native.MaskMap(), 5, 1)  # type: ignore[arg-type]
-    assert _native.walk_masks(_native.MaskMap(), (1, 2), 0b101) == [([0, 2], (0, 0, 0))]
+    assert _native.walk_masks(_native.MaskMap(), (1, 2), 0b101) == [([0, 2], (0, 0, 0, 0))]
