@@ -174,6 +174,11 @@ async def serve(
                 "(docs/compatibility.md)",
                 settings.rpc_server_port,
             )
+        if config.services:
+            log.warning(
+                "the services list is not read, as upstream's conductor does not read it: "
+                "list event streams under kvevent_instance"
+            )
         await stop.wait()
         log.info("shutting down")
     finally:

@@ -15,7 +15,7 @@ import logging
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
-from functools import cached_property
+from functools import cached_property, partial
 from itertools import chain, islice
 from typing import Any, TypeVar, cast
 
@@ -43,15 +43,20 @@ from .config import (
     UnregisterRequest,
 )
 from .dialect import (
+    EVERY_TIER,
+    GO_TIERS,
     INVALID_MSGPACK,
     INVALID_REGISTRATION,
     INVALID_TYPE,
     INVALID_VALUE,
     OUT_OF_RANGE,
+    TIERS_HEADER,
     UNKNOWN_FIELD,
     accepted_fields,
     cpp_match,
+    parse_tiers,
     reason_of,
+    tier_values,
 )
 from .hash_profile import HashProfile
 from .http_guard import ConnectionGuard
@@ -377,25 +382,31 @@ def _context_text(key: ContextKey) -> str:
     )
 
 
-class GoMatch(msgspec.Struct):
-    """One instance's answer in the Go service's shape (a struct: ~4x faster to make than
-    the dict it encodes as, and a 1,000-instance answer makes hundreds)."""
+class GoMatch(msgspec.Struct, omit_defaults=True):
+    """One instance's answer in the Go service's shape, under the tiers asked for (a struct:
+    ~4x faster to make than the dict it encodes as, and a 1,000-instance answer makes
+    hundreds)."""
 
     longest_matched: int
-    DP: dict[str, int]  # noqa: N815 - the Go service's key
-    GPU: int  # noqa: N815
-    CPU: int  # noqa: N815
-    DISK: int  # noqa: N815
+    DP: dict[str, int]  # noqa: N815 - the Go service's keys
+    GPU: int | None = None  # noqa: N815
+    CPU: int | None = None  # noqa: N815
+    NPU: int | None = None  # noqa: N815
+    CPU_LOCAL: int | None = None  # noqa: N815
+    CPU_SHARE: int | None = None  # noqa: N815
+    DISK: int | None = None  # noqa: N815
 
 
-def _go_match(match: InstanceMatch) -> GoMatch:
+def _go_match(match: InstanceMatch, tiers: frozenset[str] = GO_TIERS) -> GoMatch:
+    """Go's ``DP`` is each rank's cumulative disk hit."""
     ranks = match.ranks
     if len(ranks) == 1:  # one DP rank: most engines
-        ((rank, (_, _, disk)),) = ranks.items()
-        dp = {str(rank): disk}
+        ((rank, hits),) = ranks.items()
+        dp = {str(rank): hits[3]}
     else:
-        dp = {str(rank): disk for rank, (_, _, disk) in sorted(ranks.items())}
-    return GoMatch(match.disk, dp, match.gpu, match.cpu, match.disk)
+        dp = {str(rank): hits[3] for rank, hits in sorted(ranks.items())}
+    best = (match.gpu, match.cpu_local, match.cpu, match.disk)
+    return GoMatch(match.disk, dp, *tier_values(best, tiers))
 
 
 def _each_answer(
@@ -413,6 +424,17 @@ def _each_answer(
             answer = written[id(match)] = write(match)
         answers[name] = answer
     return answers
+
+
+def _tiers(request: web.Request, default: frozenset[str]) -> frozenset[str]:
+    """The tiers the answer names: the request's ``TIERS_HEADER``, else the dialect's."""
+    value = request.headers.get(TIERS_HEADER)
+    if value is None:
+        return default
+    try:
+        return parse_tiers(value)
+    except ValueError as error:
+        raise ApiError(400, str(error), TIERS_HEADER, reason=INVALID_VALUE) from None
 
 
 def _hits(
@@ -464,11 +486,14 @@ class ConductorApi:
         """``matches`` in the request's dialect (only the instances with a hit when asked
         so); when no context matched, a header saying so. Upstream C++ answers an instance
         filter naming no instance of the context, and no context, with no instance."""
-        if speaks_cpp(request):
-            answers = _each_answer(_hits(request, matches), cpp_match)
+        cpp = speaks_cpp(request)
+        tiers = _tiers(request, EVERY_TIER if cpp else GO_TIERS)
+        if cpp:
+            answers = _each_answer(_hits(request, matches), partial(cpp_match, tiers=tiers))
             response = reply(request, {"instances": answers})
         else:
-            response = self._go_answer(request, query.tenant_id, query.instance_id, matches)
+            write = partial(_go_match, tiers=tiers)
+            response = self._go_answer(request, query, matches, write)
         if matches is None:
             response.headers[NO_CONTEXT_HEADER] = self._no_context(query.context_key())
         return response
@@ -476,16 +501,17 @@ class ConductorApi:
     def _go_answer(
         self,
         request: web.Request,
-        tenant: str,
-        instance_id: str | None,
+        query: QueryBase,
         matches: dict[str, InstanceMatch] | None,
+        write: Callable[[InstanceMatch], GoMatch],
     ) -> web.Response:
+        tenant, instance_id = query.tenant_id, query.instance_id
         if instance_id is not None:
             match = (matches or {}).get(instance_id, InstanceMatch())
-            return reply(request, {tenant: {instance_id: _go_match(match)}})
+            return reply(request, {tenant: {instance_id: write(match)}})
         if matches is None and tenant not in self.table.tenants():
             return reply(request, {})
-        return reply(request, {tenant: _each_answer(_hits(request, matches), _go_match)})
+        return reply(request, {tenant: _each_answer(_hits(request, matches), write)})
 
     def _no_context(self, asked: ContextKey) -> str:
         """What was asked and the contexts its model has, as one ASCII header line:

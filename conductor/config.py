@@ -319,6 +319,9 @@ class ConductorConfig(_Strict):
     model_config = ConfigDict(strict=True, extra="forbid", frozen=True)
 
     kvevent_instance: dict[str, Registration] = Field(default_factory=dict)
+    # upstream's later C++ revision's test configs carry this list, but its conductor reads
+    # no such key (its config.cpp reads kvevent_instance only): accepted and not read
+    services: list[Any] = Field(default_factory=list)
     settings: dict[str, Any] = Field(default_factory=dict)
     # our extension: where each store master's admin server is (default: its host, 9003),
     # and how often every store a registration names is checked for evicted blocks

@@ -13,7 +13,7 @@ import functools
 import msgspec
 from pydantic import AliasChoices, BaseModel
 
-from .index import InstanceMatch
+from .index import InstanceMatch, TierHits
 
 # the ``reason`` of a 400 in upstream's error envelope {"error", "reason"[, "field"][, "index"]}
 INVALID_MSGPACK = "invalid_msgpack"
@@ -65,39 +65,90 @@ def accepted_fields(model: type[BaseModel]) -> frozenset[str]:
     return frozenset(names)
 
 
-class CppTiers(msgspec.Struct):
-    """One DP rank's cumulative hit, in tokens: gpu <= cpu <= disk."""
+# ours, on /query and /query_by_hash: the tiers an answer names, comma-separated, any case.
+# Upstream's C++ tip answers gpu, cpu, disk; its later revision npu, cpu_local, cpu_share,
+# disk, with nothing in the request to choose. A msgpack answer carries both sets unless
+# the header names some (an exact-shape client names its set); a JSON answer Go's GPU, CPU,
+# DISK unless it names others (in capitals there).
+TIERS_HEADER = "X-Conductor-Tiers"
+TIER_NAMES = ("gpu", "cpu", "npu", "cpu_local", "cpu_share", "disk")  # in the answer's order
+EVERY_TIER = frozenset(TIER_NAMES)
+GO_TIERS = frozenset(("gpu", "cpu", "disk"))
 
-    gpu: int
-    cpu: int
-    disk: int
+
+def parse_tiers(value: str) -> frozenset[str]:
+    """The tier names a ``TIERS_HEADER`` value lists; ValueError says what is wrong."""
+    names = frozenset(name.strip().lower() for name in value.split(","))
+    unknown = sorted(names - EVERY_TIER)
+    if unknown:
+        raise ValueError(
+            f"{TIERS_HEADER}: unknown tier {unknown[0]!r}; known: {', '.join(TIER_NAMES)}"
+        )
+    for usual in (EVERY_TIER, GO_TIERS):  # the same object: tier_values' fast paths
+        if names == usual:
+            return usual
+    return names
 
 
-class CppMatch(msgspec.Struct):
+TierValues = tuple[int | None, int | None, int | None, int | None, int | None, int | None]
+
+
+def tier_values(hits: TierHits, tiers: frozenset[str]) -> TierValues:
+    """Cumulative hits (gpu, own CPU, any CPU, disk) under ``TIER_NAMES``, None where a
+    tier is not asked for: gpu and npu are the GPU hit, cpu and cpu_share any CPU,
+    cpu_local the engine's own CPU. (Positional: a 1,000-instance answer makes thousands.)"""
+    gpu, cpu_local, cpu, disk = hits
+    if tiers is EVERY_TIER:
+        return gpu, cpu, gpu, cpu_local, cpu, disk
+    if tiers is GO_TIERS:
+        return gpu, cpu, None, None, None, disk
+    values = (gpu, cpu, gpu, cpu_local, cpu, disk)
+    kept = [
+        value if name in tiers else None for name, value in zip(TIER_NAMES, values, strict=True)
+    ]
+    return kept[0], kept[1], kept[2], kept[3], kept[4], kept[5]
+
+
+class CppTiers(msgspec.Struct, omit_defaults=True):
+    """One DP rank's cumulative hit, in tokens, under the tiers asked for."""
+
+    gpu: int | None = None
+    cpu: int | None = None
+    npu: int | None = None
+    cpu_local: int | None = None
+    cpu_share: int | None = None
+    disk: int | None = None
+
+
+class CppMatch(msgspec.Struct, omit_defaults=True):
     """One instance's ``/query`` answer in upstream C++'s shape: ``dp`` is each rank's GPU
-    hit, ``rank_matches`` each rank's three tiers (ranks as decimal strings), the instance
-    tiers the best of its ranks, ``longest_matched`` its disk tier. A struct, as ``GoMatch``
-    in ``conductor.api``: several times faster to make than the dict it encodes as."""
+    hit, ``rank_matches`` each rank's tiers (ranks as decimal strings), the instance tiers
+    the best of its ranks, ``longest_matched`` its disk tier. A struct, as ``GoMatch`` in
+    ``conductor.api``: several times faster to make than the dict it encodes as."""
 
     longest_matched: int
     dp: dict[str, int]
     rank_matches: dict[str, CppTiers]
-    gpu: int
-    cpu: int
-    disk: int
+    gpu: int | None = None
+    cpu: int | None = None
+    npu: int | None = None
+    cpu_local: int | None = None
+    cpu_share: int | None = None
+    disk: int | None = None
 
 
-def cpp_match(match: InstanceMatch) -> CppMatch:
+def cpp_match(match: InstanceMatch, tiers: frozenset[str] = EVERY_TIER) -> CppMatch:
     """One instance's answer; ranks in numeric order, as upstream's std::map keeps them."""
     ranks = match.ranks
     if len(ranks) == 1:  # one DP rank: most engines
-        ((rank, (gpu, cpu, disk)),) = ranks.items()
+        ((rank, hits),) = ranks.items()
         name = str(rank)
-        dp = {name: gpu}
-        tiers = {name: CppTiers(gpu, cpu, disk)}
+        dp = {name: hits[0]}
+        tiers_of = {name: CppTiers(*tier_values(hits, tiers))}
     else:
-        dp, tiers = {}, {}
-        for rank, (gpu, cpu, disk) in sorted(ranks.items()):
-            dp[str(rank)] = gpu
-            tiers[str(rank)] = CppTiers(gpu, cpu, disk)
-    return CppMatch(match.disk, dp, tiers, match.gpu, match.cpu, match.disk)
+        dp, tiers_of = {}, {}
+        for rank, hits in sorted(ranks.items()):
+            dp[str(rank)] = hits[0]
+            tiers_of[str(rank)] = CppTiers(*tier_values(hits, tiers))
+    best = (match.gpu, match.cpu_local, match.cpu, match.disk)
+    return CppMatch(match.disk, dp, tiers_of, *tier_values(best, tiers))

@@ -32,6 +32,7 @@ class Tier(IntEnum):
 
 _MEDIA = {
     "gpu": Tier.GPU,
+    "npu": Tier.GPU,  # an Ascend engine's device memory (upstream's later tier name)
     "cpu": Tier.CPU,
     "cpu_pinned": Tier.CPU,
     "disk": Tier.DISK,

@@ -9,6 +9,7 @@ extension fields, a 409 for JSON) the test says so."""
 from __future__ import annotations
 
 import asyncio
+import json
 from typing import Any
 
 import aiohttp
@@ -23,6 +24,7 @@ from conductor.api import (
     NO_CONTEXT_HEADER,
     PROGRESS_HEADER,
 )
+from conductor.dialect import TIERS_HEADER
 from conductor.hash_profile import HashProfile, root_digest
 from router.conductor_client import registration_bodies
 from router.config import PrefillInstance, PrefillModelConfig, StreamRegistration
@@ -282,9 +284,11 @@ async def test_query_answers_in_upstreams_shape(conductor, http, publisher_facto
     gpu, cpu, disk}}}`` in instance-id order, every registered rank listed (zero hits too),
     rank keys decimal strings, values tokens, each rank's tiers cumulative (gpu <= cpu <=
     disk), ``dp`` each rank's GPU hit, the instance tiers the best of its ranks and
-    ``longest_matched`` its disk tier."""
+    ``longest_matched`` its disk tier. Exactly so when the client names those tiers (by
+    default the later revision's are there too: see below)."""
     await tiered_fleet(http, conductor.url, publisher_factory)
-    status, answer, headers = await mp_post(http, f"{conductor.url}/query", query_body())
+    tip = {TIERS_HEADER: "gpu,cpu,disk"}
+    status, answer, headers = await mp_post(http, f"{conductor.url}/query", query_body(), tip)
     assert status == 200 and NO_CONTEXT_HEADER not in headers
     assert answer == {
         "instances": {
@@ -310,6 +314,103 @@ async def test_query_answers_in_upstreams_shape(conductor, http, publisher_facto
         }
     }
     assert list(answer["instances"]) == ["a", "b"]
+
+
+async def shared_pool_fleet(http, base: str, publisher_factory) -> None:
+    """``tiered_fleet``, and a Mooncake store stream of the context holding blocks 0-1 on
+    CPU and all three on disk."""
+    await tiered_fleet(http, base, publisher_factory)
+    store = publisher_factory(with_replay=False)
+    await register_connected(http, base, store, "store", type="Mooncake")
+    first, second, third = BLOCK_KEYS
+    await store.publish(
+        [
+            stored([first, second], PROMPT[:8], medium="CPU"),
+            stored([first, second, third], PROMPT, medium="DISK"),
+        ]
+    )
+
+    async def hit() -> int:
+        _, answer, _ = await mp_post(http, f"{base}/query", query_body())
+        return answer["instances"]["b"]["longest_matched"]
+
+    await eventually(hit, lambda matched: matched == 12)
+
+
+LATER_TIERS = "npu,cpu_local,cpu_share,disk"
+
+
+async def test_the_later_revisions_tiers_split_own_cpu_from_a_shared_pool(
+    conductor, http, publisher_factory
+):
+    """Upstream's later revision (``StorageTier {kNpu, kCpuLocal, kCpuShare, kDisk}`` in
+    ``prefixindex/types.h`` at 1b6bbb02a; an engine's own CPU blocks are ``kCpuLocal`` and
+    a store's ``kCpuShare`` in ``kvevent/event_handler.cpp`` at 4588ea70d) answers ``npu``,
+    ``cpu_local``, ``cpu_share``, ``disk``, cumulative in that order, and no longer ``gpu``
+    or ``cpu``; nothing in the request chooses. By default our msgpack answer carries both
+    revisions' names (gpu = npu, cpu = cpu_share), so both clients read it unchanged; a
+    client naming the later set gets exactly the later shape, in its key order."""
+    await shared_pool_fleet(http, conductor.url, publisher_factory)
+    _, answer, _ = await mp_post(http, f"{conductor.url}/query", query_body())
+    a, b = answer["instances"]["a"], answer["instances"]["b"]
+    both = {"gpu": 8, "cpu": 12, "npu": 8, "cpu_local": 12, "cpu_share": 12, "disk": 12}
+    assert a["rank_matches"] == {
+        "0": both,
+        "1": {"gpu": 4, "cpu": 8, "npu": 4, "cpu_local": 4, "cpu_share": 8, "disk": 12},
+    }
+    assert {key: a[key] for key in both} == both and a["longest_matched"] == 12
+    # b holds nothing itself: what the pool holds is its CPU and disk hit, not its own
+    assert b["rank_matches"]["0"] == {
+        "gpu": 0,
+        "cpu": 8,
+        "npu": 0,
+        "cpu_local": 0,
+        "cpu_share": 8,
+        "disk": 12,
+    }
+
+    later = {TIERS_HEADER: LATER_TIERS}
+    _, answer, _ = await mp_post(http, f"{conductor.url}/query", query_body(), later)
+    b = answer["instances"]["b"]
+    assert b == {
+        "longest_matched": 12,
+        "dp": {"0": 0},
+        "rank_matches": {"0": {"npu": 0, "cpu_local": 0, "cpu_share": 8, "disk": 12}},
+        "npu": 0,
+        "cpu_local": 0,
+        "cpu_share": 8,
+        "disk": 12,
+    }
+    assert list(b) == ["longest_matched", "dp", "rank_matches", *LATER_TIERS.split(",")]
+
+
+async def test_the_tiers_header_in_json_and_its_refusal(conductor, http, publisher_factory):
+    """In the Go dialect the header names the tiers too, in Go's capitals; a tier nobody
+    answers is a 400 naming the header, in either dialect's envelope."""
+    await shared_pool_fleet(http, conductor.url, publisher_factory)
+    body = {"model": "m", "block_size": 4, "token_ids": PROMPT, "instance_id": "b"}
+    headers = {TIERS_HEADER: " NPU, cpu_local,CPU_SHARE ,disk"}
+    assert await post(http, f"{conductor.url}/query", body, headers=headers) == (
+        200,
+        {
+            "default": {
+                "b": {
+                    "longest_matched": 12,
+                    "DP": {"0": 12},
+                    "NPU": 0,
+                    "CPU_LOCAL": 0,
+                    "CPU_SHARE": 8,
+                    "DISK": 12,
+                }
+            }
+        },
+    )
+    bad = {TIERS_HEADER: "gpu,hbm"}
+    status, answer = await post(http, f"{conductor.url}/query", body, headers=bad)
+    assert (status, answer["field"]) == (400, TIERS_HEADER)
+    assert "unknown tier 'hbm'" in answer["error"]
+    status, answer, _ = await mp_post(http, f"{conductor.url}/query", query_body(), bad)
+    assert (status, answer["reason"], answer["field"]) == (400, "invalid_value", TIERS_HEADER)
 
 
 async def test_a_json_query_keeps_the_go_shape(conductor, http, publisher_factory):
@@ -457,7 +558,9 @@ async def test_a_view_error_is_in_the_dialect_asked(conductor, http):
 async def test_an_upstream_config_file_starts_and_rpc_is_said_not_served(conductor_factory, http):
     """Upstream's ``conductor_config.json`` (``src/kvevent/config.cpp``): entries with a
     ``hash_profile`` and a ``cache_group``; a later revision's ``rpc_server_port`` (its
-    coro_rpc channel, which we do not speak) is accepted and logged as not served."""
+    coro_rpc channel, which we do not speak) is accepted and logged as not served, and
+    the ``services`` list of its tests (``tests/python/test_client_e2e.py``), which its
+    config.cpp (2c7cc9f58) does not read, is accepted and said unread."""
     unnamed = upstream_registration("tcp://127.0.0.1:5609", "", cache_group=0)
     del unnamed["instance_id"]  # upstream, as we, names it after its entry then
     entries = {
@@ -467,7 +570,12 @@ async def test_an_upstream_config_file_starts_and_rpc_is_said_not_served(conduct
         },
         "prefill-b": unnamed,
     }
-    config = {"http_server_port": 13333, "rpc_server_port": 50051, "kvevent_instance": entries}
+    config = {
+        "http_server_port": 13333,
+        "rpc_server_port": 50051,
+        "kvevent_instance": entries,
+        "services": [{"endpoint": "tcp://127.0.0.1:5611"}],
+    }
     conductor = conductor_factory(config=config)
     _, answer = await get(http, f"{conductor.url}/services")
     root = root_digest("sha256_cbor", "0")
@@ -482,6 +590,8 @@ async def test_an_upstream_config_file_starts_and_rpc_is_said_not_served(conduct
 
     expected = "rpc_server_port=50051 is not served: this conductor speaks HTTP only"
     await eventually(log, lambda text: expected in text)
+    assert "the services list is not read" in conductor.log()
+    assert "5611" not in json.dumps(answer)
 
 
 async def test_the_profile_survives_a_restart(conductor_factory, http, tmp_path, request):

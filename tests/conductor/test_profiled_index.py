@@ -19,6 +19,7 @@ import msgpack
 import pytest
 
 from conductor.api import MSGPACK
+from conductor.dialect import TIERS_HEADER
 from conductor.hash_profile import HashProfile
 from tests.conductor.test_cpp_dialect import (
     PROFILE,
@@ -61,8 +62,11 @@ def hit(longest: int, ranks: dict[str, tuple[int, int, int]]) -> dict[str, Any]:
     }
 
 
+TIP_TIERS = {TIERS_HEADER: "gpu,cpu,disk"}  # the C++ tip's shape, as ``hit`` writes it
+
+
 async def instances(http: aiohttp.ClientSession, base: str, **changes: Any) -> dict[str, Any]:
-    status, answer, _ = await mp_post(http, f"{base}/query", query_body(**changes))
+    status, answer, _ = await mp_post(http, f"{base}/query", query_body(**changes), TIP_TIERS)
     assert status == 200, answer
     return answer["instances"]
 
@@ -106,7 +110,7 @@ async def test_events_without_token_ids_index_and_queries_hash_the_tokens(
         "DISK": 12,
     }
     by_hash = {"model": "m", "block_size": 4, "seq_hashes": [FIRST, SECOND, THIRD]}
-    status, hash_answer, _ = await mp_post(http, f"{base}/query_by_hash", by_hash)
+    status, hash_answer, _ = await mp_post(http, f"{base}/query_by_hash", by_hash, TIP_TIERS)
     assert (status, hash_answer["instances"]) == (200, expected)
 
     await rank0.publish([removed([SECOND])])  # block 1 leaves rank 0's GPU: CPU can't bridge

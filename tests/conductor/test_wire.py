@@ -331,6 +331,7 @@ def test_batch_dp_rank(name: str, rank: int | None) -> None:
     [
         ("GPU", Tier.GPU),
         ("gpu", Tier.GPU),
+        ("NPU", Tier.GPU),
         ("CPU", Tier.CPU),
         ("CPU_PINNED", Tier.CPU),
         ("cpu", Tier.CPU),

@@ -32,8 +32,10 @@ async def eventually(
     return value
 
 
-async def post(http: aiohttp.ClientSession, url: str, body: Any) -> tuple[int, Any]:
-    async with http.post(url, json=body) as response:
+async def post(
+    http: aiohttp.ClientSession, url: str, body: Any, headers: dict[str, str] | None = None
+) -> tuple[int, Any]:
+    async with http.post(url, json=body, headers=headers) as response:
         return response.status, await response.json(content_type=None)
 
 
