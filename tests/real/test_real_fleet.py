@@ -140,13 +140,15 @@ async def test_router_sends_shared_prefixes_to_the_engine_holding_them(
     # prompt's blocks (a count of all blocks may grow with another test's late events)
     tokens = await _engine_tokens(http, url(real_fleet, owner), body("First question?"))
     await indexed(http, url(real_fleet, "conductor"), owner, tokens, BLOCK)
+    holders = {owner}
     for question in ("Second question?", "A third, rather longer question about caches?"):
         for _ in range(3):  # two real engines share the CPU: a query may miss its timeout
             headers, cached = await _served(http, router, path, body(question))
             if "x-conductor-fallback" not in headers:
                 break
+            holders.add(headers["x-conductor-prefill-instance"])  # it computed the prefix too
         decision = {k: v for k, v in headers.items() if k.lower().startswith("x-conductor-")}
-        assert headers["x-conductor-prefill-instance"] == owner, decision  # why it went there
+        assert headers["x-conductor-prefill-instance"] in holders, decision  # why it went there
         assert int(headers["x-conductor-cached-tokens"]) == cached > 256
 
 
