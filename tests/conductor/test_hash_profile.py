@@ -4,6 +4,7 @@ prefixindex/hash_strategy.cpp`` and its tests, branch ``dev/conductor``, 19ffa6e
 
 from __future__ import annotations
 
+import hashlib
 import json
 from pathlib import Path
 
@@ -99,3 +100,74 @@ def test_every_key_is_required(key):
     with pytest.raises(ValidationError) as caught:
         HashProfile.model_validate(body)
     assert caught.value.errors()[0]["type"] == "missing"
+
+
+# -- SGLang's chains (upstream's later revision: hash_strategy.cpp at 1b6bbb02a) ----------------
+SGLANG_PROFILE = {
+    "strategy": "sglang",
+    "algorithm": "sha256_raw",
+    "index_projection": "first64_be",
+}
+# SGLang 0.5.23's own hashes of tokens 1..40 in pages of 16 (its get_hash_str and the native
+# bigram hash, through hash_str_to_int64: the signed int64 its events carry), complete pages
+SGLANG_KEYS = [8635429971592222890, 1256577331724852459]
+SGLANG_BIGRAM_KEYS = [-7316793502406646264, 6063726050728627868]
+
+
+@pytest.mark.parametrize("seed", [None, "0", "7", "anything"])
+def test_an_sglang_profile_needs_no_seed(seed):
+    """SGLang reads no PYTHONHASHSEED: upstream resolves any seed text, or none, to "0" and
+    an all-zero root, so profiles differing only there are one."""
+    body = dict(SGLANG_PROFILE) if seed is None else {**SGLANG_PROFILE, "python_hash_seed": seed}
+    profile = HashProfile.model_validate(body)
+    assert profile.wire_view() == {
+        **SGLANG_PROFILE,
+        "python_hash_seed": "0",
+        "root_digest": "0" * 64,
+    }
+    assert profile == HashProfile.model_validate(SGLANG_PROFILE)
+
+
+@pytest.mark.parametrize(
+    ("change", "error_type", "where"),
+    [
+        ({"algorithm": "sha256_cbor"}, "value_error", "algorithm"),
+        ({"index_projection": "low64_be"}, "value_error", "index_projection"),
+        ({"python_hash_seed": 0}, "string_type", "python_hash_seed"),
+        ({"strategy": "vllm_v1", "python_hash_seed": "0"}, "value_error", "algorithm"),
+    ],
+)
+def test_refused_sglang_profiles(change, error_type, where):
+    """Each family has its own selectors: SGLang's chain is ``sha256_raw`` / ``first64_be``
+    only, vLLM's never; a seed, when given, is still text."""
+    with pytest.raises(ValidationError) as caught:
+        HashProfile.model_validate({**SGLANG_PROFILE, **change})
+    first = caught.value.errors()[0]
+    assert (first["type"], first["loc"]) == (error_type, (where,))
+
+
+@pytest.mark.parametrize(
+    ("strategy", "keys"), [("sglang", SGLANG_KEYS), ("sglang_bigram", SGLANG_BIGRAM_KEYS)]
+)
+def test_sglang_keys_are_sglangs_own(strategy, keys):
+    """The query keys are the 64 bits SGLang's events carry (signed there, unsigned in the
+    index), for its plain and its bigram chain; the incomplete third page has none, and
+    tokens packed as int32 little-endian hash alike."""
+    profile = HashProfile.model_validate({**SGLANG_PROFILE, "strategy": strategy})
+    tokens = list(range(1, 41))
+    expected = [key & (2**64 - 1) for key in keys]
+    assert list(profile.block_keys(tokens, 16)) == expected
+    packed = b"".join(token.to_bytes(4, "little") for token in tokens)
+    assert list(profile.block_keys(packed, 16)) == expected
+
+
+def test_an_sglang_salt_roots_the_chain():
+    """Upstream's ``SglangHashChain``: a salt's chain starts from ``SHA-256("sglang-cache-
+    salt-v1\\0" + salt)``; an empty salt is no salt."""
+    profile = HashProfile.model_validate(SGLANG_PROFILE)
+    tokens = list(range(1, 17))
+    page = b"".join(token.to_bytes(4, "little") for token in tokens)
+    root = hashlib.sha256(b"sglang-cache-salt-v1\x00tenant-a").digest()
+    salted = int.from_bytes(hashlib.sha256(root + page).digest()[:8], "big")
+    assert list(profile.block_keys(tokens, 16, cache_salt="tenant-a")) == [salted]
+    assert list(profile.block_keys(tokens, 16, cache_salt="")) == [SGLANG_KEYS[0]]

@@ -21,6 +21,7 @@ import pytest
 from conductor.api import MSGPACK
 from conductor.dialect import TIERS_HEADER
 from conductor.hash_profile import HashProfile
+from conductor.sglang_hash import signed64
 from tests.conductor.test_cpp_dialect import (
     PROFILE,
     PROMPT,
@@ -123,6 +124,43 @@ async def test_events_without_token_ids_index_and_queries_hash_the_tokens(
     await rank0.publish([cleared()])
     nothing = {"a": hit(0, {"0": (0, 0, 0), "1": (0, 0, 0)}), "b": expected["b"]}
     await eventually(lambda: instances(http, base), lambda found: found == nothing)
+
+
+SGLANG_PROFILE = {"strategy": "sglang", "algorithm": "sha256_raw", "index_projection": "first64_be"}
+
+
+def sglang_stored(keys: list[int], token_ids: list[int]) -> dict[str, Any]:
+    """A BlockStored exactly as SGLang 0.5.23 publishes it: its keys as signed int64."""
+    return {
+        "type": "BlockStored",
+        "block_hashes": [signed64(key) for key in keys],
+        "parent_block_hash": None,
+        "token_ids": token_ids,
+        "block_size": 4,
+        "lora_id": None,
+        "medium": "GPU",
+    }
+
+
+async def test_an_sglang_profile_indexes_sglangs_own_hashes(conductor, http, publisher_factory):
+    """Upstream's later revision lets an SGLang engine register ``strategy: "sglang"``: its
+    events' hashes are the keys (token ids unread: here they are wrong on purpose), and a
+    query's tokens are hashed with SGLang's chain, in either dialect."""
+    base = conductor.url
+    engine, idle = publisher_factory(), publisher_factory()
+    sglang = {"type": "SGLang", "hash_profile": SGLANG_PROFILE}
+    await register_connected(http, base, engine, "sgl-a", **sglang)
+    await register_connected(http, base, idle, "sgl-b", **sglang)
+    keys = list(HashProfile.model_validate(SGLANG_PROFILE).block_keys(PROMPT, 4))
+    await engine.publish([sglang_stored(keys[:2], [7] * 8), sglang_stored(keys[2:], [7] * 4)])
+    expected = {"sgl-a": hit(12, {"0": (12, 12, 12)}), "sgl-b": hit(0, {"0": (0, 0, 0)})}
+    await eventually(lambda: instances(http, base), lambda found: found == expected)
+    go_query = {"model": "m", "block_size": 4, "token_ids": PROMPT[:8]}
+    status, answer = await post(http, f"{base}/query", go_query)
+    assert (status, answer["default"]["sgl-a"]["longest_matched"]) == (200, 8)
+    _, services = await get(http, f"{base}/services")
+    profiles = {s["InstanceID"]: s["HashProfile"] for s in services["services"]}
+    assert profiles["sgl-a"] == {**SGLANG_PROFILE, "python_hash_seed": "0", "root_digest": "0" * 64}
 
 
 # -- against the engine simulator ------------------------------------------------------------
