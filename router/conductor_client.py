@@ -371,7 +371,7 @@ def registration_bodies(
             body = {
                 "endpoint": stream.endpoint,
                 "replay_endpoint": stream.replay_endpoint,
-                "type": "vLLM",
+                "type": stream.type,
                 "modelname": model.modelname,
                 "lora_name": model.lora_name,
                 "tenant_id": model.tenant_id,

@@ -16,7 +16,7 @@ import math
 import os
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Annotated, Any, ClassVar
+from typing import Annotated, Any, ClassVar, Literal
 
 from pydantic import (
     AfterValidator,
@@ -156,6 +156,7 @@ class StreamRegistration(_Section):
     endpoint: str = Field(min_length=1)
     replay_endpoint: str = ""
     dp_rank: int = Field(default=0, ge=0)
+    type: Literal["vLLM", "SGLang"] = "vLLM"  # the engine publishing it, for the conductor
 
 
 class PrefillModelConfig(_Section):
