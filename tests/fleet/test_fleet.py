@@ -146,7 +146,7 @@ def test_an_engine_that_fails_to_start_is_reported(tmp_path: Path) -> None:
         (
             {**SIM_FLEET, "engines": [{"name": "a b", "kind": "gpu"}], "hots": "::1"},
             "engines.0.name: String should match pattern '^[A-Za-z0-9][A-Za-z0-9_.-]{0,62}$'; "
-            "engines.0.kind: Input should be 'vllm' or 'sim'; hots: unknown key\n",
+            "engines.0.kind: Input should be 'vllm', 'sglang' or 'sim'; hots: unknown key\n",
         ),
     ],
 )
@@ -206,10 +206,10 @@ def test_plan_names_each_engine_once_and_keeps_everything_local(tmp_path: Path) 
 
 
 def test_real_engines_get_their_own_cpus() -> None:
-    assert [cpu_share(i, 2, [0, 1]) for i in range(2)] == ["0", "1"]
-    assert [cpu_share(i, 2, [0, 1, 2, 3, 4]) for i in range(2)] == ["0,1", "2,3"]
-    assert [cpu_share(i, 3, [4, 5]) for i in range(3)] == ["4", "5", "4"]
-    assert cpu_share(0, 1, [0, 1]) == "0,1"
+    assert [cpu_share(i, 2, [0, 1]) for i in range(2)] == [[0], [1]]
+    assert [cpu_share(i, 2, [0, 1, 2, 3, 4]) for i in range(2)] == [[0, 1], [2, 3]]
+    assert [cpu_share(i, 3, [4, 5]) for i in range(3)] == [[4], [5], [4]]
+    assert cpu_share(0, 1, [0, 1]) == [0, 1]
 
 
 def test_a_signal_while_engines_start_stops_everything(tmp_path: Path) -> None:
