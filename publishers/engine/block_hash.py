@@ -1,4 +1,4 @@
-"""vLLM 0.33 prefix-caching block hashes, bit for bit.
+"""vLLM 0.33 prefix-caching block hashes and SGLang 0.5.23 page hashes, bit for bit.
 
 The simulator must publish the hashes a real vLLM 0.33 engine would publish for the same
 request, so that an index fed by simulated engines behaves like one fed by real ones and the
@@ -15,14 +15,24 @@ golden vectors in ``tests/fixtures/vllm_hash_vectors.json`` hold:
   (the LoRA name without its path, the bare salt).
 
 Only what text requests need is implemented: no multimodal, prompt-embeds or lookahead keys.
+
+SGLang (``SGLangBlockHasher``, pinned by ``tests/fixtures/sglang_frames.json``) chains pages
+with plain SHA-256: page ``i``'s digest is ``SHA-256(digest_{i-1} || tokens_i as uint32
+little-endian)``, with nothing before page 0's tokens, or, for a request with a cache salt,
+``SHA-256("sglang-cache-salt-v1\\0" || salt)`` as page 0's parent. Events carry the digest's
+*first* eight bytes read big-endian as a signed int64 (``hash_str_to_int64``); here the
+unsigned form, which the ``sglang`` layout of ``publishers.encoding`` sends signed.
 """
 
 from __future__ import annotations
 
 import hashlib
 import os
+import sys
+from array import array
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Literal, Protocol, get_args
 
 import xxhash
 
@@ -33,6 +43,9 @@ DEFAULT_NONE_HASH_SEED = "vllm-none-hash"  # sha256 variants with PYTHONHASHSEED
 HashFunction = Callable[[object], bytes]
 ExtraKeys = tuple[object, ...] | None
 event_hash = low64_be  # a digest as events carry it (VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES=1)
+Engine = Literal["vllm", "sglang"]  # whose cache, hashes and wire the simulator imitates
+ENGINES: tuple[Engine, ...] = get_args(Engine)
+SGLANG_SALT_TAG = b"sglang-cache-salt-v1\0"
 
 
 def hash_function(algorithm: str) -> HashFunction:
@@ -96,8 +109,25 @@ def event_extra_keys(
     return tuple(keys) if keys else None
 
 
+class PageHasher(Protocol):
+    """What the block manager needs of an engine's hash chain."""
+
+    def block_digests(
+        self,
+        token_ids: Sequence[int],
+        block_size: int,
+        *,
+        lora: LoraAdapter | None = None,
+        cache_salt: str | None = None,
+        start: int = 0,
+        parent: bytes | None = None,
+    ) -> list[bytes]: ...
+
+    def event_hash(self, digest: bytes) -> int: ...
+
+
 class BlockHasher:
-    """One engine's hash configuration: the algorithm and its NONE_HASH root."""
+    """One vLLM engine's hash configuration: the algorithm and its NONE_HASH root."""
 
     def __init__(self, algorithm: str = "sha256", python_hash_seed: str | None = None) -> None:
         self.algorithm = algorithm
@@ -109,6 +139,9 @@ class BlockHasher:
     ) -> bytes:
         """One block's digest; ``parent`` None means block 0 (chained from NONE_HASH)."""
         return self._hash((parent or self.none_hash, tuple(token_ids), extra_keys))
+
+    def event_hash(self, digest: bytes) -> int:
+        return event_hash(digest)
 
     def block_digests(
         self,
@@ -128,3 +161,45 @@ class BlockHasher:
             parent = self.digest(parent, tokens, hash_extra_keys(index, lora, cache_salt))
             digests.append(parent)
         return digests
+
+
+def sglang_event_hash(digest: bytes) -> int:
+    """SGLang's ``hash_str_to_int64`` of a page digest, unsigned: its first eight bytes."""
+    return int.from_bytes(digest[:8], "big")
+
+
+def _uint32_le(token_ids: Sequence[int]) -> bytes:
+    tokens = array("I", token_ids)
+    if sys.byteorder == "big":
+        tokens.byteswap()
+    return tokens.tobytes()
+
+
+class SGLangBlockHasher:
+    """SGLang 0.5.23's page chain (``get_hash_str`` over its native SHA-256 binding)."""
+
+    def block_digests(
+        self,
+        token_ids: Sequence[int],
+        block_size: int,
+        *,
+        lora: LoraAdapter | None = None,
+        cache_salt: str | None = None,
+        start: int = 0,
+        parent: bytes | None = None,
+    ) -> list[bytes]:
+        """Digests of the complete pages from index ``start`` on (``parent`` is page
+        ``start - 1``'s digest); a salted chain starts from the salt's root."""
+        if lora is not None:
+            raise ValueError("LoRA adapters are not simulated for SGLang")
+        if start == 0 and cache_salt is not None:
+            parent = hashlib.sha256(SGLANG_SALT_TAG + cache_salt.encode("utf-8")).digest()
+        digests: list[bytes] = []
+        for index in range(start, len(token_ids) // block_size):
+            page = _uint32_le(token_ids[index * block_size : (index + 1) * block_size])
+            parent = hashlib.sha256(parent + page if parent else page).digest()
+            digests.append(parent)
+        return digests
+
+    def event_hash(self, digest: bytes) -> int:
+        return sglang_event_hash(digest)
