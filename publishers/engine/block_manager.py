@@ -31,6 +31,23 @@ index and the router's choices are only as right as those events. So this mirror
   and CPU hits end (a gap means recompute). Loaded blocks are cached and announced on the
   GPU like any other; the external tier's own events are the connector's business.
 
+SGLang mode (``engine="sglang"``: SGLang 0.5.23's radix cache, as
+``tests/fixtures/sglang_frames.json`` captured it; pages are blocks here):
+
+- Pages are hashed with SGLang's chain (``block_hash.SGLangBlockHasher``); the hit rule is
+  the same (at most ``len(prompt) - 1`` tokens, whole pages).
+- A prefill chunk's pages enter the cache when the chunk is computed (``checkpoint``, which
+  the scheduler calls as the step completes), a finished request's pages, outputs
+  included, when it is freed; decode pages never before. Pages another request cached
+  meanwhile are adopted, never cached twice nor announced twice. Each insert is one
+  radix node; a node is split where a later match ends.
+- Pages not in the cache are reused before anything is evicted; eviction takes the least
+  recently used node (a leaf: children are used no later than their parents) whole, as
+  SGLang evicts a leaf, and announces its pages in one BlockRemoved, in chain order.
+- Events are coalesced as SGLang's recorder does: a removal extends the removal before it,
+  a store continuing the chain of the store before it extends that store.
+- The cache starts with an AllBlocksCleared (SGLang's sequence 0). No CPU tier.
+
 Everything is synchronous and O(blocks touched) per call: the asyncio shell calls it once
 per request and step, and the trace simulator thousands of times a second. Events
 accumulate until ``take_events`` (the shell publishes one batch per engine step). Each
@@ -41,6 +58,7 @@ the publisher encodes exactly what vLLM would send.
 
 from __future__ import annotations
 
+from array import array
 from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -51,10 +69,12 @@ from conductor.wire.events import AllBlocksCleared, BlockRemoved, BlockStored, T
 from ..encoding import WireEvent
 from .block_hash import (
     BlockHasher,
+    Engine,
     ExtraKeys,
     LoraAdapter,
+    PageHasher,
+    SGLangBlockHasher,
     event_extra_keys,
-    event_hash,
 )
 
 KV_CACHE_GROUP = 0  # vLLM's BlockPool tags every event with the (single) KV-cache group 0
@@ -111,6 +131,15 @@ class _CachedBlock(NamedTuple):  # a tuple: built once per hashed block, so it m
     cache_salt: str | None  # set on block 0 only: what a consumer reads from its extra keys
 
 
+class _Node:
+    """SGLang's radix node: the pages one insert added, until a match splits them."""
+
+    __slots__ = ("block_ids",)
+
+    def __init__(self, block_ids: list[int]) -> None:
+        self.block_ids = block_ids  # in chain order
+
+
 @dataclass(slots=True)
 class _Request:
     token_ids: list[int]  # every token known, scheduled or not
@@ -123,7 +152,8 @@ class _Request:
 
 
 class BlockManager:
-    """One engine's (one DP rank's) KV cache: ``num_gpu_blocks`` blocks of ``block_size``."""
+    """One engine's (one DP rank's) KV cache: ``num_gpu_blocks`` blocks of ``block_size``,
+    managed as ``engine`` (vLLM or SGLang) manages it."""
 
     def __init__(
         self,
@@ -131,14 +161,20 @@ class BlockManager:
         block_size: int,
         *,
         num_cpu_blocks: int = 0,
-        hasher: BlockHasher | None = None,
+        hasher: PageHasher | None = None,
+        engine: Engine = "vllm",
     ) -> None:
         if num_gpu_blocks <= 0 or block_size <= 0 or num_cpu_blocks < 0:
             raise ValueError("num_gpu_blocks and block_size must be > 0, num_cpu_blocks >= 0")
+        if engine == "sglang" and num_cpu_blocks:
+            raise ValueError("a CPU tier is not simulated for SGLang")
         self.num_gpu_blocks = num_gpu_blocks
         self.block_size = block_size
         self.num_cpu_blocks = num_cpu_blocks
-        self._hasher = hasher or BlockHasher()
+        self.engine = engine
+        self._radix = engine == "sglang"
+        self._hasher = hasher or (SGLangBlockHasher() if self._radix else BlockHasher())
+        self._nodes: dict[int, _Node] = {}  # SGLang: each cached block's radix node
         self._ref_counts = [0] * num_gpu_blocks
         self._gpu_blocks: list[_CachedBlock | None] = [None] * num_gpu_blocks
         self._gpu_cache: dict[bytes, list[int]] = {}  # digest -> block ids (duplicates)
@@ -150,6 +186,8 @@ class BlockManager:
         # the last refused prompt's hashes: the scheduler retries its queue head every step,
         # and hashing a long prompt again each time would dominate the simulator
         self._refused: tuple[str, int, list[_CachedBlock]] | None = None
+        if self._radix:  # SGLang's cache resets as it starts: its first batch says so
+            self._events.append(WireEvent(AllBlocksCleared()))
 
     # -- request lifecycle -------------------------------------------------------------
 
@@ -217,6 +255,8 @@ class BlockManager:
             self._refused = (request_id, len(token_ids), request.blocks)
             return None
 
+        if self._radix and gpu_hits:  # SGLang's match splits the node where the hit ends
+            self._split_after(gpu_hits[-1])
         for block_id in gpu_hits:  # before taking new blocks, so hits cannot be evicted
             if self._ref_counts[block_id] == 0:
                 del self._free[block_id]
@@ -227,7 +267,8 @@ class BlockManager:
         request.block_ids = gpu_hits + new_block_ids
         request.num_scheduled_tokens = num_cached_tokens + num_scheduled
         request.num_cached_blocks = len(gpu_hits)
-        self._cache_on_gpu(request)
+        if not self._radix:  # vLLM caches at scheduling; SGLang at ``checkpoint``
+            self._cache_on_gpu(request)
         self._requests[request_id] = request
 
         gpu_hit_tokens = len(gpu_hits) * self.block_size
@@ -291,22 +332,37 @@ class BlockManager:
             request.blocks.extend(self._complete_blocks(request, len(request.blocks)))
         request.block_ids.extend(self._take_free_block() for _ in range(num_new_blocks))
         request.num_scheduled_tokens = scheduled
-        self._cache_on_gpu(request)
+        if not self._radix:
+            self._cache_on_gpu(request)
         return True
 
-    def free(self, request_id: str) -> None:
+    def checkpoint(self, request_id: str) -> None:
+        """The request's scheduled tokens are computed: SGLang caches the pages they complete
+        now (``checkpoint_kv_cache`` after a prefill chunk). vLLM cached them when they were
+        scheduled: nothing to do."""
+        request = self._requests.get(request_id)
+        if self._radix and request is not None:
+            self._insert(request)
+
+    def free(self, request_id: str, *, finished: bool = True) -> None:
         """Release a finished or aborted request's blocks; they stay cached until evicted.
 
         Tail first, as vLLM does, so the end of a chain is evicted before its prefix.
         Unknown ids are ignored: an abort may race with a request that never got blocks.
+        SGLang first caches a finished request's pages (not a preempted one's, ``finished``
+        False) and reuses pages it did not cache before evicting any.
         """
         request = self._requests.pop(request_id, None)
         if request is None:
             return
+        if self._radix and finished:
+            self._insert(request)
         for block_id in reversed(request.block_ids):
             self._ref_counts[block_id] -= 1
             if self._ref_counts[block_id] == 0:
                 self._free[block_id] = None
+                if self._radix and self._gpu_blocks[block_id] is None:
+                    self._free.move_to_end(block_id, last=False)
 
     def reset(self) -> bool:
         """Drop every cached block (vLLM's ``reset_prefix_cache``); False while requests run.
@@ -319,13 +375,14 @@ class BlockManager:
         self._gpu_blocks = [None] * self.num_gpu_blocks
         self._gpu_cache.clear()
         self._cpu_cache.clear()
+        self._nodes.clear()
         self._events.append(WireEvent(AllBlocksCleared()))
         return True
 
     def take_events(self) -> list[WireEvent]:
         """Events since the last call, in the order the changes happened."""
         events, self._events = self._events, []
-        return events
+        return _coalesced(events) if self._radix else events
 
     # -- load ------------------------------------------------------------------------
 
@@ -371,7 +428,7 @@ class BlockManager:
         for index, digest in enumerate(digests, start):
             parent = _CachedBlock(
                 digest=digest,
-                event_hash=event_hash(digest),
+                event_hash=self._hasher.event_hash(digest),
                 parent_event_hash=parent.event_hash if parent else None,
                 token_ids=tuple(tokens[index * size : (index + 1) * size]),
                 extra_keys=event_extra_keys(index, request.lora, request.cache_salt),
@@ -385,7 +442,9 @@ class BlockManager:
         """Pop the least recently used free block, evicting what it caches."""
         block_id, _ = self._free.popitem(last=False)
         block = self._gpu_blocks[block_id]
-        if block is not None:
+        if block is not None and self._radix:
+            self._evict_node(block_id)
+        elif block is not None:
             self._gpu_blocks[block_id] = None
             holders = self._gpu_cache[block.digest]
             holders.remove(block_id)
@@ -397,6 +456,70 @@ class BlockManager:
             self._events.append(WireEvent(removed))
         self._ref_counts[block_id] = 1
         return block_id
+
+    def _evict_node(self, block_id: int) -> None:
+        """SGLang evicts the whole node of the least recently used page (a leaf): its other
+        pages are free and uncached now, taken before any cached page."""
+        node = self._nodes[block_id]
+        hashes = []
+        for member in node.block_ids:
+            block = self._gpu_blocks[member]
+            assert block is not None, "a radix node holds cached blocks only"
+            self._gpu_blocks[member] = None
+            del self._gpu_cache[block.digest], self._nodes[member]
+            hashes.append(block.event_hash)
+            if member != block_id:
+                self._free.move_to_end(member, last=False)
+        self._events.append(WireEvent(BlockRemoved(hashes, Tier.GPU)))
+
+    def _split_after(self, block_id: int) -> None:
+        """Split the node holding ``block_id`` after it, as SGLang's match and insert split a
+        node where they stop inside it; the split-off pages count as used now (the match
+        touched their node), so they move to the recent end if free, tail first."""
+        node = self._nodes[block_id]
+        at = node.block_ids.index(block_id) + 1
+        if at == len(node.block_ids):
+            return
+        tail = _Node(node.block_ids[at:])
+        del node.block_ids[at:]
+        for member in reversed(tail.block_ids):
+            self._nodes[member] = tail
+            if member in self._free:
+                self._free.move_to_end(member)
+
+    def _insert(self, request: _Request) -> None:
+        """SGLang's radix insert of the pages the request has computed and not cached: those
+        another request cached meanwhile are adopted (the request's copies freed), the rest
+        become one node, announced in one BlockStored."""
+        index, end = request.num_cached_blocks, request.num_scheduled_tokens // self.block_size
+        if index >= end:
+            return
+        while index < end and (cached := self._gpu_cache.get(request.blocks[index].digest)):
+            self._adopt(request, index, cached[0])
+            index += 1
+        request.num_cached_blocks = end
+        if index:
+            self._split_after(request.block_ids[index - 1])
+        if index == end:
+            return
+        node = _Node(request.block_ids[index:end])
+        for block_id, block in zip(node.block_ids, request.blocks[index:end], strict=True):
+            self._gpu_blocks[block_id] = block
+            self._gpu_cache[block.digest] = [block_id]
+            self._nodes[block_id] = node
+        self._events.append(self._stored(request.blocks[index:end], Tier.GPU))
+
+    def _adopt(self, request: _Request, index: int, block_id: int) -> None:
+        """Use the cached ``block_id`` for the request's ``index``-th block; free its copy."""
+        own = request.block_ids[index]
+        if self._ref_counts[block_id] == 0:
+            del self._free[block_id]
+        self._ref_counts[block_id] += 1
+        request.block_ids[index] = block_id
+        self._ref_counts[own] -= 1
+        if self._ref_counts[own] == 0:
+            self._free[own] = None
+            self._free.move_to_end(own, last=False)
 
     def _offload(self, block: _CachedBlock) -> None:
         if block.digest in self._cpu_cache:
@@ -441,3 +564,33 @@ class BlockManager:
             lora_id=lora.adapter_id if lora else None,
             extra_keys=[block.extra_keys for block in blocks],
         )
+
+
+def _coalesced(events: list[WireEvent]) -> list[WireEvent]:
+    """SGLang's recorder (``KVCacheEventRecorder.enqueue``): a removal extends a removal of
+    the same medium just before it; a store extends the store just before it when it
+    continues that store's chain (its parent is that store's last hash) with equal fields."""
+    merged: list[WireEvent] = []
+    for wire in events:
+        event, tail = wire.event, merged[-1].event if merged else None
+        if isinstance(event, BlockRemoved) and isinstance(tail, BlockRemoved):
+            if tail.tier == event.tier:
+                tail.block_hashes.extend(event.block_hashes)
+                continue
+        elif isinstance(event, BlockStored) and isinstance(tail, BlockStored):
+            if _continues(tail, event):
+                tail.block_hashes.extend(event.block_hashes)
+                tail.token_ids = array("i", [*tail.token_ids, *event.token_ids])
+                continue
+        merged.append(wire)
+    return merged
+
+
+def _continues(tail: BlockStored, event: BlockStored) -> bool:
+    same = (tail.tier, tail.block_size, tail.salt, tail.lora_name) == (
+        event.tier,
+        event.block_size,
+        event.salt,
+        event.lora_name,
+    )
+    return same and bool(tail.block_hashes) and event.parent_hash == tail.block_hashes[-1]

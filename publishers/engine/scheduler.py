@@ -243,24 +243,31 @@ class Scheduler:
 
         Returns every request whose state changed, for the shell to wake. Requests aborted
         while the step ran are skipped: their blocks are already free. A chunk that does
-        not reach the end of its prompt samples nothing.
+        not reach the end of its prompt samples nothing. Computed prefill chunks are
+        checkpointed (the block manager caches them now if its engine does, as SGLang).
         """
         self.clock += plan.duration
         changed = list(plan.rejected)
         for chunk in plan.chunks:
             request = chunk.request
-            if request.finished or not chunk.samples:
+            if request.finished:
                 continue
-            index = len(request.output_token_ids)
-            token = sample_token(request.seed, index, self.num_ordinary_tokens)
-            request.output_token_ids.append(token)
-            self.num_generated_tokens += 1
-            if request.first_token_time is None:
-                request.first_token_time = self.clock
-            if len(request.output_token_ids) >= request.max_tokens:
-                self._finish(request, "length")
-            changed.append(request)
+            if chunk.samples:
+                self._sample(request)
+                changed.append(request)
+            if not (chunk.decode or request.finished):  # a finished one was cached as freed
+                self.blocks.checkpoint(request.request_id)
         return changed
+
+    def _sample(self, request: EngineRequest) -> None:
+        index = len(request.output_token_ids)
+        token = sample_token(request.seed, index, self.num_ordinary_tokens)
+        request.output_token_ids.append(token)
+        self.num_generated_tokens += 1
+        if request.first_token_time is None:
+            request.first_token_time = self.clock
+        if len(request.output_token_ids) >= request.max_tokens:
+            self._finish(request, "length")
 
     def finish(self, request: EngineRequest, reason: str = "abort") -> bool:
         """End a waiting or running request early (client gone, stop string); frees blocks.
@@ -364,7 +371,7 @@ class Scheduler:
 
     def _preempt(self, request: EngineRequest) -> None:
         """Free the request's blocks and requeue it first; it recomputes what it lost."""
-        self.blocks.free(request.request_id)
+        self.blocks.free(request.request_id, finished=False)
         request.num_computed_tokens = request.num_block_tokens = 0
         request.num_preemptions += 1
         self.waiting.appendleft(request)
