@@ -9,6 +9,12 @@ With ``--sim-register-with URL`` the engine registers its own event stream with 
 (retrying with capped backoff until the conductor answers) and unregisters on shutdown, so
 the conductor never routes to a stopped simulator's cache.
 
+With ``--sim-engine sglang`` it is a stand-in for SGLang 0.5.23 instead where our stack can
+tell: SGLang's KV-event layout and page hashes, its radix cache's events (``block_manager``),
+an AllBlocksCleared as sequence 0, ``POST /flush_cache``, its usage report, and SGLang's
+``--kv-events-config`` JSON (``bind`` included, no ``enable_kv_cache_events``); the other
+flags and routes stay vLLM's.
+
 With vLLM's ``--kv-transfer-config '{"kv_connector": "MooncakeStoreConnector", "kv_role":
 "kv_both"}'`` and ``MOONCAKE_CONFIG_PATH`` naming vLLM's config file, the engine saves
 blocks to and loads them from a real Mooncake store as vLLM's connector does
@@ -40,7 +46,7 @@ from conductor.runtime import add_version_flag, configure_logging, log_level, po
 
 from ..publisher import KVEventPublisher, binds, offset_endpoint
 from ..store import KVBlockShape, MooncakeConfig, StoreError
-from .block_hash import HASH_ALGORITHMS, BlockHasher
+from .block_hash import ENGINES, HASH_ALGORITHMS, BlockHasher, PageHasher, SGLangBlockHasher
 from .block_manager import BlockManager
 from .loop import EngineLoop
 from .metrics import EngineMetrics, cache_config_info
@@ -79,6 +85,30 @@ class KVEventsConfig(BaseModel):
     @property
     def enabled(self) -> bool:
         return self.enable_kv_cache_events and self.publisher != "null"
+
+    @property
+    def bind(self) -> bool | None:
+        return None  # vLLM decides from the endpoint (``publisher.binds``)
+
+
+class SGLangKVEventsConfig(BaseModel):
+    """SGLang's ``KVEventsConfig``: events are on when the publisher is ``zmq``."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+    publisher: Literal["null", "zmq"] = "null"
+    endpoint: str = "tcp://*:5557"
+    bind: bool | None = None  # None: decided from the endpoint, as vLLM
+    replay_endpoint: str | None = None
+    buffer_steps: int = 10_000
+    hwm: int = 100_000
+    max_queue_size: int = 100_000  # accepted; the publisher's queue is unbounded
+    topic: str = ""
+    format: Literal["default"] = "default"  # SGLang's own events ("dynamo" is not simulated)
+
+    @property
+    def enabled(self) -> bool:
+        return self.publisher == "zmq"
 
 
 def _timing_flag(name: str) -> tuple[str, float]:
@@ -152,15 +182,14 @@ def build_parser() -> argparse.ArgumentParser:
     vllm.add_argument(
         "--prefix-caching-hash-algo",
         choices=HASH_ALGORITHMS,
-        default="sha256",
-        help="block hash of the prefix cache and of the KV events (default sha256)",
+        help="block hash of the prefix cache and of the KV events (default sha256; vLLM only)",
     )
     vllm.add_argument(
         "--kv-events-config",
-        type=_kv_events_config,
-        default=KVEventsConfig(),
         help="vLLM's KVEventsConfig as JSON, e.g. '{\"enable_kv_cache_events\": true, "
-        '"endpoint": "tcp://*:5557", "replay_endpoint": "tcp://*:5558"}\' (default: no events)',
+        '"endpoint": "tcp://*:5557", "replay_endpoint": "tcp://*:5558"}\'; with '
+        '--sim-engine sglang, SGLang\'s, e.g. \'{"publisher": "zmq", "endpoint": '
+        '"tcp://127.0.0.1:5557", "bind": true}\' (default: no events)',
     )
     vllm.add_argument(
         "--kv-transfer-config",
@@ -176,6 +205,13 @@ def build_parser() -> argparse.ArgumentParser:
     )
 
     sim = parser.add_argument_group("simulator flags")
+    sim.add_argument(
+        "--sim-engine",
+        choices=ENGINES,
+        default="vllm",
+        help="the engine to imitate: its prefix cache, block hashes, KV events and cache "
+        "flush (vllm: /reset_prefix_cache; sglang: /flush_cache) (default vllm)",
+    )
     sim.add_argument(
         "--sim-instance-id",
         help="the engine's name in registrations, metrics and answers "
@@ -254,11 +290,10 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _kv_events_config(text: str) -> KVEventsConfig:
-    try:
-        return KVEventsConfig.model_validate_json(text)
-    except ValidationError as error:
-        raise argparse.ArgumentTypeError(str(error)) from None
+def kv_events_config(engine: str, text: str | None) -> KVEventsConfig | SGLangKVEventsConfig:
+    """The engine's own ``KVEventsConfig`` from its JSON (None: events off)."""
+    model = SGLangKVEventsConfig if engine == "sglang" else KVEventsConfig
+    return model() if text is None else model.model_validate_json(text)
 
 
 def _kv_transfer_config(text: str) -> KVTransferConfig:
@@ -322,7 +357,7 @@ def connectable(endpoint: str, host: str) -> str:
 
 
 def create_publisher(args: argparse.Namespace) -> KVEventPublisher | None:
-    config: KVEventsConfig = args.kv_events_config
+    config: KVEventsConfig | SGLangKVEventsConfig = args.kv_events_config
     if not config.enabled:
         return None
     return KVEventPublisher(
@@ -330,14 +365,15 @@ def create_publisher(args: argparse.Namespace) -> KVEventPublisher | None:
         config.replay_endpoint,
         data_parallel_rank=args.data_parallel_rank,
         topic=config.topic,
+        layout=args.sim_engine,
         buffer_steps=config.buffer_steps,
         hwm=config.hwm,
-        bind=True if args.sim_kv_bind else None,
+        bind=True if args.sim_kv_bind else config.bind,
     )
 
 
 def kv_event_source(
-    config: KVEventsConfig, publisher: KVEventPublisher | None
+    config: KVEventsConfig | SGLangKVEventsConfig, publisher: KVEventPublisher | None
 ) -> dict[str, Any] | None:
     """``/kv_event_sources``' entry: the config with the endpoints as bound (ports resolved)."""
     if publisher is None:
@@ -456,14 +492,14 @@ async def serve(args: argparse.Namespace) -> None:
         Tokenizer() if args.tokenizer is None else ModelTokenizer(args.tokenizer)
     )
     timing = timing_model(args)
-    hasher = BlockHasher(args.prefix_caching_hash_algo, os.environ.get("PYTHONHASHSEED"))
     blocks = BlockManager(
         args.num_gpu_blocks_override
         if args.num_gpu_blocks_override is not None
         else default_num_gpu_blocks(args, timing),
         args.block_size,
         num_cpu_blocks=args.sim_cpu_offload_blocks,
-        hasher=hasher,
+        hasher=page_hasher(args),
+        engine=args.sim_engine,
     )
     scheduler = Scheduler(
         blocks,
@@ -489,6 +525,7 @@ async def serve(args: argparse.Namespace) -> None:
         data_parallel_rank=args.data_parallel_rank,
         enable_scale_out=args.enable_scale_out,
         kv_events_config=kv_event_source(args.kv_events_config, publisher),
+        engine=args.sim_engine,
     )
     metrics = EngineMetrics(
         scheduler,
@@ -500,7 +537,7 @@ async def serve(args: argparse.Namespace) -> None:
             num_cpu_blocks=args.sim_cpu_offload_blocks,
             num_gpu_blocks_override=args.num_gpu_blocks_override,
             gpu_memory_utilization=args.gpu_memory_utilization,
-            prefix_caching_hash_algo=args.prefix_caching_hash_algo,
+            prefix_caching_hash_algo=str(args.prefix_caching_hash_algo),  # SGLang: None
             kv_bytes_per_token=timing.kv_bytes_per_token,
             max_model_len=args.max_model_len,
         ),
@@ -551,6 +588,14 @@ async def serve(args: argparse.Namespace) -> None:
         await runner.cleanup()
 
 
+def page_hasher(args: argparse.Namespace) -> PageHasher:
+    """vLLM's hash as configured (``PYTHONHASHSEED`` from the environment, as vLLM), or
+    SGLang's, which has no options."""
+    if args.sim_engine == "sglang":
+        return SGLangBlockHasher()
+    return BlockHasher(args.prefix_caching_hash_algo, os.environ.get("PYTHONHASHSEED"))
+
+
 def registration_body(
     args: argparse.Namespace,
     settings: ServerSettings,
@@ -565,7 +610,7 @@ def registration_body(
     return kv_store | {
         "endpoint": connectable(publisher.endpoint, host),
         "replay_endpoint": connectable(replay, host) if replay else "",
-        "type": "vLLM",
+        "type": "SGLang" if args.sim_engine == "sglang" else "vLLM",
         "modelname": settings.served_model_names[0],
         "instance_id": settings.instance_id,
         "block_size": args.block_size,
@@ -574,13 +619,15 @@ def registration_body(
 
 
 def check(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
-    """Refuse configurations that would start but never work."""
-    config: KVEventsConfig = args.kv_events_config
+    """Refuse configurations that would start but never work; read the engine's own
+    ``--kv-events-config``."""
+    check_engine(args, parser)
+    config: KVEventsConfig | SGLangKVEventsConfig = args.kv_events_config
     if args.sim_register_with:
         if not config.enabled:
             parser.error("--sim-register-with needs --kv-events-config with events enabled")
         endpoint = offset_endpoint(config.endpoint, args.data_parallel_rank)
-        if not (args.sim_kv_bind or binds(endpoint)):
+        if not (args.sim_kv_bind or config.bind or binds(endpoint)):
             parser.error(
                 f"--sim-register-with: the PUB socket connects to {endpoint} (vLLM's rule), "
                 "so a conductor cannot subscribe to it; use a '*' endpoint or --sim-kv-bind"
@@ -594,6 +641,24 @@ def check(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
             "--max-num-batched-tokens must be >= --max-model-len without chunked prefill"
         )
     check_store(args, parser)
+
+
+def check_engine(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
+    """The engine's events config; what only the vLLM stand-in simulates, refused for SGLang."""
+    try:
+        args.kv_events_config = kv_events_config(args.sim_engine, args.kv_events_config)
+    except ValidationError as error:
+        parser.error(f"argument --kv-events-config: {error}")
+    if args.sim_engine == "vllm":
+        args.prefix_caching_hash_algo = args.prefix_caching_hash_algo or "sha256"
+        return
+    vllm_only = {
+        "--prefix-caching-hash-algo": args.prefix_caching_hash_algo is not None,
+        "--sim-cpu-offload-blocks": args.sim_cpu_offload_blocks > 0,
+        "--kv-transfer-config": args.kv_transfer_config is not None,
+    }
+    for flag in (flag for flag, given in vllm_only.items() if given):
+        parser.error(f"{flag} is simulated for vLLM only, not with --sim-engine sglang")
 
 
 def check_store(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:

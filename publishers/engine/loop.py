@@ -119,6 +119,8 @@ class EngineLoop:
         self._task: asyncio.Task[None] | None = None
 
     def start(self) -> None:
+        """Publish what the cache announced at creation (SGLang: AllBlocksCleared), then run."""
+        self._publish()
         self._task = asyncio.create_task(self._run(), name="engine-loop")
         self._task.add_done_callback(self._died)
 

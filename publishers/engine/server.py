@@ -7,7 +7,9 @@ vLLM), ``/v1/models``, ``/tokenize``, ``/detokenize``, ``/health``, ``/ping``, `
 ``/load``, ``/kv_event_sources``, ``/metrics`` (``metrics.py``) and the dev endpoint
 ``/reset_prefix_cache``. Errors are vLLM's ``{"error": {message, type, param, code}}``; an
 unknown route or a wrong method gets FastAPI's ``{"detail": ...}`` 404 or 405. Every shape
-is pinned against a real vLLM 0.32's answer to the same request.
+is pinned against a real vLLM 0.32's answer to the same request. Imitating SGLang
+(``ServerSettings.engine``), the cache is flushed by SGLang's ``/flush_cache`` instead, and
+the usage report is SGLang's (with ``reasoning_tokens``), pinned against SGLang 0.5.23.
 
 Disaggregation follows vLLM's NIXL connector as the upstream proxy drives it:
 ``kv_transfer_params.do_remote_decode`` makes a request a prefill — one token, blocks kept,
@@ -41,6 +43,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 
 from conductor.failures import describe
 
+from .block_hash import Engine
 from .loop import EngineError, EngineLoop, RequestStream
 from .metrics import EngineMetrics
 from .scheduler import EngineRequest
@@ -59,6 +62,11 @@ ERROR_TYPES = {
     409: "ConflictError",
     503: "ServiceUnavailableError",
 }
+SGLANG_FLUSHED = (  # SGLang's answers to /flush_cache
+    "Cache flushed.\nPlease check backend logs for more details. (When there are running or "
+    "waiting requests, the operation will not be performed.)\n"
+)
+SGLANG_NOT_FLUSHED = "Flush cache failed.\n"
 SCALE_OUT_DISABLED = (
     "Scale-out endpoints are disabled. Restart vllm serve with --enable-scale-out to enable them."
 )
@@ -74,6 +82,7 @@ class ServerSettings:
     data_parallel_rank: int = 0
     enable_scale_out: bool = False  # serve the render endpoints (vLLM's flag)
     kv_events_config: dict[str, Any] | None = None  # as bound; None without events
+    engine: Engine = "vllm"  # whose cache flush and usage report the API has
     system_fingerprint: str = field(init=False)
 
     def __post_init__(self) -> None:
@@ -282,15 +291,20 @@ COMPLETION = _Shape("cmpl-", "text_completion", "text_completion", chat=False)
 CHAT = _Shape("chatcmpl-", "chat.completion", "chat.completion.chunk", chat=True)
 
 
-def _usage(request: EngineRequest, completion_tokens: int, chunk: bool) -> dict[str, Any]:
-    """Token counts; cached tokens always, as vLLM with ``--enable-prompt-tokens-details``."""
+def _usage(
+    request: EngineRequest, completion_tokens: int, chunk: bool, engine: Engine
+) -> dict[str, Any]:
+    """Token counts; cached tokens always, as vLLM with ``--enable-prompt-tokens-details``
+    and SGLang with ``--enable-cache-report`` (whose ``UsageInfo`` has every field)."""
     prompt_tokens = len(request.prompt_token_ids)
-    usage = {
+    usage: dict[str, Any] = {
         "prompt_tokens": prompt_tokens,
         "total_tokens": prompt_tokens + completion_tokens,
         "completion_tokens": completion_tokens,
         "prompt_tokens_details": {"cached_tokens": request.num_cached_tokens},
     }
+    if engine == "sglang":
+        return usage | {"reasoning_tokens": 0, "completion_tokens_details": None}
     return usage if chunk else usage | {"completion_tokens_details": None}
 
 
@@ -504,6 +518,12 @@ class EngineApi:
             raise ApiError(409, "cannot reset the prefix cache while requests hold KV blocks")
         return web.Response()
 
+    async def flush_cache(self, request: web.Request) -> web.Response:
+        """SGLang's: an idle engine drops its cache (AllBlocksCleared); a busy one refuses."""
+        if self.engine.reset_prefix_cache():
+            return web.Response(text=SGLANG_FLUSHED)
+        return web.Response(text=SGLANG_NOT_FLUSHED, status=400)
+
     async def release_kv(self, request: web.Request) -> web.Response:
         """The decode side has the prefill's KV (NIXL's notification): free the blocks."""
         body = await _parse(request, ReleaseBody)
@@ -566,7 +586,7 @@ class EngineApi:
                     "object": shape.object,
                     "choices": [choice],
                     "system_fingerprint": self.settings.system_fingerprint,
-                    "usage": _usage(request, generation.num_tokens, chunk=False),
+                    "usage": _usage(request, generation.num_tokens, False, self.settings.engine),
                     "kv_transfer_params": self._transfer_answer(request),
                 }
             )
@@ -614,7 +634,7 @@ class EngineApi:
         except EngineError as error:  # shutdown mid-stream: say so, then end the stream
             await response.write(_sse({"error": {"message": str(error), "code": 503}}))
         if include_usage:
-            usage = _usage(request, generation.num_tokens, chunk=True)
+            usage = _usage(request, generation.num_tokens, True, self.settings.engine)
             fingerprint = self.settings.system_fingerprint
             last = {"choices": [], "usage": usage, "system_fingerprint": fingerprint}
             await response.write(_sse(header | last))
@@ -755,6 +775,10 @@ def create_app(
     app.router.add_get("/version", api.version)
     app.router.add_get("/load", api.load)
     app.router.add_get("/kv_event_sources", api.kv_event_sources)
-    app.router.add_post("/reset_prefix_cache", api.reset_prefix_cache)
+    if settings.engine == "sglang":
+        app.router.add_route("GET", "/flush_cache", api.flush_cache)
+        app.router.add_route("POST", "/flush_cache", api.flush_cache)
+    else:
+        app.router.add_post("/reset_prefix_cache", api.reset_prefix_cache)
     app.router.add_post("/sim/kv_transfer/release", api.release_kv)
     return app
