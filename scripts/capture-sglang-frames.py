@@ -87,7 +87,7 @@ def script() -> list[dict[str, Any]]:
 
     a, b = tokens(70), tokens(50)
     partial = a[:40] + tokens(30)  # matches 2 of A's 4 pages: splits A's radix node
-    fills = [tokens(127) for _ in range(6)]  # 7 pages each; the sixth evicts
+    fills = [tokens(127) for _ in range(6)]  # 7 pages each: the fifth and sixth evict
     return [
         {"prompt": a},
         {"prompt": a},
