@@ -8,10 +8,10 @@ eight bytes, big-endian, as a signed int64; the index keeps the same 64 bits uns
 radix keys are bigrams: each token is hashed with its successor, ``(t_i, t_{i+1})``, and a
 prompt of n tokens has n - 1 of them.
 
-A query's cache salt roots the chain at ``SHA-256(b"sglang-cache-salt-v1\\0" || salt)``,
-as upstream's later C++ conductor does (``hash_strategy.cpp``, ``SglangHashChain``); SGLang
-0.5.23's own events do not salt the hash (they namespace only a LoRA's blocks), so a salted
-query matches nothing of theirs, with upstream's service too.
+A request's cache salt roots the chain at ``SHA-256(b"sglang-cache-salt-v1\\0" || salt)``,
+in SGLang's events (``tests/fixtures/sglang_frames.json`` holds a salted request's) as in
+upstream's later C++ conductor's queries (``hash_strategy.cpp``, ``SglangHashChain``); an
+empty salt is none.
 
 One place for both the conductor (a profiled context's query keys) and the engine simulator
 (publishing what a real SGLang publishes).
@@ -22,6 +22,7 @@ from __future__ import annotations
 import hashlib
 import struct
 from collections.abc import Iterator, Sequence
+from itertools import islice
 
 SALT_ROOT_PREFIX = b"sglang-cache-salt-v1\x00"
 TOKEN_BYTES = 4
@@ -66,12 +67,20 @@ def _pages(packed: bytes, page_size: int, bigram: bool) -> Iterator[bytes]:
 
 
 def page_digests(
-    token_ids: Sequence[int] | bytes, page_size: int, cache_salt: str = "", bigram: bool = False
+    token_ids: Sequence[int] | bytes,
+    page_size: int,
+    cache_salt: str = "",
+    bigram: bool = False,
+    *,
+    start: int = 0,
+    parent: bytes = b"",
 ) -> Iterator[bytes]:
-    """The 32-byte digests of a prompt's complete pages, lazily: a caller that stops early
-    hashes no further (an incomplete tail is no page SGLang's radix cache can reuse)."""
-    parent = salt_root(cache_salt)
-    for page in _pages(_packed(token_ids), page_size, bigram):
+    """The 32-byte digests of a prompt's complete pages from page ``start`` on (``parent``:
+    page ``start - 1``'s digest; page 0's is the salt's root), lazily: a caller that stops
+    early hashes no further (an incomplete tail is no page SGLang's radix cache reuses)."""
+    if start == 0:
+        parent = salt_root(cache_salt)
+    for page in islice(_pages(_packed(token_ids), page_size, bigram), start, None):
         parent = hashlib.sha256(parent + page).digest()
         yield parent
 

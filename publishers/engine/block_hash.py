@@ -28,14 +28,13 @@ from __future__ import annotations
 
 import hashlib
 import os
-import sys
-from array import array
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Literal, Protocol, get_args
 
 import xxhash
 
+from conductor import sglang_hash
 from conductor.vllm_hash import cbor, low64_be, pickled
 
 HASH_ALGORITHMS = ("sha256", "sha256_cbor", "xxhash", "xxhash_cbor")
@@ -45,7 +44,6 @@ ExtraKeys = tuple[object, ...] | None
 event_hash = low64_be  # a digest as events carry it (VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES=1)
 Engine = Literal["vllm", "sglang"]  # whose cache, hashes and wire the simulator imitates
 ENGINES: tuple[Engine, ...] = get_args(Engine)
-SGLANG_SALT_TAG = b"sglang-cache-salt-v1\0"
 
 
 def hash_function(algorithm: str) -> HashFunction:
@@ -163,18 +161,6 @@ class BlockHasher:
         return digests
 
 
-def sglang_event_hash(digest: bytes) -> int:
-    """SGLang's ``hash_str_to_int64`` of a page digest, unsigned: its first eight bytes."""
-    return int.from_bytes(digest[:8], "big")
-
-
-def _uint32_le(token_ids: Sequence[int]) -> bytes:
-    tokens = array("I", token_ids)
-    if sys.byteorder == "big":
-        tokens.byteswap()
-    return tokens.tobytes()
-
-
 class SGLangBlockHasher:
     """SGLang 0.5.23's page chain (``get_hash_str`` over its native SHA-256 binding)."""
 
@@ -192,14 +178,12 @@ class SGLangBlockHasher:
         ``start - 1``'s digest); a salted chain starts from the salt's root."""
         if lora is not None:
             raise ValueError("LoRA adapters are not simulated for SGLang")
-        if start == 0 and cache_salt is not None:
-            parent = hashlib.sha256(SGLANG_SALT_TAG + cache_salt.encode("utf-8")).digest()
-        digests: list[bytes] = []
-        for index in range(start, len(token_ids) // block_size):
-            page = _uint32_le(token_ids[index * block_size : (index + 1) * block_size])
-            parent = hashlib.sha256(parent + page if parent else page).digest()
-            digests.append(parent)
-        return digests
+        salt = cache_salt or ""
+        digests = sglang_hash.page_digests(
+            token_ids, block_size, salt, start=start, parent=parent or b""
+        )
+        return list(digests)
 
     def event_hash(self, digest: bytes) -> int:
-        return sglang_event_hash(digest)
+        """SGLang's ``hash_str_to_int64`` of a page digest, unsigned: its first eight bytes."""
+        return sglang_hash.first64_be(digest)
