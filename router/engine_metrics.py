@@ -59,11 +59,14 @@ def parse_metrics(text: str, wanted: Collection[str] | None = None) -> tuple[lis
         if not line.strip() or line.startswith("#"):
             continue
         match = SAMPLE.match(line.strip())
-        if match and wanted is not None and match.group("name") not in wanted:
+        if match is None:
+            skipped += 1
             continue
-        labels = _labels(match.group("labels")) if match else None
+        if wanted is not None and match.group("name") not in wanted:
+            continue
+        labels = _labels(match.group("labels"))
         try:
-            value = float(match.group("value")) if match else math.nan
+            value = float(match.group("value"))
         except ValueError:
             value = math.nan
         if labels is None or not math.isfinite(value):

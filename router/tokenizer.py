@@ -158,9 +158,8 @@ def _token_text(value: Any) -> str | None:
     """A special token as tokenizer configs write it: a string or ``{"content": ...}``."""
     if isinstance(value, str):
         return value
-    if isinstance(value, Mapping) and isinstance(value.get("content"), str):
-        return value["content"]
-    return None
+    content = value.get("content") if isinstance(value, Mapping) else None
+    return content if isinstance(content, str) else None
 
 
 def _read_json(path: Path) -> dict[str, Any]:
@@ -372,7 +371,8 @@ def _rebuild_post_processor(
     add_eos = bool(config.get("add_eos_token")) and eos is not None
     single = f"{f'{bos}:0 ' if add_bos else ''}$A:0{f' {eos}:0' if add_eos else ''}"
     pair = f"{single}{f' {bos}:1' if add_bos else ''} $B:1{f' {eos}:1' if add_eos else ''}"
-    specials = [(t, tokenizer.token_to_id(t)) for t, on in ((bos, add_bos), (eos, add_eos)) if on]
+    chosen = ((bos, add_bos), (eos, add_eos))
+    specials = [(t, tokenizer.token_to_id(t)) for t, on in chosen if on and t is not None]
     tokenizer.post_processor = processors.TemplateProcessing(
         single=single, pair=pair, special_tokens=specials
     )
