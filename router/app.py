@@ -45,15 +45,16 @@ from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from conductor.failures import describe
-from conductor.hashing import prefix_hashes, token_bytes
+from conductor.hashing import token_bytes
 from conductor.runtime import LoopLagMonitor, SupervisedTask
 from conductor.states import StoreState
 
 from . import disagg
-from .conductor_client import MAX_TOKENS, ConductorClient, ConductorUnavailable, Hits
+from .conductor_client import ConductorClient
 from .config import LimitsSection, RouterConfig
 from .embedded import EmbeddedConductor
 from .engine_metrics import IN_FLIGHT, engine_in_flight, in_range, parse_metrics
+from .index_client import MAX_TOKENS, ConductorUnavailable, Hits, IndexClient, PromptBlocks
 from .metrics import RouterMetrics
 from .notices import Notices
 from .pending import RECHECK_S, PendingPrefixes, PendingPrompt
@@ -137,7 +138,7 @@ class Routed:
     tokenized_by: str  # given, local, engine or none (router_tokenize_total's path)
     fallback: str | None  # why the conductor's answer is missing, if it is
     started: float
-    hashes: Sequence[int]  # the prompt's block hashes, as in-flight prefixes are matched
+    prompt: PromptBlocks | None  # None: the prompt's ids are unknown
     # per instance, hit tokens a prompt in flight there added to the conductor's answer
     in_flight_hits: dict[str, int]
 
@@ -171,8 +172,7 @@ class Router:
         self._rng = random.Random()
         self._sessions: dict[str, aiohttp.ClientSession] = {}
         self._control: aiohttp.ClientSession | None = None
-        self._conductor_session: aiohttp.ClientSession | None = None
-        self.conductor: ConductorClient | EmbeddedConductor | None = None
+        self.conductor: IndexClient | None = None
         self.notices = Notices(log)
         self.lag = LoopLagMonitor(self.metrics.registry, "router")
         self.tasks: dict[str, SupervisedTask] = {}
@@ -216,15 +216,8 @@ class Router:
         if self.config.conductor.embedded:
             self.conductor = EmbeddedConductor(self.config.prefill.config)
         else:
-            # its own pool, uncapped: a query never queues behind other calls for a connection
-            self._conductor_session = aiohttp.ClientSession(
-                connector=aiohttp.TCPConnector(limit=0, keepalive_timeout=60)
-            )
-            self.conductor = ConductorClient(
-                self._conductor_session,
-                self.config.conductor,
-                self.config.prefill.config,
-                self.notices,
+            self.conductor = ConductorClient.connect(
+                self.config.conductor, self.config.prefill.config, self.notices
             )
         background: dict[str, Callable[[], Awaitable[None]]] = {
             "learn_models": self._learn_models,  # meanwhile, not after registering
@@ -244,9 +237,9 @@ class Router:
 
     async def stop(self) -> None:
         await asyncio.gather(*(task.stop() for task in self.tasks.values()), self.lag.stop())
-        if isinstance(self.conductor, EmbeddedConductor):
+        if self.conductor is not None:
             await self.conductor.close()
-        for session in [*self._sessions.values(), self._control, self._conductor_session]:
+        for session in [*self._sessions.values(), self._control]:
             if session is not None:
                 await session.close()
 
@@ -593,38 +586,29 @@ class Router:
         start = next(self._tokenizer_turn) % len(healthy)
         return healthy[start:] + healthy[:start]
 
-    async def hits(
-        self, packed: bytes | None, hashes: Sequence[int], body: dict[str, Any]
-    ) -> tuple[Hits, str | None]:
-        """The conductor's answer for the prompt (its int32-packed tokens; its block hashes
-        for the embedded index), or no hits and why (the fallback reason)."""
-        if packed is None:
+    async def hits(self, prompt: PromptBlocks | None) -> tuple[Hits, str | None]:
+        """The index's answer for the prompt, or no hits and why (the fallback reason)."""
+        if prompt is None:
             return {}, "tokenize_failed"
         assert self.conductor is not None
         asked = time.perf_counter()
         try:
-            if isinstance(self.conductor, EmbeddedConductor):
-                hits = self.conductor.query_hashes(hashes)
-            else:
-                awaiting = () if self.pending is None else self.pending.awaiting_index()
-                hits = await self.conductor.query(packed, body.get("cache_salt"), awaiting)
+            awaiting = () if self.pending is None else self.pending.awaiting_index()
+            hits = await self.conductor.hits(prompt, awaiting)
         except ConductorUnavailable:  # logged once by the client, not per request
             return {}, "conductor_unavailable"
         finally:
             self.metrics.conductor_query_seconds.observe(time.perf_counter() - asked)
-        return reusable_hits(hits, len(packed) // 4, self.params.block_size), None
+        return reusable_hits(hits, prompt.tokens, self.params.block_size), None
 
-    def prompt_hashes(self, packed: bytes | None, body: dict[str, Any]) -> Sequence[int]:
-        """The prompt's block hashes, hashed once for whatever in the router reads them (the
-        prompts in flight, the embedded index); none else (a conductor hashes them itself)."""
-        embedded = isinstance(self.conductor, EmbeddedConductor)
-        if not packed or (self.pending is None and not embedded):
-            return []
-        return prefix_hashes(packed, self.params.block_size, body.get("cache_salt") or "")
+    def prompt_blocks(self, tokens: list[int], body: dict[str, Any]) -> PromptBlocks:
+        """The prompt as the index and the prompts in flight read it (packed once: a
+        conductor is sent the int32s, the block hashes are hashed when first read)."""
+        return PromptBlocks(
+            token_bytes(tokens), self.params.block_size, body.get("cache_salt") or ""
+        )
 
-    def add_in_flight(
-        self, hits: Hits, hashes: Sequence[int], prompt_tokens: int
-    ) -> dict[str, int]:
+    def add_in_flight(self, hits: Hits, prompt: PromptBlocks) -> dict[str, int]:
         """Raise each instance's GPU hit in ``hits`` to the longest prefix of the prompt
         sent there and still pending; returns the tokens this added, per instance."""
         if self.pending is None:
@@ -632,9 +616,10 @@ class Router:
         block_size = self.params.block_size
         added: dict[str, int] = {}
         pending_hits = {
-            name: (blocks * block_size,) * 3 for name, blocks in self.pending.match(hashes).items()
+            name: (blocks * block_size,) * 3
+            for name, blocks in self.pending.match(prompt.hashes).items()
         }
-        for name, (pending, _, _) in reusable_hits(pending_hits, prompt_tokens, block_size).items():
+        for name, (pending, _, _) in reusable_hits(pending_hits, prompt.tokens, block_size).items():
             gpu, cpu, disk = hits.get(name, (0, 0, 0))
             if pending > gpu:
                 hits[name] = (pending, max(cpu, pending), max(disk, pending))
@@ -739,15 +724,13 @@ class Router:
         self.metrics.tokenized.labels(tokenized_by).inc()
         if tokens is not None and self._forwards_ids(request.path, body, tokenized_by):
             body, raw = {**body, "prompt": tokens}, with_prompt_ids(body, tokens)
-        # packed once: the conductor's query and the in-flight hashes both read the int32s
-        packed = None if tokens is None else token_bytes(tokens)
-        hashes = self.prompt_hashes(packed, body)
-        hits, fallback = await self.hits(packed, hashes, body)
-        in_flight_hits = {} if fallback else self.add_in_flight(hits, hashes, len(tokens or ()))
+        prompt = None if tokens is None else self.prompt_blocks(tokens, body)
+        hits, fallback = await self.hits(prompt)
+        in_flight_hits = {} if fallback or prompt is None else self.add_in_flight(hits, prompt)
         if fallback:
             self.metrics.fallbacks.labels(fallback).inc()
         routed = Routed(
-            body, raw, len(tokens or ()), tokenized_by, fallback, started, hashes, in_flight_hits
+            body, raw, len(tokens or ()), tokenized_by, fallback, started, prompt, in_flight_hits
         )
         self.metrics.prompt_tokens.inc(routed.prompt_tokens)
         failed: set[str] = set()
@@ -809,8 +792,8 @@ class Router:
         if added := routed.in_flight_hits.get(prefill.instance_id):
             self.metrics.in_flight_hit_tokens.inc(min(added, decision.cached_tokens))
         pending = (
-            self.pending.add(prefill.instance_id, routed.hashes)
-            if self.pending is not None
+            self.pending.add(prefill.instance_id, routed.prompt.hashes)
+            if self.pending is not None and routed.prompt is not None
             else None
         )
         queued_before = prefill.queued_prefill_tokens - new_tokens
@@ -1116,8 +1099,8 @@ class Router:
 
     async def prometheus(self, request: web.Request) -> web.Response:
         body = generate_latest(self.metrics.registry)
-        if isinstance(self.conductor, EmbeddedConductor):  # its index's series, conductor_*
-            body += self.conductor.metrics.render()
+        if self.conductor is not None:  # the embedded index's series, conductor_*
+            body += self.conductor.exposition()
         response = web.Response(body=body)
         response.content_type = CONTENT_TYPE_LATEST.split(";")[0]
         return response

@@ -35,7 +35,6 @@ import logging
 import math
 import time
 from collections.abc import Awaitable, Callable, Collection, Sequence
-from enum import StrEnum
 from typing import Any, TypeVar
 
 import aiohttp
@@ -46,27 +45,15 @@ from conductor.failures import describe
 from conductor.states import StoreState
 
 from .config import ConductorSection, PrefillInstance, PrefillModelConfig
+from .index_client import MAX_TOKENS, ConductorState, ConductorUnavailable, Hits, PromptBlocks
 from .notices import Notices
 
 log = logging.getLogger(__name__)
 
 MSGPACK = "application/msgpack"
-Hits = dict[str, tuple[int, int, int]]
-MAX_TOKENS = 2**31 - 1  # the Go API's int32: a larger hit is no hit this router believes
 MAX_LATE_CALLS = 32  # late answers still read in the background; past it, calls are cut
 MAX_PROGRESS_OF = 64  # instances a query asks the indexing progress of
 T = TypeVar("T")
-
-
-class ConductorState(StrEnum):
-    """One conductor as ``/health`` shows it: ``down`` while its calls fail."""
-
-    UP = "up"
-    DOWN = "down"
-
-
-class ConductorUnavailable(Exception):
-    """No usable answer in time: the caller falls back to a load-only policy."""
 
 
 class RegistrationRefused(Exception):
@@ -75,6 +62,8 @@ class RegistrationRefused(Exception):
 
 
 class ConductorClient:
+    """The conductor services as the router's index (``index_client.IndexClient``)."""
+
     def __init__(
         self,
         session: aiohttp.ClientSession,
@@ -96,6 +85,24 @@ class ConductorClient:
         self._late: set[asyncio.Future[Any]] = set()  # calls past their timeout, still read
         self._indexed_until: dict[str, float] = {}  # instance -> as the conductor last said
         self._progress_turns = itertools.count()
+
+    @classmethod
+    def connect(
+        cls, section: ConductorSection, model: PrefillModelConfig, notices: Notices
+    ) -> ConductorClient:
+        """A client with a connection pool of its own, uncapped: a query never queues behind
+        other calls for a connection."""
+        session = aiohttp.ClientSession(
+            connector=aiohttp.TCPConnector(limit=0, keepalive_timeout=60)
+        )
+        return cls(session, section, model, notices)
+
+    async def close(self) -> None:
+        await self._session.close()
+
+    def exposition(self) -> bytes:
+        """Nothing: a conductor service's series are on its own ``/metrics``."""
+        return b""
 
     def indexed_until(self, instance_id: str) -> float | None:
         """The conductor held everything the instance published up to this time (the
@@ -318,6 +325,10 @@ class ConductorClient:
                 raise ConductorUnavailable(f"health failed: {describe(error)}") from None
 
         return parse_store_states(await self._ask("health", health))
+
+    async def hits(self, prompt: PromptBlocks, progress_of: Collection[str]) -> Hits:
+        """``query`` with the prompt's packed ids: the conductor hashes them itself."""
+        return await self.query(prompt.packed, prompt.cache_salt, progress_of)
 
     async def query(
         self, packed: bytes, cache_salt: str | None = None, progress_of: Collection[str] = ()

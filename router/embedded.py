@@ -5,25 +5,25 @@ conductor's own subscribers, sequence tracking, replays and ``PrefixCacheTable``
 the table in-process: no HTTP hop per request (about 1 ms of the router's overhead, and the
 conductor's CPU to parse the query), one process less to run. The price: the router's event
 loop also applies the events (in steps of ~0.5 ms, as the service does), and other routers
-or tools cannot share this index. It has ``ConductorClient``'s interface, but is asked with
-the prompt's block hashes.
+or tools cannot share this index. It is the router's index as ``ConductorClient`` is
+(``index_client.IndexClient``), but reads a prompt's block hashes, where a conductor is sent
+its ids.
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
-from typing import cast
+from collections.abc import Collection, Sequence
 
 from conductor.config import ConductorConfig, Registration
-from conductor.hashing import PrefixHash
 from conductor.index import ContextKey
 from conductor.manager import RegistrationConflict, RegistrationFailed, StreamLimits
 from conductor.service import index_manager
 from conductor.states import StoreState
 
-from .conductor_client import ConductorState, Hits, registration_bodies
+from .conductor_client import registration_bodies
 from .config import PrefillInstance, PrefillModelConfig
+from .index_client import ConductorState, Hits, PromptBlocks
 
 log = logging.getLogger(__name__)
 EMBEDDED = "embedded"  # its name where the router lists its conductors
@@ -69,16 +69,20 @@ class EmbeddedConductor:
     async def store_states(self, timeout: float) -> dict[str, StoreState]:
         return {kv_store: view["state"] for kv_store, view in self.manager.stores.view().items()}
 
-    def query_hashes(self, hashes: Sequence[int]) -> Hits:
-        """The hits of a prompt the router hashed already (``prefix_hashes``, salted with
-        its ``cache_salt``): it needs the hashes for its prompts in flight too."""
-        matches = self.table.match_prefix_hashes(self._context, cast(Sequence[PrefixHash], hashes))
+    async def hits(self, prompt: PromptBlocks, progress_of: Collection[str]) -> Hits:
+        """The prompt's hits by its block hashes, which the router's prompts in flight read
+        too (hashed once); the progress of every instance is known here anyway."""
+        matches = self.table.match_prefix_hashes(self._context, prompt.hashes)
         return {name: (m.gpu, m.cpu, m.disk) for name, m in (matches or {}).items()}
 
     def indexed_until(self, instance_id: str) -> float | None:
         """The index holds every event the instance published up to this time (its clock;
         None: not known yet)."""
         return self.manager.indexed_until(instance_id, self._context.tenant_id)
+
+    def exposition(self) -> bytes:
+        """The index's series (``conductor_*``), served on the router's ``/metrics``."""
+        return self.metrics.render()
 
     async def close(self) -> None:
         await self.manager.close()

@@ -21,7 +21,6 @@ from aiohttp import web
 from aiohttp.test_utils import TestServer
 from multidict import CIMultiDict
 
-from conductor.hashing import token_bytes
 from publishers.local import LocalService
 from router.pending import GRACE_S
 from tests.router.inprocess import ServedRouter, layout
@@ -300,7 +299,7 @@ async def test_a_finished_prompt_counts_as_in_flight_until_the_index_has_it(
         request = {"model": MODEL, "prompt": prompt}
         async with http.post(f"{fleet.engines['a'].url}/tokenize", json=request) as response:
             ids = (await response.json())["tokens"]
-        return pending.match(router.prompt_hashes(token_bytes(ids), {}))
+        return pending.match(router.prompt_blocks(ids, {}).hashes)
 
     async def after_another_request() -> dict[str, int]:
         assert (await complete(http, served, "Another, unrelated " * 20))[0] == 200

@@ -1,0 +1,108 @@
+"""Stage 3's interface: what the router asks of the KV-cache index, whichever it is, a
+conductor service over HTTP (``conductor_client.ConductorClient``) or the index inside the
+router (``embedded.EmbeddedConductor``).
+
+Both answer the same questions (a prompt's hits per instance, how far the index has got,
+the stores' states, whether it can be asked at all) and take the same reports (the
+streams to subscribe to, engines out of rotation), so nothing else in the router needs to
+know which one it has.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Collection, Sequence
+from enum import StrEnum
+from typing import Protocol
+
+from conductor.hashing import PrefixHash, prefix_hashes
+from conductor.states import StoreState
+
+from .config import PrefillInstance
+
+Hits = dict[str, tuple[int, int, int]]  # instance -> cumulative (GPU, CPU, DISK) hit, tokens
+MAX_TOKENS = 2**31 - 1  # the Go API's int32: a larger count is no count this router believes
+
+
+class ConductorState(StrEnum):
+    """One conductor as ``/health`` shows it: ``down`` while its calls fail."""
+
+    UP = "up"
+    DOWN = "down"
+
+
+class ConductorUnavailable(Exception):
+    """No usable answer in time: the caller falls back to a load-only policy."""
+
+
+class PromptBlocks:
+    """A prompt as an index reads it: its ids packed as int32 (what a conductor is sent, and
+    hashes itself) and its block hashes, salted with its ``cache_salt`` (what the embedded
+    index and the prompts in flight compare), hashed once, when first read."""
+
+    __slots__ = ("packed", "cache_salt", "_block_size", "_hashes")
+
+    def __init__(self, packed: bytes, block_size: int, cache_salt: str) -> None:
+        self.packed = packed
+        self.cache_salt = cache_salt
+        self._block_size = block_size
+        self._hashes: list[PrefixHash] | None = None
+
+    @property
+    def tokens(self) -> int:
+        return len(self.packed) // 4
+
+    @property
+    def hashes(self) -> Sequence[PrefixHash]:
+        """One chained hash per complete block, as the conductor computes them."""
+        if self._hashes is None:
+            self._hashes = prefix_hashes(self.packed, self._block_size, self.cache_salt)
+        return self._hashes
+
+
+class IndexClient(Protocol):
+    """The index the router asks for hits and tells what it sees."""
+
+    async def hits(self, prompt: PromptBlocks, progress_of: Collection[str]) -> Hits:
+        """Each instance's cumulative (GPU, CPU, DISK) hit on ``prompt``; ``progress_of``:
+        instances whose indexing progress (``indexed_until``) to learn too. Raises
+        ConductorUnavailable without an answer in time."""
+        ...
+
+    def indexed_until(self, instance_id: str) -> float | None:
+        """The index holds everything the instance published up to this time (the engine's
+        clock); None: not known."""
+        ...
+
+    async def register(self, instances: Sequence[PrefillInstance]) -> bool:
+        """Have the index follow every event stream of ``instances`` (idempotent); True
+        when it follows all of them."""
+        ...
+
+    async def report_instance(
+        self, instance_id: str, down: bool, ttl_s: float, reason: str
+    ) -> None:
+        """An instance is out of rotation (``down``, for ``ttl_s``) or back: its blocks stop
+        counting, or count again. Never raises."""
+        ...
+
+    async def store_states(self, timeout: float) -> dict[str, StoreState]:
+        """Each Mooncake store's state as the index knows it; raises ConductorUnavailable
+        without an answer."""
+        ...
+
+    def states(self) -> dict[str, ConductorState]:
+        """Each conductor asked, as ``/health`` lists them."""
+        ...
+
+    def degraded_reasons(self) -> list[str]:
+        """Why the index cannot be asked now (``/health``); empty while it can."""
+        ...
+
+    def exposition(self) -> bytes:
+        """The index's own series for the router's ``/metrics``, in Prometheus's text
+        format (empty when they live elsewhere)."""
+        ...
+
+    async def close(self) -> None:
+        """Release its connections or subscriptions."""
+        ...
