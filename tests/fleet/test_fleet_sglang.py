@@ -16,7 +16,7 @@ import pytest
 
 from fleet.plan import make_plan
 from fleet.service import ServicePlan
-from fleet.spec import FleetSpec
+from fleet.spec import FleetSpec, load
 from fleet.supervisor import ChildProcess
 
 MIXED = {
@@ -171,3 +171,10 @@ async def test_a_service_stops_through_its_main_process_and_its_shm_files_go(
     finally:
         unrelated.unlink(missing_ok=True)
         held.unlink(missing_ok=True)
+
+
+@pytest.mark.parametrize("name", ["fleet-sglang.json", "fleet-mixed.json"])
+def test_the_example_fleet_files_hold(tmp_path: Path, name: str) -> None:
+    spec = load(Path(__file__).parents[2] / "config" / name)
+    kinds = {engine.kind for engine in spec.engines}
+    assert "sglang" in kinds and make_plan(spec, tmp_path, tmp_path / "model").engines
