@@ -9,6 +9,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from .policy import PrefillCostModel
 from .prompt_encoder import PromptEncoder
 
 # realized − predicted cached tokens: symmetric around 0 (le=0 minus le=-1 is "exact").
@@ -228,6 +229,15 @@ class RouterMetrics:
 
     def watch_encoder(self, encoder: PromptEncoder) -> None:
         self.registry.register(_EncoderCollector(encoder))
+
+    def rejected(self, value: str, count: int = 1) -> None:
+        """``count`` numbers or answers of kind ``value`` an engine sent were ignored."""
+        if count:
+            self.rejected_values.labels(value).inc(count)
+
+    def publish_cost_model(self, model: PrefillCostModel) -> None:
+        for name in ("per_token_s", "store_bytes_per_token", "store_bandwidth_bytes_s"):
+            self.cost_model.labels(name).set(getattr(model, name))
 
     def record_cache_use(self, instance: str, predicted: int, realized: int | None) -> None:
         """One answered request: the conductor's prediction against the engine's report."""

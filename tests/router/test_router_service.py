@@ -299,7 +299,7 @@ async def test_a_finished_prompt_counts_as_in_flight_until_the_index_has_it(
         request = {"model": MODEL, "prompt": prompt}
         async with http.post(f"{fleet.engines['a'].url}/tokenize", json=request) as response:
             ids = (await response.json())["tokens"]
-        return pending.match(router.prompt_blocks(ids, {}).hashes)
+        return pending.match(router.lookup.blocks(ids, "").hashes)
 
     async def after_another_request() -> dict[str, int]:
         assert (await complete(http, served, "Another, unrelated " * 20))[0] == 200
@@ -311,7 +311,7 @@ async def test_a_finished_prompt_counts_as_in_flight_until_the_index_has_it(
     await asyncio.sleep(GRACE_S + 0.5)
     assert (await in_flight(first)).get("a", 0) > 0  # kept past the Go conductor's grace
     await eventually(after_another_request, lambda match: match == {})
-    until = router.conductor.indexed_until("a")
+    until = router.index.indexed_until("a")
     assert until is not None and until <= time.time()
 
 

@@ -11,12 +11,13 @@ from prometheus_client import CollectorRegistry, Counter, generate_latest
 from conductor.config import load_config
 from router import config as router_config
 from router import disagg
-from router.app import Router, served_models
+from router.app import Router
 from router.conductor_client import parse_hits, parse_store_states
 from router.engine_metrics import engine_in_flight, parse_metrics
 from router.policy import POLICIES, REGISTRY, PrefillCostModel
 from router.pool import CostLearner, InstancePool
 from router.store import StoreLoads, store_loads
+from router.upkeep import served_models
 from tests.conftest import REPO
 from tests.router.inprocess import layout
 from tests.router.vllm_metrics import VllmStoreMetrics
@@ -377,8 +378,8 @@ def test_a_longer_prefix_left_elsewhere_is_counted_as_forgone(policy, forgone):
     config = layout(["http://127.0.0.1:9", "http://127.0.0.1:10"], routing={"policy": policy})
     router = Router(router_config.RouterConfig.model_validate(config))
     hits = {"e0": (32, 64, 64), "e1": (0, 0, 0)}
-    candidates = router.candidates(hits, set())
-    chosen = [router.decide(100, candidates, None).instance_id for _ in range(3)]
+    candidates = router.decider.candidates(hits, set())
+    chosen = [router.decider.decide(100, candidates, None).instance_id for _ in range(3)]
     assert chosen == (["e0"] * 3 if policy == "max_prefix" else ["e0", "e1", "e0"])
     # round robin takes e0's GPU hit alone (32 of its 64), and e1's nothing
     registry = router.metrics.registry

@@ -1,0 +1,332 @@
+"""Stage 2 of a request: the prompt's token ids, and where they came from.
+
+Ids given in the request are taken as they are. Otherwise the router's own tokenizer
+(``tokenizer.LocalTokenizer``, the model directory's HF tokenizer and chat template) encodes
+the prompt, on each endpoint once an engine's ``/tokenize`` agreed with it on probe prompts
+(``verify``, run by the background upkeep); else an engine's ``/tokenize`` is asked (a slow
+one is a timeout and the next engine is asked, never taken for a dead engine). A completion
+whose text the router tokenized goes to the engine as those ids, so it does not tokenize the
+prompt a second time.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import json
+import logging
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import Annotated, Any
+
+import aiohttp
+import msgspec
+
+from conductor.failures import describe
+
+from .client_request import ClientRequest, Endpoint
+from .config import RouterConfig
+from .errors import ApiError, upstream_message
+from .index_client import MAX_TOKENS
+from .metrics import RouterMetrics
+from .pool import InstancePool, Upstream
+from .rotation import Rotation
+from .sessions import UpstreamSessions
+from .tokenizer import InvalidPrompt, LocalTokenizer, Unsupported, probes
+
+log = logging.getLogger("router.app")  # the router's lines keep their logger (docs/router.md)
+
+TOKENIZED_BY = "x-conductor-tokenized-by"  # the answer's header: given, local, engine, none
+TOKENIZE_ATTEMPTS = 3  # engines asked for a prompt's tokens before routing without them
+# a body past this many bytes is tokenized in a worker thread (HF tokenizers release the
+# GIL): about 5k tokens, a few ms of encoding. A smaller one is encoded on the loop when it
+# is the only request being routed (no thread hop); in a burst every one goes to a thread,
+# so the encodings run on every core and the loop keeps reading the conductor's answers
+INLINE_TOKENIZE_BYTES = 16 * 1024
+
+
+class _TokenizeAnswer(msgspec.Struct):
+    """An engine's ``/tokenize`` answer: the ids (its other fields are not read)."""
+
+    tokens: list[Annotated[int, msgspec.Meta(ge=0, le=MAX_TOKENS)]]
+
+
+_TOKENIZE_ANSWER = msgspec.json.Decoder(_TokenizeAnswer)
+
+
+@dataclass(frozen=True, slots=True)
+class Tokenized:
+    """A request's prompt ids (None: no engine could say), where they came from, and the
+    request as the engine gets it (a completion's text as the router's ids)."""
+
+    request: ClientRequest
+    tokens: list[int] | None
+    by: str  # given, local, engine or none (router_tokenize_total's path)
+
+    @property
+    def count(self) -> int:
+        return len(self.tokens or ())
+
+
+class PromptTokenizer:
+    def __init__(
+        self,
+        config: RouterConfig,
+        metrics: RouterMetrics,
+        pool: InstancePool,
+        sessions: UpstreamSessions,
+        rotation: Rotation,
+    ) -> None:
+        self._settings = config.tokenizer
+        self._modelname = config.prefill.config.modelname
+        self._max_tokens = config.limits.max_json_items
+        self._timeout_s = config.upstream.tokenize_timeout_seconds
+        self._metrics = metrics
+        self._pool = pool
+        self._sessions = sessions
+        self._rotation = rotation
+        self._tokenizing = 0  # prompts being tokenized by the local tokenizer
+        self._turn = itertools.count()  # spreads /tokenize calls over the engines
+        directory = self._settings.directory(self._modelname)
+        # raises TokenizerUnavailable (a ValueError) for a directory it cannot read
+        self.local = (
+            LocalTokenizer.load(directory, self._settings.chunk_cache_tokens)
+            if directory is not None
+            else None
+        )
+        if self.local is not None and self.local.encoder is not None:
+            metrics.watch_encoder(self.local.encoder)
+        # the endpoints whose prompts the local tokenizer encodes: once an engine agreed
+        self.trusted: set[Endpoint] = set() if self._settings.verify else set(Endpoint)
+        self._unverified = {Endpoint.COMPLETIONS}
+        if self.local is not None and self.local.chat_unsupported:
+            log.info("chat prompts go to the engines' /tokenize: %s", self.local.chat_unsupported)
+        else:
+            self._unverified.add(Endpoint.CHAT)
+
+    @property
+    def verifies(self) -> bool:
+        """Whether the local tokenizer waits for an engine's word (``verify``)."""
+        return self.local is not None and self._settings.verify
+
+    def publish(self) -> None:
+        """``router_local_tokenizer_active``: which endpoints the router tokenizes itself."""
+        for endpoint in Endpoint:
+            active = self.local is not None and endpoint in self.trusted
+            self._metrics.local_tokenizer.labels(endpoint.value).set(int(active))
+
+    # -- a request's prompt --------------------------------------------------------------
+    async def tokenize(self, request: ClientRequest) -> Tokenized:
+        """The prompt's token ids and where they came from: given in the request, the
+        router's own tokenizer, else a prefill instance's ``/tokenize``; None when no
+        instance could say. Counted in ``router_tokenize_total`` and the prompt tokens."""
+        tokens, by = await self._ids(request)
+        self._metrics.tokenized.labels(by).inc()
+        self._metrics.prompt_tokens.inc(len(tokens or ()))
+        if tokens is not None and self._forwards_ids(request, by):
+            request = request.with_prompt_ids(tokens)
+        return Tokenized(request, tokens, by)
+
+    async def _ids(self, request: ClientRequest) -> tuple[list[int] | None, str]:
+        prompt = request.body.get("prompt")
+        if isinstance(prompt, list) and prompt:
+            try:  # checks every id in C: several times faster than a Python loop
+                return msgspec.convert(prompt, list[int], strict=True), "given"
+            except msgspec.ValidationError:  # not ids, or one past 64 bits (still ids)
+                if all(type(t) is int for t in prompt):
+                    return prompt, "given"
+        endpoint = request.endpoint
+        if self.local is not None and endpoint in self.trusted:
+            try:
+                tokens = await self._encode(endpoint, request.body, len(request.raw))
+            except Unsupported as unsupported:
+                self._metrics.local_skipped.labels(unsupported.reason).inc()
+            except InvalidPrompt as invalid:
+                raise ApiError(400, str(invalid), param=_prompt_field(endpoint)) from None
+            else:
+                self._check_prompt_length(len(tokens))
+                return tokens, "local"
+        engines_ids = await self._ask_engines(endpoint, request.body)
+        return engines_ids, "none" if engines_ids is None else "engine"
+
+    def _forwards_ids(self, request: ClientRequest, by: str) -> bool:
+        """Whether the engine gets the router's ids instead of the prompt's text: saves it
+        tokenizing the prompt again (~2 µs a token) where the ids are surely its own."""
+        return (
+            by == "local"
+            and self._settings.forward_token_ids
+            and not request.endpoint.chat  # vLLM's chat takes no ids
+            and not request.body.get("echo")
+        )
+
+    async def _encode(self, endpoint: Endpoint, body: dict[str, Any], size: int) -> list[int]:
+        assert self.local is not None
+        self._tokenizing += 1
+        try:
+            if size <= INLINE_TOKENIZE_BYTES and self._tokenizing == 1:
+                return self.local.prompt_ids(endpoint.chat, body)
+            return await asyncio.to_thread(self.local.prompt_ids, endpoint.chat, body)
+        finally:
+            self._tokenizing -= 1
+
+    def _check_prompt_length(self, tokens: int) -> None:
+        limit = self._max_tokens
+        if tokens >= limit:
+            raise ApiError(400, f"the prompt is over the router's limit of {limit} tokens")
+
+    async def _ask_engines(self, endpoint: Endpoint, body: dict[str, Any]) -> list[int] | None:
+        request: dict[str, Any] = {"model": body.get("model")}
+        field = _prompt_field(endpoint)
+        request[field] = body.get(field)
+        async for _, status, raw in self.engines_tokenize(json.dumps(request).encode(), {}):
+            tokens = self._ids_in(status, raw)
+            if tokens is not None:
+                return tokens
+        return None
+
+    # -- vLLM's /tokenize ----------------------------------------------------------------
+    async def local_answer(self, request: ClientRequest) -> dict[str, Any] | None:
+        """vLLM's ``/tokenize`` answer from the local tokenizer; None when it cannot give
+        the engines' answer (not trusted on this endpoint, a request it leaves to them, the
+        model's ``max_model_len`` unknown)."""
+        max_model_len = self._pool.max_model_len(request.model or self._modelname)
+        want_strs = request.body.get("return_token_strs")
+        if (
+            self.local is None
+            or request.endpoint not in self.trusted
+            or max_model_len is None
+            or not (want_strs is None or type(want_strs) is bool)
+        ):
+            return None
+        try:
+            tokens = await self._encode(request.endpoint, request.body, len(request.raw))
+        except Unsupported as unsupported:
+            self._metrics.local_skipped.labels(unsupported.reason).inc()
+            return None
+        except InvalidPrompt as invalid:
+            raise ApiError(400, str(invalid), param=_prompt_field(request.endpoint)) from None
+        return {
+            "count": len(tokens),
+            "max_model_len": max_model_len,
+            "tokens": tokens,
+            "token_strs": self.local.token_strs(tokens) if want_strs else None,
+        }
+
+    async def engines_tokenize(
+        self, payload: bytes, headers: dict[str, str]
+    ) -> AsyncIterator[tuple[Upstream, int, bytes]]:
+        """Healthy prefill instances' ``/tokenize`` answers (status, body), one at a time,
+        at most ``TOKENIZE_ATTEMPTS`` asked. A slow one is counted and skipped, never taken
+        for dead; one that refuses the connection is out of rotation until probed."""
+        for upstream in self._in_turn()[:TOKENIZE_ATTEMPTS]:
+            try:
+                status, raw = await self._engine_tokenize(upstream, payload, headers)
+            except TimeoutError:
+                self._metrics.timeouts.labels(upstream.instance_id, "tokenize").inc()
+                continue
+            except aiohttp.ClientConnectionError as error:
+                self._rotation.take_out(upstream, f"/tokenize: {describe(error)}")
+                continue
+            except aiohttp.ClientError:
+                continue
+            yield upstream, status, raw
+
+    async def _engine_tokenize(
+        self, upstream: Upstream, payload: bytes, headers: dict[str, str]
+    ) -> tuple[int, bytes]:
+        """One engine's ``/tokenize`` answer, within the tokenize timeout however the
+        engine trickles it."""
+        async with asyncio.timeout(self._timeout_s):
+            async with self._sessions.to(upstream).post(
+                "/tokenize", data=payload, headers={**headers, "Content-Type": "application/json"}
+            ) as response:
+                return response.status, await response.read()
+
+    def _ids_in(self, status: int, raw: bytes) -> list[int] | None:
+        """The token ids of an engine's ``/tokenize`` answer; None for an answer of another
+        shape (counted) or a 5xx; its 4xx is the client's error."""
+        if 400 <= status < 500:
+            raise ApiError(status, upstream_message(raw.decode(errors="replace")))
+        if status != 200:
+            return None
+        self._check_prompt_length(raw.count(b","))
+        try:  # parsed and every id checked in C
+            return _TOKENIZE_ANSWER.decode(raw).tokens
+        except msgspec.MsgspecError:
+            self._metrics.rejected("tokenize_answer")
+            return None
+
+    def _in_turn(self) -> list[Upstream]:
+        """The healthy prefill instances, starting at the next one in turn."""
+        healthy = [u for u in self._pool.prefill.values() if u.healthy]
+        if not healthy:
+            return []
+        start = next(self._turn) % len(healthy)
+        return healthy[start:] + healthy[:start]
+
+    # -- trusting the local tokenizer ----------------------------------------------------
+    async def verify(self) -> bool:
+        """One round: an engine's ``/tokenize`` against the local ids on every probe of each
+        endpoint not settled yet. Trusted where they all agree; a mismatch (or an engine that
+        cannot tokenize chat) leaves that endpoint with the engines for good. True once
+        every endpoint is settled."""
+        for upstream in self._in_turn()[:1]:
+            for endpoint in [e for e in Endpoint if e in self._unverified]:
+                verdict = await self._agrees(upstream, endpoint)
+                if verdict is not None:
+                    self._unverified.discard(endpoint)
+                if verdict:
+                    self.trusted.add(endpoint)
+                    log.info("tokenizing %s prompts in the router", endpoint)
+            self.publish()
+        return not self._unverified
+
+    async def _agrees(self, upstream: Upstream, endpoint: Endpoint) -> bool | None:
+        """Whether ``upstream``'s /tokenize gives the local ids for every probe of the
+        endpoint; None when it did not answer (asked again later)."""
+        assert self.local is not None
+        for chat, body in probes(self.local, self._modelname):
+            if chat != endpoint.chat:
+                continue
+            try:
+                engine: Any = await self._tokenize_on(upstream, body)
+            except ApiError as error:  # the engine refuses it: so must the router
+                engine = error.message
+            except (aiohttp.ClientError, TimeoutError, ValueError):
+                return None
+            if engine is None:
+                return None
+            try:
+                local: Any = self.local.prompt_ids(chat, body)
+            except Unsupported as unsupported:
+                local = f"unsupported: {unsupported.reason}"
+            if engine != local:
+                log.warning(
+                    "the router's tokenizer disagrees with instance=%s on a %s probe (%s): "
+                    "those prompts keep going to the engines' /tokenize",
+                    upstream.instance_id, endpoint, _difference(local, engine),
+                )  # fmt: skip
+                return False
+        return True
+
+    async def _tokenize_on(self, upstream: Upstream, request: dict[str, Any]) -> list[int] | None:
+        """One engine's ``/tokenize`` ids (``_ids_in``)."""
+        return self._ids_in(
+            *await self._engine_tokenize(upstream, json.dumps(request).encode(), {})
+        )
+
+
+def _prompt_field(endpoint: Endpoint) -> str:
+    """The body field that holds an endpoint's prompt."""
+    return "messages" if endpoint.chat else "prompt"
+
+
+def _difference(local: Any, engine: Any) -> str:
+    """Where the router's ids first differ from an engine's answer, for the log."""
+    if not isinstance(engine, list) or not isinstance(local, list):
+        return f"the router has {local!r:.100}, the engine answered {engine!r:.200}"
+    at = next((i for i, (a, b) in enumerate(zip(local, engine, strict=False)) if a != b), None)
+    at = min(len(local), len(engine)) if at is None else at
+    return (
+        f"first difference at token {at}: router {local[at : at + 5]} engine {engine[at : at + 5]}"
+    )
