@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any
 
 import aiohttp
+from multidict import CIMultiDictProxy
 from tokenizers import Tokenizer
 
 from tests.support.api import eventually, metric
@@ -134,7 +135,9 @@ def url(services: Mapping[str, Any], name: str) -> str:
     return services[name]["url"]
 
 
-async def engine_tokens(http: aiohttp.ClientSession, engine: str, body: dict) -> list[int]:
+async def engine_tokens(
+    http: aiohttp.ClientSession, engine: str, body: dict[str, Any]
+) -> list[int]:
     """The prompt's token ids as the engine itself makes them (chat template included)."""
     request = {"model": body["model"]}
     if "messages" in body:
@@ -146,7 +149,9 @@ async def engine_tokens(http: aiohttp.ClientSession, engine: str, body: dict) ->
         return (await response.json())["tokens"]
 
 
-async def served(http: aiohttp.ClientSession, base: str, path: str, body: dict) -> tuple:
+async def served(
+    http: aiohttp.ClientSession, base: str, path: str, body: dict[str, Any]
+) -> tuple[CIMultiDictProxy[str], int]:
     """(headers, cached tokens the engine reported), streamed or not; ``base`` is the
     router or an engine."""
     async with http.post(f"{base}{path}", json=body) as response:
