@@ -32,6 +32,9 @@ SGLANG_EXTENSIONS_DIR = "~/.cache/mooncake/sglang-torch-extensions"
 # what an SGLang server leaves in /dev/shm: its load-snapshot file on every stop, and
 # multiprocessing's semaphores after a kill
 SGLANG_SHM_PREFIXES = ("/dev/shm/sglang_loads_", "/dev/shm/sem.mp-")
+# what a vLLM server leaves there: Python shared-memory segments (~160 and ~240 MiB each)
+# and semaphores, on every stop
+VLLM_SHM_PREFIXES = ("/dev/shm/psm_", "/dev/shm/sem.mp-")
 # how the router registers each kind's event stream with the conductor (the simulator
 # publishes vLLM's layout)
 REGISTRATION_TYPES = {"vllm": "vLLM", "sglang": "SGLang", "sim": "vLLM"}
@@ -212,6 +215,7 @@ def _engine_plan(
         events_endpoint=events,
         replay_endpoint=replay,
         tmp_dir=tmp_dir,
+        shm_prefixes=VLLM_SHM_PREFIXES if engine.kind == "vllm" else (),
     )
 
 

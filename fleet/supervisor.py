@@ -126,18 +126,6 @@ class ChildProcess:
                 total += process.memory_info().rss
         return total
 
-    def _held_shm_files(self, tree: list[psutil.Process]) -> set[Path]:
-        """The files in /dev/shm with the plan's prefixes that ``tree`` holds open or
-        mapped: this service's own, whatever other processes keep there."""
-        prefixes = self.plan.shm_prefixes
-        held: set[Path] = set()
-        for process in tree:
-            with contextlib.suppress(psutil.Error):
-                paths = [f.path for f in process.open_files()]
-                paths += [m.path for m in process.memory_maps()]
-                held |= {Path(path) for path in paths if path.startswith(prefixes)}
-        return held
-
     async def stop(self, timeout: float = STOP_TIMEOUT_S) -> None:
         """SIGTERM to the whole tree (or, with ``stop_main_only``, to the main process while
         it runs), SIGKILL to what is left after ``timeout``; then the plan's files in
@@ -150,7 +138,9 @@ class ChildProcess:
         descendants = self._descendants()
         shm_files: set[Path] = set()
         if self.plan.shm_prefixes:
-            shm_files = await asyncio.to_thread(self._held_shm_files, self._tree())
+            shm_files = await asyncio.to_thread(
+                held_shm_files, self._tree(), self.plan.shm_prefixes
+            )
         main_only = self.plan.stop_main_only and self.process.returncode is None
         if self.process.returncode is None:
             self.process.terminate()
@@ -180,6 +170,18 @@ class ChildProcess:
     def last_log_line(self) -> str:
         tail = self.log_tail(1).strip()
         return tail[:120]
+
+
+def held_shm_files(tree: list[psutil.Process], prefixes: tuple[str, ...]) -> set[Path]:
+    """The files in /dev/shm with these prefixes that ``tree`` holds open or mapped: what it
+    will leave there, whatever other processes keep there."""
+    held: set[Path] = set()
+    for process in tree:
+        with contextlib.suppress(psutil.Error):
+            paths = [f.path for f in process.open_files()]
+            paths += [m.path for m in process.memory_maps()]
+            held |= {Path(path) for path in paths if path.startswith(prefixes)}
+    return held
 
 
 async def wait_until_healthy(

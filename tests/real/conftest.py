@@ -25,10 +25,10 @@ import aiohttp
 import psutil
 import pytest
 
-from fleet.plan import make_plan
+from fleet.plan import VLLM_SHM_PREFIXES, make_plan
 from fleet.service import ServicePlan
 from fleet.spec import FleetSpec
-from fleet.supervisor import child_environment
+from fleet.supervisor import child_environment, held_shm_files
 from fleet.tiny_model import write_tiny_model
 from tests.support.fleet import FleetProcess
 from tests.support.parts import SGLANG_PYTHON, VLLM_PYTHON
@@ -93,6 +93,11 @@ def real_fleet(tmp_path_factory: pytest.TempPathFactory, model_dir: Path) -> Ite
         yield services
 
 
+def _remove(paths: set[Path]) -> None:
+    for path in paths:
+        path.unlink(missing_ok=True)
+
+
 def processes_mentioning(text: str) -> list[psutil.Process]:
     found = []
     for process in psutil.process_iter(["cmdline"]):
@@ -150,20 +155,32 @@ class RealEngine:
         raise TimeoutError(f"vLLM not healthy:\n{self.log_tail()}")
 
     def kill(self) -> None:
-        """SIGKILL to the whole process group: the engine dies as in a crash."""
+        """SIGKILL to the whole process group: the engine dies as in a crash (what it left
+        in /dev/shm goes too)."""
         if self.process is not None and self.process.poll() is None:
+            left = self._shm_files()
             os.killpg(self.process.pid, signal.SIGKILL)
             self.process.wait(10)
+            _remove(left)
 
     def stop(self) -> None:
         if self.process is not None and self.process.poll() is None:
+            left = self._shm_files()
             os.killpg(self.process.pid, signal.SIGTERM)
             try:
                 self.process.wait(30)
             except subprocess.TimeoutExpired:
                 self.kill()
+            _remove(left)
         if self.plan.tmp_dir is not None:
             shutil.rmtree(self.plan.tmp_dir, ignore_errors=True)
+
+    def _shm_files(self) -> set[Path]:
+        assert self.process is not None
+        with contextlib.suppress(psutil.Error):
+            main = psutil.Process(self.process.pid)
+            return held_shm_files([main, *main.children(recursive=True)], VLLM_SHM_PREFIXES)
+        return set()
 
     def log_tail(self, lines: int = 30) -> str:
         return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
