@@ -18,7 +18,13 @@ SAMPLE = re.compile(
     r"^(?P<name>[a-zA-Z_:][a-zA-Z0-9_:]*)(?:\{(?P<labels>[^}]*)\})?\s+(?P<value>\S+)(?:\s+\S+)?$"
 )
 LABEL = re.compile(r'\s*([a-zA-Z_][a-zA-Z0-9_]*)\s*=\s*"((?:[^"\\]|\\.)*)"\s*,?')
-IN_FLIGHT = ("vllm:num_requests_running", "vllm:num_requests_waiting")
+# running + waiting requests, as each engine kind names them (an engine shows one pair)
+IN_FLIGHT = (
+    "vllm:num_requests_running",
+    "vllm:num_requests_waiting",
+    "sglang:num_running_reqs",
+    "sglang:num_queue_reqs",
+)
 MAX_IN_FLIGHT = 1e6  # requests one engine may say it holds
 
 
@@ -77,8 +83,8 @@ def parse_metrics(text: str, wanted: Collection[str] | None = None) -> tuple[lis
 
 
 def engine_in_flight(samples: list[Sample]) -> tuple[int, int]:
-    """``vllm:num_requests_running`` + ``vllm:num_requests_waiting``, and how many of
-    their values were out of range (ignored)."""
+    """Running + waiting requests (vLLM's or SGLang's ``IN_FLIGHT`` gauges), and how many
+    of their values were out of range (ignored)."""
     total, rejected = 0.0, 0
     for sample in samples:
         if sample.name in IN_FLIGHT:

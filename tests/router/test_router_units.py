@@ -252,6 +252,18 @@ def test_engine_in_flight_from_vllm_metrics():
     assert engine_in_flight(parse_metrics(text)[0]) == (5, 0)
 
 
+def test_engine_in_flight_from_sglang_metrics():
+    """SGLang 0.5.23 with --enable-metrics names the same two numbers its own way."""
+    labels = 'engine_type="unified",model_name="tiny-llama",pp_rank="0",tp_rank="0"'
+    text = (
+        "# HELP sglang:num_running_reqs The number of running requests.\n"
+        f"sglang:num_running_reqs{{{labels}}} 1.0\n"
+        f"sglang:num_queue_reqs{{{labels}}} 4.0\n"
+        f"sglang:token_usage{{{labels}}} 0.25\n"
+    )
+    assert engine_in_flight(parse_metrics(text)[0]) == (5, 0)
+
+
 def test_disaggregation_requests():
     body = {
         "model": "m",
