@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from fleet.plan import make_plan
+from fleet.plan import VLLM_SHM_PREFIXES, make_plan
 from fleet.service import ServicePlan
 from fleet.spec import FleetSpec, load
 from fleet.supervisor import ChildProcess
@@ -84,7 +84,7 @@ def test_a_mixed_fleet_registers_each_engine_as_its_kind_on_its_own_cpus(tmp_pat
     vllm_cpus = {int(cpu) for cpu in str(vllm.env["VLLM_CPU_OMP_THREADS_BIND"]).split(",")}
     if len(vllm_cpus | set(sglang.cpus)) > 1:  # one CPU alone is shared, round-robin
         assert not vllm_cpus & set(sglang.cpus)
-    assert not vllm.stop_main_only and not vllm.shm_prefixes
+    assert not vllm.stop_main_only and vllm.shm_prefixes == VLLM_SHM_PREFIXES
 
 
 @pytest.mark.parametrize(
