@@ -13,6 +13,7 @@ COPY conductor ./conductor
 COPY router ./router
 COPY publishers ./publishers
 COPY fleet ./fleet
+COPY tokenization ./tokenization
 RUN pip wheel --no-cache-dir --no-deps --wheel-dir /wheels .
 
 FROM python:3.11-slim

@@ -46,7 +46,7 @@ from bench.text_prompts import hf_words
 from bench.trace_sim import load_trace, prompt_tokens, trace_path
 from fleet.tiny_model import write_tiny_model
 from publishers.local import LocalService, free_port
-from router.tokenizer import LocalTokenizer
+from tokenization.tokenizer import LocalTokenizer
 
 MODEL = "tiny-llama"
 BLOCK = 16

@@ -18,10 +18,10 @@ from aiohttp import web
 
 from conductor.failures import cannot_listen, host_port
 from conductor.runtime import add_common_flags, configure_logging, run
+from tokenization.tokenizer import TokenizerUnavailable
 
 from . import config as router_config
 from .app import Router, create_app
-from .tokenizer import TokenizerUnavailable
 
 log = logging.getLogger("router")
 ACCESS_LOG_FORMAT = 'remote=%a request="%r" status=%s bytes=%b seconds=%Tf'

@@ -46,9 +46,9 @@ from .notices import Notices
 from .pending import PendingPrefixes
 from .policy import RoutingParams, SloViolation
 from .pool import CostLearner, InstancePool
+from .prompt_ids import TOKENIZED_BY, PromptTokenizer
 from .rotation import Rotation
 from .sessions import UpstreamSessions
-from .tokenization import TOKENIZED_BY, PromptTokenizer
 from .upkeep import Upkeep
 
 log = logging.getLogger(__name__)

@@ -30,10 +30,10 @@ from pydantic import (
 
 from conductor.config import master_address, one_line
 from conductor.runtime import port_number
+from tokenization.prompt_encoder import CHUNK_CACHE_TOKENS
 
 from .pending import GRACE_S, MAX_PENDING_S
 from .policy import REGISTRY, PrefillCostModel, RoutingParams
-from .prompt_encoder import CHUNK_CACHE_TOKENS
 
 
 class ConfigError(ValueError):

@@ -21,7 +21,7 @@ from .lookup import Lookup
 from .metrics import RouterMetrics
 from .policy import Candidate, Decision, RoutingParams, choose
 from .pool import CostLearner, InstancePool, Upstream
-from .tokenization import Tokenized
+from .prompt_ids import Tokenized
 
 log = logging.getLogger("router.app")  # the router's lines keep their logger (docs/router.md)
 

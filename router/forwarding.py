@@ -33,9 +33,9 @@ from .in_flight import Claim, InFlight
 from .index_client import MAX_TOKENS
 from .metrics import RouterMetrics
 from .pool import CostLearner, InstancePool, Ticket, Upstream
+from .prompt_ids import TOKENIZED_BY
 from .rotation import Rotation
 from .sessions import UpstreamSessions
-from .tokenization import TOKENIZED_BY
 from .usage import UsageTap, cached_tokens
 
 T = TypeVar("T")

@@ -9,8 +9,9 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from tokenization.prompt_encoder import PromptEncoder
+
 from .policy import PrefillCostModel
-from .prompt_encoder import PromptEncoder
 
 # realized − predicted cached tokens: symmetric around 0 (le=0 minus le=-1 is "exact").
 # With negative buckets no _sum is exported (OpenMetrics); the two counters give the net.

@@ -23,6 +23,7 @@ import aiohttp
 import msgspec
 
 from conductor.failures import describe
+from tokenization.tokenizer import InvalidPrompt, LocalTokenizer, Unsupported, probes
 
 from .client_request import ClientRequest, Endpoint
 from .config import RouterConfig
@@ -32,7 +33,6 @@ from .metrics import RouterMetrics
 from .pool import InstancePool, Upstream
 from .rotation import Rotation
 from .sessions import UpstreamSessions
-from .tokenizer import InvalidPrompt, LocalTokenizer, Unsupported, probes
 
 log = logging.getLogger("router.app")  # the router's lines keep their logger (docs/router.md)
 

@@ -39,10 +39,10 @@ from .engine_metrics import IN_FLIGHT, Sample, engine_in_flight, parse_metrics
 from .index_client import ConductorUnavailable, IndexClient
 from .metrics import RouterMetrics
 from .pool import CostLearner, InstancePool, Upstream
+from .prompt_ids import PromptTokenizer
 from .rotation import Rotation
 from .sessions import UpstreamSessions
 from .store import STORE_METRICS, loads_in
-from .tokenization import PromptTokenizer
 
 log = logging.getLogger("router.app")  # the router's lines keep their logger (docs/router.md)
 

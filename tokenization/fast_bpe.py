@@ -18,7 +18,7 @@ the tokenizer is what GPT-2, Llama 3, Qwen 2 and the tiny test model are:
 
 Exactness is checked, not assumed: ``FastBPE.create`` encodes every vocabulary entry's text
 and the probe texts both ways and refuses the tokenizer on any difference (logged with the
-reason); ``PromptEncoder`` then audits its encodes against HF (``router.prompt_encoder``).
+reason); ``PromptEncoder`` then audits its encodes against HF (``tokenization.prompt_encoder``).
 """
 
 from __future__ import annotations
@@ -33,7 +33,7 @@ from typing import Any
 import tiktoken
 from tokenizers import Tokenizer
 
-log = logging.getLogger("router.tokenizer")
+log = logging.getLogger("tokenization")
 
 # HF ByteLevel's own regex (use_regex=True), GPT-2's
 GPT2_PATTERN = r"""'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"""

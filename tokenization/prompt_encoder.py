@@ -1,6 +1,6 @@
 """The router's prompt encoder: HF ``tokenizers``' ids, computed faster two ways.
 
-- **tiktoken** (``router.fast_bpe``): for byte-level BPE tokenizers (GPT-2, Llama 3, Qwen 2,
+- **tiktoken** (``tokenization.fast_bpe``): for byte-level BPE tokenizers (GPT-2, Llama 3, Qwen 2,
   the tiny model) the same ids at ~0.5 µs a token instead of HF's ~2.5 µs.
 - **Chunks remembered**: multi-turn chats and shared system prompts send the same long text
   prefix again and again, and a tokenizer encodes it from scratch every time (25 ms of CPU
@@ -35,7 +35,7 @@ from tokenizers import Tokenizer
 
 from .fast_bpe import FastBPE
 
-log = logging.getLogger("router.tokenizer")
+log = logging.getLogger("tokenization")
 
 CHUNK_CACHE_TOKENS = 2_000_000  # ids kept by default: ~25 MB with their chunks' text
 CHUNK_CHARS = 1024  # a chunk ends at the first cut this many characters after its start

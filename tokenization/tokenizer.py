@@ -1,5 +1,6 @@
-"""The router's own tokenizer: a model directory's HF tokenizer and chat template, giving the
-ids vLLM gives, without a round trip to an engine's ``/tokenize`` per request.
+"""The stack's own tokenizer: a model directory's HF tokenizer and chat template, giving the
+ids vLLM gives, without a round trip to an engine's ``/tokenize`` per request (the router)
+and without an engine (the simulator).
 
 vLLM tokenizes with transformers' tokenizer (HF ``tokenizers`` underneath) and renders chat
 through the model's jinja2 template; this module takes the same steps with the same settings:
@@ -18,7 +19,7 @@ What it cannot do the same way raises ``Unsupported`` and the router asks an eng
 documents, a per-request template or template arguments, non-text content, developer and
 tool messages, tool calls, reasoning, templates that loop over a message's content (vLLM's
 "openai" content format), a processor's template, truncation. The router also checks the
-result against an engine's ``/tokenize`` before trusting it (``router.app``).
+result against an engine's ``/tokenize`` before trusting it (``router.prompt_ids``).
 """
 
 from __future__ import annotations

@@ -21,7 +21,7 @@ KV caching and routing:
 - The chat special tokens (``<|im_start|>`` ...) are single tokens at the top of the vocabulary.
 
 ``ModelTokenizer`` is the other choice (``--tokenizer DIR``): a model directory's HF tokenizer
-and chat template, through the router's own tokenizer (``router.tokenizer``), so the
+and chat template, through the shared tokenizer (``tokenization.tokenizer``), so the
 simulator's ids are the ones vLLM serving that model computes and the router, given the
 same directory, agrees with every engine without asking.
 """
@@ -35,7 +35,7 @@ from pathlib import Path
 
 import xxhash
 
-from router.tokenizer import LocalTokenizer, Unsupported
+from tokenization.tokenizer import LocalTokenizer, Unsupported
 
 DEFAULT_VOCAB_SIZE = 151_936  # Qwen2 / Qwen2.5
 SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")

@@ -11,7 +11,6 @@ import aiohttp
 import pytest
 
 from publishers.engine.block_hash import BlockHasher, event_hash
-from router.tokenizer import LocalTokenizer
 from tests.real.checks import (
     MODEL,
     assert_a_late_conductor_learns_the_buffer,
@@ -27,6 +26,7 @@ from tests.real.checks import (
 from tests.real.tokenizer_cases import CHATS, COMPLETIONS
 from tests.support.api import eventually, metric
 from tests.support.vllm_shapes import NOT_COMPARED, ROUTES, answer, assert_answers_like_vllm
+from tokenization.tokenizer import LocalTokenizer
 
 pytestmark = pytest.mark.needs("vllm")
 

@@ -1,4 +1,4 @@
-"""The router's own tokenizer (``router.tokenizer``) on the tiny model: ids recorded from real
+"""The router's own tokenizer (``tokenization.tokenizer``) on the tiny model: ids recorded from real
 vLLM 0.32 serving it (``tests/real/test_real_fleet.py`` checks the same against a live
 engine), what it leaves to an engine, and how the router and the simulator use it."""
 
@@ -20,10 +20,10 @@ from aiohttp.test_utils import TestServer
 from fleet.tiny_model import CHAT_TEMPLATE
 from publishers.engine.tokenizer import ModelTokenizer
 from router.__main__ import main as router_main
-from router.tokenizer import LocalTokenizer, TokenizerUnavailable, Unsupported
-from router.tokenizer import reads_content_as_string as string_format
 from tests.router.inprocess import MODEL, layout
 from tests.support.api import eventually, metric
+from tokenization.tokenizer import LocalTokenizer, TokenizerUnavailable, Unsupported
+from tokenization.tokenizer import reads_content_as_string as string_format
 
 # real vLLM 0.32's /tokenize for the tiny model (BOS 0, <|start_header_id|> 2,
 # <|end_header_id|> 3, <|eot_id|> 4)

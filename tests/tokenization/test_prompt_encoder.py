@@ -1,5 +1,5 @@
-"""The router's prompt encoder (router/prompt_encoder.py, router/fast_bpe.py): tiktoken and
-chunked encoding give HF's whole ids for every kind of tokenizer they accept, each is refused
+"""The prompt encoder (``tokenization.prompt_encoder``, ``tokenization.fast_bpe``): tiktoken
+and chunked encoding give HF's whole ids for every kind of tokenizer they accept, each is refused
 where it cannot be exact; reuse, its bound, the audit."""
 
 from __future__ import annotations
@@ -24,9 +24,9 @@ from tokenizers import (
 )
 
 from fleet.tiny_model import write_tiny_model
-from router.fast_bpe import FastBPE
-from router.prompt_encoder import AUDIT_EVERY, PromptEncoder, cut_points, probe_texts
-from router.tokenizer import InvalidPrompt, LocalTokenizer
+from tokenization.fast_bpe import FastBPE
+from tokenization.prompt_encoder import AUDIT_EVERY, PromptEncoder, cut_points, probe_texts
+from tokenization.tokenizer import InvalidPrompt, LocalTokenizer
 
 CORPUS = (Path(__file__).parents[2] / "fleet" / "tiny_model_corpus.txt").read_text()
 # Llama 3's pre-tokenizer pattern (its tokenizer.json's Split)
@@ -151,7 +151,7 @@ def test_chunked_ids_are_the_whole_ids(kind, tiny_tokenizer):
 
 
 def test_a_tokenizer_that_looks_across_spaces_is_refused(caplog):
-    with caplog.at_level(logging.INFO, "router.tokenizer"):
+    with caplog.at_level(logging.INFO, "tokenization"):
         assert PromptEncoder.create(llama2_legacy(), 1_000_000) is None
     assert "this tokenizer looks across spaces" in caplog.text
     assert "prompts are encoded by HF tokenizers: the normalizer is not NFC" in caplog.text
@@ -282,7 +282,7 @@ def test_tiktoken_gives_hf_ids(kind, tiny_tokenizer):
 )
 def test_tiktoken_is_refused_where_it_cannot_be_exact(make, reason, tiny_tokenizer, caplog):
     tokenizer = make(tiny_tokenizer) if make in FROM_TINY else make()
-    with caplog.at_level(logging.INFO, "router.tokenizer"):
+    with caplog.at_level(logging.INFO, "tokenization"):
         assert _fast(tokenizer) is None
     assert f"prompts are encoded by HF tokenizers: {reason}" in caplog.text
 
