@@ -1,7 +1,7 @@
 """The proxy: a request passes through the stages once each, in order.
 
 1. ``client_request``: the JSON body, read and checked within the limits; which endpoint.
-2. ``tokenization``: the prompt's ids: given, the router's own tokenizer, or an engine's.
+2. ``prompt_ids``: the prompt's ids: given, the shared tokenizer, or an engine's.
 3. ``lookup``: each instance's hit, from the index (``index_client``: a conductor service
    or the index in the router) and the prompts in flight.
 4. ``decision``: the policy's choice among the healthy instances (and a decode instance).
