@@ -31,9 +31,10 @@ from .config import (
 )
 from .failures import cannot_listen
 from .http_guard import GuardedSite, listen
-from .manager import CapacityExceeded, RegistrationConflict, RegistrationFailed, StreamLimits
+from .manager import CapacityExceeded, RegistrationConflict, RegistrationFailed
 from .runtime import add_common_flags, configure_logging, port_number, run
 from .service import GUARD, MANAGER, create_app, state_path
+from .stream_limits import StreamLimits
 
 log = logging.getLogger("conductor")
 SHUTDOWN_GRACE_SECONDS = 1.0

@@ -38,6 +38,7 @@ from .hash_profile import HashProfile
 from .hashing import pack_int32
 from .index import ContextKey, StreamSource
 from .runtime import log_level
+from .stream_limits import StreamLimits
 from .wire.events import MASK64
 
 DEFAULT_PORT = 13333
@@ -504,10 +505,8 @@ class Settings(_Strict):
 
 @functools.cache
 def settings_model() -> type[Settings]:
-    """``Settings`` plus every field of ``manager.StreamLimits`` (each a key, an env var and a
+    """``Settings`` plus every field of ``StreamLimits`` (each a key, an env var and a
     flag too; the dataclass checks them when built)."""
-    from .manager import StreamLimits  # the manager imports this module: resolved late
-
     limits: dict[str, Any] = {
         item.name: (
             type(item.default),

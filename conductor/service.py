@@ -21,11 +21,12 @@ from .config import ConductorConfig, Registration, Settings
 from .http_guard import ConnectionGuard
 from .index import PrefixCacheTable
 from .kv_store_watch import StoreWatch
-from .manager import RegistrationConflict, RegistrationFailed, ServiceManager, StreamLimits
+from .manager import RegistrationConflict, RegistrationFailed, ServiceManager
 from .metrics import ConductorMetrics
 from .persistence import StateFile
 from .runtime import GcPauseMonitor, LoopLagMonitor
 from .security import BearerAuth, EndpointAllowlist, EndpointRefused
+from .stream_limits import StreamLimits
 
 log = logging.getLogger("conductor")
 

@@ -51,7 +51,6 @@ import math
 import time
 from collections.abc import Awaitable, Callable, Iterator
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import zmq
 import zmq.asyncio
@@ -69,10 +68,8 @@ from .sequence import (
     SequenceTracker,
 )
 from .states import SubscriberState, TaskState
+from .stream_limits import StreamLimits
 from .wire.frames import FrameError, Message, parse_live, parse_replay, replay_request
-
-if TYPE_CHECKING:
-    from .manager import StreamLimits
 
 log = logging.getLogger(__name__)
 

@@ -17,9 +17,10 @@ from collections.abc import Collection, Sequence
 
 from conductor.config import ConductorConfig, Registration
 from conductor.index import ContextKey
-from conductor.manager import RegistrationConflict, RegistrationFailed, StreamLimits
+from conductor.manager import RegistrationConflict, RegistrationFailed
 from conductor.service import index_manager
 from conductor.states import StoreState
+from conductor.stream_limits import StreamLimits
 
 from .conductor_client import registration_bodies
 from .config import PrefillInstance, PrefillModelConfig

@@ -24,8 +24,9 @@ from conductor import _native
 from conductor.config import Registration
 from conductor.index import ApplyStats, ContextKey, PrefixCacheTable, StreamSource
 from conductor.kv_store_watch import StoreWatch
-from conductor.manager import ServiceManager, StreamLimits
+from conductor.manager import ServiceManager
 from conductor.metrics import ConductorMetrics
+from conductor.stream_limits import StreamLimits
 from conductor.wire import Message, decode_batch, pack_batch
 from conductor.wire.events import Tier
 from tests.conductor.test_index import check_invariants

@@ -27,10 +27,11 @@ from conductor.api import ApiOptions, HttpLimits, api_app
 from conductor.config import Registration
 from conductor.index import ContextKey, PrefixCacheTable
 from conductor.kv_store_watch import StoreWatch
-from conductor.manager import CapacityExceeded, ServiceManager, StreamLimits
+from conductor.manager import CapacityExceeded, ServiceManager
 from conductor.metrics import ConductorMetrics
 from conductor.security import BearerAuth, EndpointAllowlist
 from conductor.states import SubscriberState
+from conductor.stream_limits import StreamLimits
 from conductor.wire.events import AllBlocksCleared, BlockStored, EventBatch
 from publishers.local import free_port
 from publishers.publisher import KVEventPublisher
