@@ -183,7 +183,7 @@ async def real_master(keys: int) -> dict[str, Any]:
     """Put ``keys`` small objects into a real store, then time its /get_all_keys."""
     from mooncake.store import MooncakeDistributedStore
 
-    from publishers.store import MIB, LocalStore
+    from publishers.mooncake_store import MIB, LocalStore
 
     with tempfile.TemporaryDirectory(prefix="kv-store-check-") as tmp:
         local = LocalStore(Path(tmp), max(64, keys // 512) * MIB)

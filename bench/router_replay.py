@@ -21,7 +21,7 @@ to the same ids (``bench.text_prompts``; the default with peers, since sglang-ro
 only text).
 
 ``--store on`` (or ``both``) gives every run a fresh real Mooncake store (master and store
-process, ``publishers.store.LocalStore``): the engines save every prefilled block to it and
+process, ``publishers.mooncake_store.LocalStore``): the engines save every prefilled block to it and
 load from it what their own cache lacks (vLLM's MooncakeStoreConnector, simulated), the
 conductor indexes it as a shared CPU tier and the router prices loads from it. The bytes
 moved are small stand-in blocks (``STORE_BLOCK_FLAGS``: 64 bytes per token); the engines
@@ -74,7 +74,13 @@ from bench.trace_sim import (
 )
 from publishers.engine.timing import TimingModel
 from publishers.local import HOST, LocalService, free_port
-from publishers.store import LOOPBACK_ENV, MIB, STORE_CONNECTOR, LocalStore, connector_config
+from publishers.mooncake_store import (
+    LOOPBACK_ENV,
+    MIB,
+    STORE_CONNECTOR,
+    LocalStore,
+    connector_config,
+)
 from router.conductor_client import parse_hits
 from router.policy import POLICIES
 

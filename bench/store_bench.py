@@ -1,6 +1,6 @@
 """Mooncake store: KV blocks through a real store, and loading N tokens vs computing them.
 
-Starts ``mooncake_master`` and a store process (``publishers.store.LocalStore``), then:
+Starts ``mooncake_master`` and a store process (``publishers.mooncake_store.LocalStore``), then:
 
 1. **throughput**: puts and gets the blocks of 4,096-token prompts one batch each way (what
    the engine simulator does per prompt), for the tiny model's block layout (32 KiB) and a
@@ -33,7 +33,7 @@ from pathlib import Path
 
 from fleet.tiny_model import write_tiny_model
 from publishers.engine.timing import TimingModel
-from publishers.store import MIB, KVBlockShape, KVBlockStore, LocalStore, kv_block
+from publishers.mooncake_store import MIB, KVBlockShape, KVBlockStore, LocalStore, kv_block
 
 REPO = Path(__file__).resolve().parents[1]
 PROMPT_TOKENS = 4096

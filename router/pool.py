@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from .policy import Candidate, PrefillCostModel
-from .store import StoreLoads
+from .store_loads import StoreLoads
 
 RETRY_AFTER_FAILURE_S = 1.0
 # one observation moves the learned per-token cost by at most this factor of itself: a

@@ -42,7 +42,7 @@ from .pool import CostLearner, InstancePool, Upstream
 from .prompt_ids import PromptTokenizer
 from .rotation import Rotation
 from .sessions import UpstreamSessions
-from .store import STORE_METRICS, loads_in
+from .store_loads import STORE_METRICS, loads_in
 
 log = logging.getLogger("router.app")  # the router's lines keep their logger (docs/router.md)
 

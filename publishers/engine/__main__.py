@@ -44,8 +44,8 @@ from pydantic import BaseModel, ConfigDict, ValidationError
 from conductor.failures import cannot_listen, describe
 from conductor.runtime import add_version_flag, configure_logging, log_level, port_number, run
 
+from ..mooncake_store import KVBlockShape, MooncakeConfig, StoreError
 from ..publisher import KVEventPublisher, binds, offset_endpoint
-from ..store import KVBlockShape, MooncakeConfig, StoreError
 from .block_hash import ENGINES, HASH_ALGORITHMS, BlockHasher, PageHasher, SGLangBlockHasher
 from .block_manager import BlockManager
 from .loop import EngineLoop

@@ -39,7 +39,7 @@ from pydantic import BaseModel, ConfigDict, field_validator
 from conductor.wire.events import BlockStored, Tier
 
 from ..encoding import WireEvent
-from ..store import (
+from ..mooncake_store import (
     KVBlockShape,
     KVBlockStore,
     MooncakeConfig,

@@ -255,7 +255,7 @@ def test_an_engine_command_that_cannot_start_is_reported(tmp_path: Path) -> None
 
 @pytest.mark.needs("store-wheel")
 def test_a_store_fleet_points_every_engine_at_one_local_store(tmp_path: Path) -> None:
-    from publishers.store import MIB, connector_config
+    from publishers.mooncake_store import MIB, connector_config
 
     spec = FleetSpec.model_validate(
         {
@@ -303,7 +303,7 @@ def test_a_store_fleet_points_every_engine_at_one_local_store(tmp_path: Path) ->
 
 
 def test_the_store_process_is_ready_once_the_master_counts_its_memory() -> None:
-    from fleet.store import segment_mounted
+    from fleet.store_services import segment_mounted
 
     metrics = "master_allocated_bytes 0\nmaster_total_capacity_bytes {}\nmaster_key_count 0\n"
     assert not segment_mounted(64 << 20, metrics.format(0))

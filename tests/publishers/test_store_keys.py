@@ -11,7 +11,7 @@ import msgpack
 import pytest
 
 from publishers.engine.block_hash import BlockHasher
-from publishers.store import (
+from publishers.mooncake_store import (
     MIB,
     MooncakeConfig,
     StoreAddress,

@@ -17,7 +17,7 @@ import aiohttp
 import pytest
 from aiohttp import web
 
-from router.store import store_loads
+from router.store_loads import store_loads
 from tests.router.test_router_service import Fleet, complete, indexed_everywhere, metric
 from tests.router.vllm_metrics import VllmStoreMetrics
 from tests.support.api import eventually
@@ -111,7 +111,7 @@ async def test_a_killed_master_stops_pricing_until_it_returns(
     """A real store holds a prompt's blocks that engine a saved (its "cpu" events): both
     instances of the store are offered them. The master is killed: the conductor says the
     store is down, the router prices nothing from it; the master returns: up again."""
-    from publishers.store import KVBlockShape, KVBlockStore, LocalStore, kv_block
+    from publishers.mooncake_store import KVBlockShape, KVBlockStore, LocalStore, kv_block
 
     (tmp_path / "store").mkdir()
     store = LocalStore(tmp_path / "store", 64 << 20)
@@ -218,7 +218,7 @@ async def test_the_store_cost_is_learned_from_simulated_engines_loading_from_a_r
     its store calls) and prices the store with what b's loads took."""
     import json
 
-    from publishers.store import MIB, STORE_CONNECTOR, LocalStore, connector_config
+    from publishers.mooncake_store import MIB, STORE_CONNECTOR, LocalStore, connector_config
 
     (tmp_path / "store").mkdir()
     store = LocalStore(tmp_path / "store", 64 << 20)

@@ -16,7 +16,7 @@ from router.conductor_client import parse_hits, parse_store_states
 from router.engine_metrics import engine_in_flight, parse_metrics
 from router.policy import POLICIES, REGISTRY, PrefillCostModel
 from router.pool import CostLearner, InstancePool
-from router.store import StoreLoads, store_loads
+from router.store_loads import StoreLoads, store_loads
 from router.upkeep import served_models
 from tests.conftest import REPO
 from tests.router.inprocess import layout

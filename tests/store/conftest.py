@@ -16,7 +16,7 @@ STORE_SEGMENT_BYTES = 256 << 20
 
 @pytest.fixture(scope="module")
 def real_store(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
-    from publishers.store import LocalStore
+    from publishers.mooncake_store import LocalStore
 
     store = LocalStore(tmp_path_factory.mktemp("store"), STORE_SEGMENT_BYTES)
     store.start()

@@ -21,7 +21,7 @@ import zmq
 import zmq.asyncio
 
 from publishers.engine.block_hash import BlockHasher
-from router.store import store_loads
+from router.store_loads import store_loads
 from tests.support.api import eventually, metric
 from tests.support.processes import REPO, ConductorProcess, EngineSim
 
@@ -48,7 +48,7 @@ async def http() -> AsyncIterator[aiohttp.ClientSession]:
 @pytest.fixture
 def fresh_store(tmp_path: Path) -> Iterator[Any]:
     """A store of the test's own: empty, and its master may be killed."""
-    from publishers.store import LocalStore
+    from publishers.mooncake_store import LocalStore
 
     store = LocalStore(tmp_path, 256 << 20)
     store.start()
@@ -60,7 +60,7 @@ def fresh_store(tmp_path: Path) -> Iterator[Any]:
 def store_engines(tmp_path: Path) -> Iterator[Callable[..., EngineSim]]:
     """Simulated engines with vLLM's store flag and config file, PYTHONHASHSEED=0 (the
     capture's), events on a loopback port."""
-    from publishers.store import MIB, STORE_CONNECTOR, connector_config
+    from publishers.mooncake_store import MIB, STORE_CONNECTOR, connector_config
 
     started: list[EngineSim] = []
 
@@ -196,7 +196,7 @@ async def test_a_4k_prompt_saved_by_one_engine_loads_byte_identical_in_another(
     the last token's) instead of computing them, each verified byte for byte, and reports
     them as cached and as external prefix-cache hits, with vLLM's store-operation metrics
     (what the router learns the store's bandwidth from). The test reads every block back."""
-    from publishers.store import KVBlockShape, KVBlockStore, kv_block
+    from publishers.mooncake_store import KVBlockShape, KVBlockStore, kv_block
 
     conductor = ConductorProcess(
         tmp_path, config={"kv_store_admin_urls": {real_store.address.master: real_store.admin_url}}
@@ -296,7 +296,7 @@ async def test_a_block_with_the_wrong_bytes_is_recomputed_from_there_on(
 ) -> None:
     """Blocks put under the connector's keys by someone else, the fourth with other bytes:
     the engine loads the three before it, counts and logs the bad one, computes the rest."""
-    from publishers.store import KVBlockShape, KVBlockStore, kv_block
+    from publishers.mooncake_store import KVBlockShape, KVBlockStore, kv_block
 
     prompt = [(13 * i + 5) % 30_000 + 100 for i in range(257)]  # 8 full blocks
     digests = BlockHasher("sha256", "0").block_digests(prompt, BLOCK)

@@ -22,7 +22,7 @@ DIGESTS = BlockHasher("sha256", "0").block_digests(list(range(PROMPT_TOKENS)), B
 
 LOAD_IN_ANOTHER_PROCESS = """
 import json, sys
-from publishers.store import KVBlockShape, KVBlockStore, StoreAddress, kv_block
+from publishers.mooncake_store import KVBlockShape, KVBlockStore, StoreAddress, kv_block
 master, metadata, digests = sys.argv[1], sys.argv[2], json.loads(sys.argv[3])
 digests = [bytes.fromhex(d) for d in digests]
 shape = KVBlockShape(layers=2, kv_heads=2, block_size=32, head_dim=32)
@@ -35,14 +35,14 @@ print(json.dumps([b is not None and b.equal(kv_block(shape, d)) for b, d in zip(
 
 @pytest.fixture(scope="module")
 def shape():
-    from publishers.store import KVBlockShape
+    from publishers.mooncake_store import KVBlockShape
 
     return KVBlockShape(layers=2, kv_heads=2, block_size=BLOCK_SIZE, head_dim=32)
 
 
 @pytest.fixture(scope="module")
 def saver(real_store):
-    from publishers.store import KVBlockStore
+    from publishers.mooncake_store import KVBlockStore
 
     store = KVBlockStore(real_store.address, MODEL)
     yield store
@@ -53,7 +53,7 @@ def test_a_prompt_saved_by_one_engine_loads_byte_identical_in_another(
     real_store, saver, shape
 ) -> None:
     """One batch each way; the objects are the connector's: its keys, 32 KiB each."""
-    from publishers.store import block_key, kv_block
+    from publishers.mooncake_store import block_key, kv_block
 
     started = time.perf_counter()
     saver.put(DIGESTS, [kv_block(shape, digest) for digest in DIGESTS])
@@ -78,7 +78,7 @@ def test_a_prompt_saved_by_one_engine_loads_byte_identical_in_another(
 
 
 def test_unknown_blocks_are_absent_and_load_as_none(saver, shape) -> None:
-    from publishers.store import kv_block
+    from publishers.mooncake_store import kv_block
 
     unknown = [bytes([n]) * 32 for n in range(3)]
     assert saver.contains(unknown) == [False, False, False]
@@ -92,7 +92,7 @@ def test_store_traffic_stays_on_loopback(real_store, saver, shape) -> None:
     path included: it binds the first non-loopback interface's address unless
     ``MC_TCP_BIND_ADDRESS`` says otherwise (``LOOPBACK_ENV``, which ``LocalStore`` and a
     loopback client set)."""
-    from publishers.store import kv_block
+    from publishers.mooncake_store import kv_block
 
     digest = bytes(32)
     saver.put([digest], [kv_block(shape, digest)])

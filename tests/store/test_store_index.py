@@ -41,7 +41,7 @@ async def http() -> AsyncIterator[aiohttp.ClientSession]:
 
 
 def start_store(run_dir: Path, segment_mib: int) -> Any:
-    from publishers.store import MIB, LocalStore
+    from publishers.mooncake_store import MIB, LocalStore
 
     store = LocalStore(run_dir, segment_mib * MIB)
     store.start()
@@ -88,7 +88,7 @@ class Saver:
     """Engine A's side: put a block in the store, then announce it like the connector."""
 
     def __init__(self, store: Any, publisher: WirePublisher) -> None:
-        from publishers.store import KVBlockShape, KVBlockStore
+        from publishers.mooncake_store import KVBlockShape, KVBlockStore
 
         self.shape = KVBlockShape(layers=2, kv_heads=8, block_size=BLOCK, head_dim=128)  # 64 KiB
         self.client = KVBlockStore(store.address, MODEL_KEY_NAME)
@@ -106,7 +106,7 @@ class Saver:
     async def save(self, block: int, attempts: int = 20, pause: float = 0.05) -> bool:
         """True once the store took the block and it was announced; a full store evicts
         to make room after a failed put, so a few attempts are made."""
-        from publishers.store import StoreError, kv_block
+        from publishers.mooncake_store import StoreError, kv_block
 
         data = kv_block(self.shape, digest(block))
         for _ in range(attempts):

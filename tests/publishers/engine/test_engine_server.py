@@ -30,7 +30,7 @@ from publishers.engine.__main__ import (
     timing_model,
 )
 from publishers.engine.timing import TimingModel
-from publishers.store import MIB, STORE_CONNECTOR, StoreAddress, connector_config
+from publishers.mooncake_store import MIB, STORE_CONNECTOR, StoreAddress, connector_config
 from tests.support.api import eventually, get, matched, post, query
 from tests.support.processes import ConductorProcess, EngineSim, free_port
 

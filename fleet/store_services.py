@@ -21,7 +21,7 @@ from functools import partial
 from pathlib import Path
 
 from publishers.local import free_port
-from publishers.store import (
+from publishers.mooncake_store import (
     LOOPBACK_ENV,
     MIB,
     STORE_CONNECTOR,
