@@ -26,11 +26,8 @@ import argparse
 import http.client
 import itertools
 import json
-import math
 import os
-import platform
 import random
-import re
 import shlex
 import struct
 import subprocess
@@ -48,23 +45,37 @@ import zmq
 
 from bench.conductor_compare import compare, print_comparison
 from bench.conductor_peer import PeerError, PeerSpec, parse_env, running_peer
-from bench.stats import bucket_quantile, percentile, rss_bytes
+from bench.harness import (
+    BATCH_EVENTS,
+    BLOCK_SIZE,
+    BLOCKS_PER_EVENT,
+    EVENT_TOKENS,
+    JSON_TYPE,
+    MASK64,
+    PUB_SNDHWM,
+    QUERY_BLOCKS,
+    BenchError,
+    CpuSample,
+    Http,
+    deadline_loop,
+    engine_hash,
+    latency_summary,
+    machine,
+    metric_sum,
+    mib,
+    prefix_holdings,
+    register_all,
+    rss_bytes,
+    running_service,
+    server_side,
+)
 from conductor.wire.events import BlockStored, Tier
 from publishers.encoding import Layout, encode_batch
-from publishers.local import LocalService
 
-BLOCK_SIZE = 16
-BLOCKS_PER_EVENT = 16  # one event = one 256-token prompt, as a vLLM engine step stores it
-EVENT_TOKENS = BLOCK_SIZE * BLOCKS_PER_EVENT
-BATCH_EVENTS = 20
-QUERY_BLOCKS = 256  # the 4,096-token prompt of the latency benchmark
 MODEL = "bench-model"
-MASK64 = 0xFFFFFFFFFFFFFFFF
 VOCAB = 128_000
-PUB_SNDHWM = 1_000_000  # far above what we queue: a PUB at its HWM drops silently
 SETUP_WINDOW_BATCHES = 250  # batches in flight while building an index (bounds the backlog)
 MEMORY_TARGET_BLOCKS = 1_000_000
-JSON_TYPE = "application/json"
 MSGPACK_TYPE = "application/msgpack"  # the service answers msgpack to msgpack requests
 DEFAULT_JSON = Path(__file__).resolve().parent / "results" / "conductor.json"
 
@@ -92,131 +103,6 @@ class Scale:
 
 FULL = Scale("full", 20_000, (10_000, 100_000, 1_000_000), (8, 64), 3_000, 300, 1_000, 3)
 QUICK = Scale("quick", 2_000, (1_000, 10_000, 100_000), (8, 64), 300, 50, 100, 1)
-
-
-class BenchError(RuntimeError):
-    """A wait timed out or the service lost data: the numbers would be meaningless."""
-
-
-def deadline_loop(timeout: float, what: str, interval: float = 0.002) -> Iterator[None]:
-    """Yield until ``timeout`` seconds passed, sleeping ``interval`` between rounds.
-
-    Every wait of the benchmark goes through here, so none can hang forever.
-    """
-    end = time.monotonic() + timeout
-    while True:
-        yield
-        if time.monotonic() > end:
-            raise BenchError(f"timed out after {timeout:.0f}s waiting for {what}")
-        time.sleep(interval)
-
-
-# -- HTTP -------------------------------------------------------------------------------
-class Http:
-    """A minimal keep-alive client: one TCP connection, sequential requests.
-
-    ``http.client`` adds little overhead of its own, so the latency measured is mostly the
-    service's (plus loopback and the client's parsing).
-    """
-
-    def __init__(self, port: int, timeout: float = 30.0) -> None:
-        self.port = port
-        self.timeout = timeout
-        self.conn = http.client.HTTPConnection("127.0.0.1", port, timeout=timeout)
-
-    def raw(
-        self,
-        method: str,
-        path: str,
-        body: bytes | None = None,
-        content_type: str = JSON_TYPE,
-        extra_headers: dict[str, str] | None = None,
-    ) -> tuple[int, bytes]:
-        headers = {"Content-Type": content_type} if body is not None else {}
-        headers |= extra_headers or {}
-        try:
-            self.conn.request(method, path, body=body, headers=headers)
-            response = self.conn.getresponse()
-            return response.status, response.read()
-        except (http.client.HTTPException, OSError):
-            self.conn.close()  # reconnect on the next call
-            raise
-
-    def json(self, method: str, path: str, payload: Any = None) -> Any:
-        body = None if payload is None else json.dumps(payload).encode()
-        status, data = self.raw(method, path, body)
-        if status != 200:
-            raise BenchError(f"{method} {path} -> {status}: {data[:300]!r}")
-        return json.loads(data)
-
-    def metrics(self) -> str:
-        status, data = self.raw("GET", "/metrics")
-        if status != 200:
-            raise BenchError(f"/metrics -> {status}")
-        return data.decode()
-
-    def close(self) -> None:
-        self.conn.close()
-
-
-# -- the service ------------------------------------------------------------------------
-CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
-
-
-@dataclass(frozen=True)
-class CpuSample:
-    """Machine-wide and own CPU time, to tell how much else ran during a measurement.
-
-    Loopback latency on a 2-core machine moves with whatever else runs there (test
-    suites, other benchmarks), so every figure is reported with that background load.
-    """
-
-    wall: float
-    busy: float  # seconds of CPU used by every process on the machine
-    steal: float  # seconds the hypervisor gave our vCPUs to someone else
-    own: float  # seconds used by this benchmark and the service
-
-    @classmethod
-    def take(cls, pids: Sequence[int]) -> CpuSample:
-        fields = [int(v) for v in Path("/proc/stat").read_text().split("\n")[0].split()[1:]]
-        user, nice, system, _idle, _iowait, irq, softirq, steal = fields[:8]
-        own = 0
-        for pid in pids:
-            stat = Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()
-            own += int(stat[11]) + int(stat[12])  # utime + stime, all threads
-        busy = user + nice + system + irq + softirq
-        return cls(time.monotonic(), busy / CLOCK_TICKS, steal / CLOCK_TICKS, own / CLOCK_TICKS)
-
-    def load_since(self, before: CpuSample) -> dict[str, float]:
-        """Average cores used by other processes, and stolen, between two samples."""
-        wall = max(self.wall - before.wall, 1e-9)
-        others = (self.busy - before.busy) - (self.own - before.own)
-        return {
-            "other_cores": max(0.0, others / wall),
-            "steal_cores": (self.steal - before.steal) / wall,
-            "own_cores": (self.own - before.own) / wall,
-        }
-
-
-@contextmanager
-def running_service() -> Iterator[tuple[subprocess.Popen, Http]]:
-    """Start an empty service on a free port; always stop it on the way out."""
-    with tempfile.TemporaryDirectory(prefix="conductor-bench-") as run_dir:
-        config = Path(run_dir) / "conductor_config.json"
-        config.write_text("{}")
-        service = LocalService(Path(run_dir), "conductor", "conductor", "--config", str(config))
-        try:
-            try:
-                service.wait_ready()
-            except (RuntimeError, TimeoutError) as error:  # it exited, or never listened
-                raise BenchError(str(error)) from None
-            client = Http(service.port)  # after the wait: a taken port moves the service
-            try:
-                yield service.process, client
-            finally:
-                client.close()
-        finally:
-            service.stop()
 
 
 @dataclass
@@ -337,11 +223,6 @@ class Publisher:
 _engine_hashes = itertools.count(1)
 
 
-def engine_hash(key: int) -> int:
-    """A unique-looking uint64 per key: an odd multiplier is a bijection mod 2**64."""
-    return (key * 0x9E3779B97F4A7C15) & MASK64
-
-
 def engine_hashes(count: int) -> list[int]:
     """Unique uint64 engine hashes (``engine_hash`` of a running counter).
 
@@ -397,23 +278,6 @@ def batches(items: Sequence[Any], size: int = BATCH_EVENTS) -> list[Sequence[Any
 
 
 # -- registration -----------------------------------------------------------------------
-def register_all(client: Http, publishers: list[Publisher], timeout: float = 20.0) -> None:
-    """Register every publisher and wait until each SUB socket is connected.
-
-    A PUB drops what it sends before the subscriber joined (ZMQ's slow joiner), so nothing
-    may be published before ``/services`` says "connected".
-    """
-    for publisher in publishers:
-        client.json("POST", "/register", publisher.registration())
-    wanted = {p.instance_id for p in publishers}
-    for _ in deadline_loop(timeout, "subscribers to connect", 0.01):
-        services = client.json("GET", "/services")["services"]
-        connected = {s["InstanceID"] for s in services if s.get("State") == "connected"}
-        if wanted <= connected:
-            break
-    time.sleep(0.05)  # the subscription frame follows the TCP connect by a round trip
-
-
 PROBE_TOKEN = 1 << 24  # above every prompt id TokenSource hands out
 
 
@@ -444,57 +308,6 @@ def register_by_probe(client: Http, publishers: list[Publisher], timeout: float 
         if not pending:
             break
     return len(publishers)
-
-
-# -- reading the service's own numbers --------------------------------------------------
-_SAMPLE = re.compile(r"^([a-zA-Z_:][a-zA-Z0-9_:]*)(\{[^}]*\})?\s+(\S+)$")
-
-
-def metric_sum(text: str, name: str, label_filter: str = "") -> float:
-    """Sum of every sample of ``name`` (over all streams) whose labels contain the filter."""
-    total = 0.0
-    for line in text.splitlines():
-        match = _SAMPLE.match(line)
-        if match and match.group(1) == name and label_filter in (match.group(2) or ""):
-            total += float(match.group(3))
-    return total
-
-
-def query_histogram(text: str, route: str = "/query") -> dict[float, float]:
-    """Cumulative bucket counts of ``conductor_query_seconds`` for one route."""
-    buckets: dict[float, float] = {}
-    pattern = re.compile(r'le="([^"]+)"')
-    for line in text.splitlines():
-        match = _SAMPLE.match(line)
-        if not match or match.group(1) != "conductor_query_seconds_bucket":
-            continue
-        labels = match.group(2) or ""
-        if f'route="{route}"' in labels:
-            le = pattern.search(labels)
-            if le:
-                buckets[float(le.group(1))] = float(match.group(3))
-    return buckets
-
-
-def server_side(before: str, after: str, route: str = "/query") -> dict[str, float]:
-    """Mean and bucket-interpolated p50/p99 of the service's own timing, between scrapes.
-
-    The buckets are coarse (0.1, 0.25, 0.5, 1, 2.5 ms...), so the percentiles are estimates;
-    the mean (from _sum/_count) is exact.
-    """
-    label = f'route="{route}"'
-    count = metric_sum(after, "conductor_query_seconds_count", label) - metric_sum(
-        before, "conductor_query_seconds_count", label
-    )
-    seconds = metric_sum(after, "conductor_query_seconds_sum", label) - metric_sum(
-        before, "conductor_query_seconds_sum", label
-    )
-    start, end = query_histogram(before, route), query_histogram(after, route)
-    cumulative = sorted((le, end[le] - start.get(le, 0.0)) for le in end)
-    result = {"count": count, "mean_ms": 1000 * seconds / count if count else math.nan}
-    for q in (0.5, 0.99):
-        result[f"p{round(q * 100)}_ms_est"] = 1000 * bucket_quantile(cumulative, q)
-    return result
 
 
 def verify_clean(client: Http, blocks_expected: int, events_expected: int) -> dict[str, float]:
@@ -546,20 +359,6 @@ def matched(client: Http, body: bytes, instance_id: str) -> int:
     """Tokens of the prompt in ``body`` that ``instance_id`` holds (``longest_matched``)."""
     answer = post_query(client, body)
     return answer.get("default", {}).get(instance_id, {}).get("longest_matched", 0)
-
-
-def latency_summary(samples_ns: list[int], elapsed: float) -> dict[str, float]:
-    ordered = sorted(samples_ns)
-    ms = [s / 1e6 for s in ordered]
-    return {
-        "requests": len(ms),
-        "p50_ms": percentile(ms, 50),
-        "p90_ms": percentile(ms, 90),
-        "p99_ms": percentile(ms, 99),
-        "max_ms": ms[-1],
-        "mean_ms": sum(ms) / len(ms),
-        "requests_per_s": len(ms) / elapsed,
-    }
 
 
 def warm_up(client: Http, body: bytes, count: int, content_type: str = JSON_TYPE) -> None:
@@ -691,15 +490,6 @@ def bench_ingest_runs(
 
 
 # -- 2.-4. query latency and memory -----------------------------------------------------
-def prefix_holdings(instances: int) -> list[int]:
-    """Blocks of the query prompt each instance holds: 128, 112, ..., 16, then none.
-
-    One instance has half the prompt, seven more have shorter shared prefixes (a common
-    system prompt), the rest hold only unrelated prompts: the walk runs 129 blocks deep.
-    """
-    return [max(0, QUERY_BLOCKS // 2 - 16 * i) if i < 8 else 0 for i in range(instances)]
-
-
 @dataclass(frozen=True)
 class Job:
     """One batch to send, and the last prompt in it (queryable once the batch is applied)."""
@@ -767,7 +557,7 @@ class QueryIndex:
         rng = random.Random(99)
         self.query_tokens = [rng.randrange(VOCAB) for _ in range(QUERY_BLOCKS * BLOCK_SIZE)]
         for publisher, blocks in zip(
-            self.publishers, prefix_holdings(len(self.publishers)), strict=True
+            self.publishers, [prefix_holdings(n) for n in range(len(self.publishers))], strict=True
         ):
             events = []
             for start in range(0, blocks, BLOCKS_PER_EVENT):
@@ -810,7 +600,7 @@ class QueryIndex:
         self.send_window(jobs, timeout)
 
     def expected_answer(self) -> dict[str, int]:
-        holds = prefix_holdings(len(self.publishers))
+        holds = [prefix_holdings(n) for n in range(len(self.publishers))]
         return {p.instance_id: n * BLOCK_SIZE for p, n in zip(self.publishers, holds, strict=True)}
 
     def answer(self, body: bytes, content_type: str = JSON_TYPE) -> dict[str, int]:
@@ -910,10 +700,6 @@ def bench_queries(
 
 
 # -- output -----------------------------------------------------------------------------
-def mib(value: float) -> str:
-    return f"{value / 2**20:.1f}"
-
-
 LAYOUT_NAMES = {"vllm": "vLLM 0.33 maps", "vllm-legacy": "vLLM <= 0.23 arrays"}
 
 
@@ -1053,16 +839,6 @@ def warn_if_noisy(result: dict[str, Any]) -> None:
             f"\n  note: other processes used up to {worst:.2f} cores during a measurement; "
             "rerun on a quiet machine before comparing numbers"
         )
-
-
-def machine() -> dict[str, Any]:
-    return {
-        "python": platform.python_version(),
-        "platform": platform.platform(),
-        "cpus": os.cpu_count(),
-        "zmq": zmq.zmq_version(),
-        "pyzmq": zmq.__version__,
-    }
 
 
 def parse_args(argv: list[str] | None) -> tuple[argparse.Namespace, PeerSpec | None]:

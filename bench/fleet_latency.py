@@ -28,7 +28,7 @@ from typing import Any
 import aiohttp
 import psutil
 
-from bench.stats import percentile
+from bench.harness import percentile
 
 REPO = Path(__file__).resolve().parents[1]
 WORDS = "cache prefix token block engine router latency memory batch request model".split()

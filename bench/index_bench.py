@@ -34,8 +34,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
 
-from bench.conductor_bench import CpuSample
-from bench.stats import percentile, rss_bytes
+from bench.harness import CpuSample, percentile, rss_bytes
 from conductor.hashing import prefix_hashes
 from conductor.index import ApplyStats, ContextKey, PrefixCacheTable, StreamSource
 from conductor.wire import pack_batch

@@ -44,15 +44,18 @@ from typing import Any
 import msgpack
 
 from bench import pyspy
-from bench.conductor_bench import (
+from bench.harness import (
     BenchError,
     CpuSample,
     Http,
+    bucket_quantile,
     deadline_loop,
     latency_summary,
     machine,
     metric_sum,
+    mib,
     register_all,
+    rss_bytes,
     running_service,
     server_side,
 )
@@ -67,7 +70,6 @@ from bench.load_streams import (
     worker_main,
 )
 from bench.soak import LAG_METRIC, lag_buckets, worst_bucket
-from bench.stats import bucket_quantile, rss_bytes
 from bench.trace_sim import load_trace, prompt_tokens, trace_path
 from conductor.api import HITS_ONLY_HEADER
 from conductor.hashing import token_bytes
@@ -511,10 +513,6 @@ def trace(args: argparse.Namespace) -> dict[str, Any]:
 
 
 # -- output -----------------------------------------------------------------------------
-def mib(value: float) -> str:
-    return f"{value / 2**20:.1f} MiB"
-
-
 def latency_line(label: str, summary: dict[str, Any]) -> str:
     return (
         f"  {label:<22} n={summary['requests']:<6} p50 {summary['p50_ms']:.3f}  "
@@ -568,7 +566,7 @@ def report_paced(result: dict[str, Any]) -> None:
     print_queries("loaded", result["queries"])
     print_queries("idle", result["idle_queries"])
     print(
-        f"  RSS {mib(result['rss_bytes'])} (empty {mib(result['rss_empty_bytes'])}), "
+        f"  RSS {mib(result['rss_bytes'])} MiB (empty {mib(result['rss_empty_bytes'])} MiB), "
         f"{result['index_blocks']:,} distinct blocks at the end"
     )
     print_profile(result["profile"])
@@ -582,15 +580,16 @@ def report_trace(result: dict[str, Any]) -> None:
     )
     print(
         f"  registration of every stream until connected {result['registration_s']:.2f} s; "
-        f"RSS {mib(result['rss_empty_bytes'])} empty, {mib(result['rss_registered_bytes'])} "
-        f"registered; drain {result['drain_s']:.2f} s; worker send lag max "
+        f"RSS {mib(result['rss_empty_bytes'])} MiB empty, "
+        f"{mib(result['rss_registered_bytes'])} MiB registered; "
+        f"drain {result['drain_s']:.2f} s; worker send lag max "
         f"{1000 * sent['lag_max_s']:.1f} ms; replays served {sent['replays_served']}"
     )
     print_window("idle, streams registered", result["idle"])
     print_window("trace", result["loaded"])
     print_queries("trace", result["queries"])
     print_queries("idle", result["idle_queries"])
-    print(f"  RSS {mib(result['rss_bytes'])}, {result['index_blocks']:,} distinct blocks")
+    print(f"  RSS {mib(result['rss_bytes'])} MiB, {result['index_blocks']:,} distinct blocks")
     print_profile(result["profile"])
 
 

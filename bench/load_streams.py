@@ -40,7 +40,16 @@ from typing import Any
 
 import zmq
 
-from bench.conductor_bench import engine_hash
+from bench.harness import (
+    BATCH_EVENTS,
+    BLOCK_SIZE,
+    BLOCKS_PER_EVENT,
+    EVENT_TOKENS,
+    PUB_SNDHWM,
+    QUERY_BLOCKS,
+    engine_hash,
+    prefix_holdings,
+)
 from bench.soak import CacheModel
 from bench.trace_sim import TRACE_BLOCK_SIZE, load_trace, prompt_tokens, trace_path
 from conductor.wire.events import BlockRemoved, BlockStored, Event
@@ -48,12 +57,6 @@ from publishers.encoding import encode_batch
 from publishers.publisher import replay_replies
 
 MODEL = "load-model"
-BLOCK_SIZE = 16  # bench.soak.CacheModel's too
-BLOCKS_PER_EVENT = 16
-EVENT_TOKENS = BLOCK_SIZE * BLOCKS_PER_EVENT
-BATCH_EVENTS = 20
-QUERY_BLOCKS = 256  # the 4,096-token prompt the paced scenario's query client sends
-PUB_SNDHWM = 1_000_000  # a PUB at its HWM drops silently; queue instead, and measure it
 REPLAY_BUFFER_BATCHES = 10_000  # vLLM's default buffer_steps
 POLL_MS = 50  # longest a replay request waits on an idle worker
 TRACE_BLOCKS = TRACE_BLOCK_SIZE // BLOCK_SIZE  # engine blocks per trace hash_id
@@ -125,11 +128,6 @@ def shake_tokens(label: str, count: int) -> list[int]:
 def query_prompt() -> list[int]:
     """The 4,096-token prompt whose prefixes streams 0-7 hold (the parent queries it)."""
     return shake_tokens("query", QUERY_BLOCKS * BLOCK_SIZE)
-
-
-def prefix_holdings(stream: int) -> int:
-    """Blocks of the query prompt stream ``stream`` holds: 128, 112, ..., 16, then none."""
-    return max(0, QUERY_BLOCKS // 2 - 16 * stream) if stream < 8 else 0
 
 
 def encoded(events: list[Event]) -> Encoded:

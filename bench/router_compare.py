@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from bench import router_replay
+from bench.harness import machine
 from bench.peer_routers import PEERS
 from bench.trace_report import lowest_mean_and_p90
 from bench.trace_sim import json_safe
@@ -105,7 +106,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         for trace in args.traces
     ]  # fmt: skip  (every usage error before any run)
     router_replay.STOPPING.install()
-    report: dict[str, Any] = {"traces": {}, "machine": router_replay.machine()}
+    report: dict[str, Any] = {"traces": {}, "machine": machine()}
     status = 0
     for trace, options in zip(args.traces, replay_args, strict=True):
         setup = router_replay.build_setup(options)

@@ -41,7 +41,7 @@ from typing import Any
 
 import aiohttp
 
-from bench.stats import bucket_quantile, percentile
+from bench.harness import bucket_quantile, percentile
 from bench.text_prompts import hf_words
 from bench.trace_sim import load_trace, prompt_tokens, trace_path
 from fleet.tiny_model import write_tiny_model

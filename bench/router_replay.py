@@ -39,8 +39,6 @@ import asyncio
 import contextlib
 import json
 import math
-import os
-import platform
 import signal
 import sys
 import tempfile
@@ -55,9 +53,9 @@ import aiohttp
 import psutil
 from prometheus_client.parser import text_string_to_metric_families
 
+from bench.harness import machine, percentile
 from bench.peer_routers import PEERS, TEXT_ONLY, PeerEngine, find_binary, installed_version
 from bench.peer_routers import wait_http_ready as wait_peer_ready
-from bench.stats import percentile
 from bench.text_prompts import WordTable, hf_words, stand_in_words
 from bench.trace_sim import (
     DEFAULT_SLOS_S,
@@ -1044,15 +1042,6 @@ def write_json(path: Path, setup: dict, runs: list[dict], wall_s: float) -> None
         "machine": machine(),
     }
     path.write_text(json.dumps(json_safe(report), indent=2) + "\n", encoding="utf-8")
-
-
-def machine() -> dict[str, Any]:
-    """Where the figures come from, and how busy the machine was as they were written."""
-    return {
-        "python": platform.python_version(),
-        "cpus": os.cpu_count(),
-        "load_average": os.getloadavg(),
-    }
 
 
 if __name__ == "__main__":

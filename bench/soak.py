@@ -38,7 +38,7 @@ from typing import Any
 import aiohttp
 import zmq
 
-from bench.stats import bucket_quantile, percentile, rss_bytes
+from bench.harness import bucket_quantile, percentile, rss_bytes
 from conductor.hashing import prefix_hashes
 from conductor.wire.events import BlockRemoved, BlockStored
 from publishers.local import HOST, LocalService

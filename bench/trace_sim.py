@@ -53,7 +53,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-from bench.stats import percentile
+from bench.harness import percentile
 from conductor.index import ContextKey, PrefixCacheTable, StreamSource
 from conductor.wire.events import BlockRemoved, BlockStored, Event, EventBatch, Tier
 from publishers.engine.block_manager import Allocation, BlockManager

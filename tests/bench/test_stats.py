@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from bench.stats import bucket_quantile, percentile
+from bench.harness import bucket_quantile, percentile
 
 BENCH = Path(__file__).resolve().parents[2] / "bench"
 
