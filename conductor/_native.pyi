@@ -1,4 +1,5 @@
-"""Types of the C module conductor/_native.c (what each function stands for: its source)."""
+"""Types of the C module conductor._native (what each function stands for: its source in
+conductor/native/)."""
 
 from collections.abc import Iterator, Sequence
 from typing import Generic, TypeVar, overload

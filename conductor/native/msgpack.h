@@ -1,4 +1,4 @@
-/* A bounds-checked msgpack reader for the C ingest lane (included by _native.c only).
+/* A bounds-checked msgpack reader for the C ingest lane (lane.c and decode.c).
  *
  * Each mp_* function reads one value of its type at the reader's position: it returns 1
  * and moves past the value when the value has that type, and 0 when it does not or the
@@ -6,8 +6,8 @@
  * the whole payload, and the Python decoders decode it instead.
  */
 
-#ifndef CONDUCTOR_MSGPACK_H
-#define CONDUCTOR_MSGPACK_H
+#ifndef CONDUCTOR_NATIVE_MSGPACK_H
+#define CONDUCTOR_NATIVE_MSGPACK_H
 
 #include <stddef.h>
 #include <stdint.h>

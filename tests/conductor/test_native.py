@@ -24,13 +24,13 @@ from conductor.wire.events import MASK64
 
 
 def test_the_module_is_built_from_the_current_source() -> None:
-    """An edited conductor/_native.c needs ``pip install -e .`` again to take effect."""
-    source = Path(_native.__file__).with_name("_native.c")
-    if not source.exists():
+    """An edited file of conductor/native/ needs ``pip install -e .`` again to take effect."""
+    sources = sorted(Path(_native.__file__).with_name("native").glob("*.[ch]"))
+    if not sources:
         pytest.skip("an installed wheel: no source beside the module")
-    assert Path(_native.__file__).stat().st_mtime >= source.stat().st_mtime, (
-        "conductor/_native.c changed after the module was built: pip install -e ."
-    )
+    built = Path(_native.__file__).stat().st_mtime
+    changed = [source.name for source in sources if source.stat().st_mtime > built]
+    assert not changed, f"{changed} changed after the module was built: pip install -e ."
 
 
 def test_hold_and_release_many_refuse_arguments_of_another_kind() -> None:

@@ -1,0 +1,22 @@
+/* The prefix hash of a block, XXH64(u64le(parent) || u32le(token)...), and the
+ * little-endian writers its input is built with (hashing.c; the ingest lane chains too). */
+#ifndef CONDUCTOR_NATIVE_HASHING_H
+#define CONDUCTOR_NATIVE_HASHING_H
+
+#include <Python.h>
+#include <stdint.h>
+
+static inline void put_le32(uint8_t *p, uint32_t v) {
+    p[0] = (uint8_t)v;
+    p[1] = (uint8_t)(v >> 8);
+    p[2] = (uint8_t)(v >> 16);
+    p[3] = (uint8_t)(v >> 24);
+}
+
+static inline void put_le64(uint8_t *p, uint64_t v) {
+    for (int i = 0; i < 8; i++) p[i] = (uint8_t)(v >> (8 * i));
+}
+
+uint64_t xxh64(const uint8_t *p, size_t len, uint64_t seed);
+
+#endif

@@ -1,0 +1,481 @@
+/* HashMap and MaskMap: what they are for, in maps.h. */
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+#include <stdint.h>
+#include <string.h>
+
+#include "maps.h"
+
+/* The next occupied entry from (*shard, *position) on, both moved past it; NULL at the end.
+ * The way every walk over a whole map goes (iterators, clearing, release_all). */
+Entry *next_entry(const Map *map, Py_ssize_t *shard, Py_ssize_t *position) {
+    Py_ssize_t tables = map->shards ? SHARDS : 1;
+    for (; *shard < tables; (*shard)++, *position = 0) {
+        const Table *table = map->shards ? &map->shards[*shard] : &map->one;
+        while (*position < table->capacity) {
+            Entry *entry = &table->entries[(*position)++];
+            if (entry->key != 0) return entry;
+        }
+    }
+    return NULL;
+}
+
+
+static void place(Entry *entries, Py_ssize_t capacity, uint64_t key, uint64_t value) {
+    size_t mask = (size_t)capacity - 1, i = home_of(key, capacity);
+    while (entries[i].key != 0) i = (i + 1) & mask;
+    entries[i].key = key;
+    entries[i].value = value;
+}
+
+static int table_resize(Table *table, Py_ssize_t capacity) {
+    Entry *entries = PyMem_Calloc((size_t)capacity, sizeof(Entry));
+    if (entries == NULL) {
+        PyErr_NoMemory();
+        return -1;
+    }
+    for (Py_ssize_t i = 0; i < table->capacity; i++) {
+        if (table->entries[i].key != 0)
+            place(entries, capacity, table->entries[i].key, table->entries[i].value);
+    }
+    PyMem_Free(table->entries);
+    table->entries = entries;
+    table->capacity = capacity;
+    return 0;
+}
+
+/* Room for one more key in ``table``: doubled when 3/4 full. */
+static int table_reserve(Table *table) {
+    if (4 * (table->used + 1) <= 3 * table->capacity) return 0;
+    return table_resize(table, table->capacity ? 2 * table->capacity : 8);
+}
+
+/* The one table's keys dealt to SHARDS tables, each about half full. */
+static int map_split(Map *map) {
+    Table *shards = PyMem_Calloc(SHARDS, sizeof(Table));
+    if (shards == NULL) {
+        PyErr_NoMemory();
+        return -1;
+    }
+    Py_ssize_t capacity = 8;
+    while (capacity < 2 * (map->used / SHARDS + 1)) capacity *= 2;
+    for (Py_ssize_t i = 0; i < SHARDS; i++) {
+        if (table_resize(&shards[i], capacity) < 0) goto fail;
+    }
+    for (Py_ssize_t i = 0; i < map->one.capacity; i++) {
+        Entry *entry = &map->one.entries[i];
+        if (entry->key == 0) continue;
+        Table *table = &shards[mix(entry->key) >> (64 - SHARD_BITS)];
+        if (table_reserve(table) < 0) goto fail;
+        place(table->entries, table->capacity, entry->key, entry->value);
+        table->used++;
+    }
+    PyMem_Free(map->one.entries);
+    map->one = (Table){NULL, 0, 0};
+    map->shards = shards;
+    return 0;
+fail:
+    for (Py_ssize_t i = 0; i < SHARDS; i++) PyMem_Free(shards[i].entries);
+    PyMem_Free(shards);
+    return -1;
+}
+
+/* The value slot of ``key``; an absent key is added first, its value 0 for the caller to
+ * set at once (``*created`` says which). NULL on error. One probe for a lookup and an
+ * insertion: at millions of keys, each probe of a large table is a cache miss. */
+uint64_t *map_value_slot(Map *map, uint64_t key, int *created) {
+    if (key == 0) {
+        *created = !map->has_zero;
+        if (*created) {
+            map->has_zero = 1;
+            map->zero_value = 0;
+            map->version++;
+        }
+        return &map->zero_value;
+    }
+    Table *table = table_of(map, key);
+    size_t mask = (size_t)table->capacity - 1;
+    Entry *free_entry = NULL;
+    for (size_t i = table->capacity ? home_of(key, table->capacity) : 0; table->capacity;
+         i = (i + 1) & mask) {
+        Entry *entry = &table->entries[i];
+        if (entry->key == key) {
+            *created = 0;
+            return &entry->value;
+        }
+        if (entry->key == 0) {
+            free_entry = entry;
+            break;
+        }
+    }
+    if (4 * (table->used + 1) > 3 * table->capacity) {
+        if (map->shards == NULL && map->used + 1 > SHARD_AT) {
+            if (map_split(map) < 0) return NULL;
+            table = table_of(map, key);
+        }
+        if (table_reserve(table) < 0) return NULL;
+        mask = (size_t)table->capacity - 1;
+        size_t i = home_of(key, table->capacity);
+        while (table->entries[i].key != 0) i = (i + 1) & mask;
+        free_entry = &table->entries[i];
+    }
+    free_entry->key = key;
+    free_entry->value = 0;
+    table->used++;
+    map->used++;
+    map->version++;
+    *created = 1;
+    return &free_entry->value;
+}
+
+/* Store ``value`` under ``key``; a value it replaces goes to ``*old`` (returns 1), a new
+ * key returns 0, an error -1. The map takes no reference: the caller keeps them right. */
+static int map_insert(Map *map, uint64_t key, uint64_t value, uint64_t *old) {
+    int created;
+    uint64_t *slot = map_value_slot(map, key, &created);
+    if (slot == NULL) return -1;
+    if (!created) *old = *slot;
+    *slot = value;
+    return !created;
+}
+
+/* Remove ``key``; its value goes to ``*old`` (returns 1), or it was absent (0). */
+int map_erase(Map *map, uint64_t key, uint64_t *old) {
+    if (key == 0) {
+        if (!map->has_zero) return 0;
+        *old = map->zero_value;
+        map->has_zero = 0;
+        map->version++;
+        return 1;
+    }
+    Entry *entry = map_find(map, key);
+    if (entry == NULL) return 0;
+    *old = entry->value;
+    Table *table = table_of(map, key);
+    Entry *entries = table->entries;
+    size_t mask = (size_t)table->capacity - 1, hole = (size_t)(entry - entries);
+    for (size_t i = (hole + 1) & mask; entries[i].key != 0; i = (i + 1) & mask) {
+        size_t home = home_of(entries[i].key, table->capacity);
+        /* the entry at i may fill the hole unless its home lies cyclically in (hole, i] */
+        int stays = hole < i ? (hole < home && home <= i) : (hole < home || home <= i);
+        if (!stays) {
+            entries[hole] = entries[i];
+            hole = i;
+        }
+    }
+    entries[hole].key = 0;
+    table->used--;
+    map->used--;
+    map->version++;
+    return 1;
+}
+
+/* 1 and the key when ``object`` is an unsigned 64-bit int, 0 when it is anything else (no
+ * error set: such a key is simply never present), -1 on another error. */
+int key_of(PyObject *object, uint64_t *key) {
+    if (!PyLong_Check(object)) return 0;
+    unsigned long long value = PyLong_AsUnsignedLongLong(object);
+    if (value == (unsigned long long)-1 && PyErr_Occurred()) {
+        if (!PyErr_ExceptionMatches(PyExc_OverflowError)) return -1;
+        PyErr_Clear();
+        return 0;
+    }
+    *key = value;
+    return 1;
+}
+
+int required_key(PyObject *object, uint64_t *key) {
+    int found = key_of(object, key);
+    if (found == 0)
+        PyErr_Format(PyExc_TypeError, "keys are unsigned 64-bit ints, not %.60R", object);
+    return found == 1 ? 0 : -1;
+}
+
+static PyObject *value_to_object(const Map *map, uint64_t value) {
+    if (HOLDS_OBJECTS(map)) return Py_NewRef((PyObject *)(uintptr_t)value);
+    return PyLong_FromUnsignedLongLong(value);
+}
+
+/* The stored form of ``object``; a MaskMap's takes a new reference to it. */
+static int value_of(const Map *map, PyObject *object, uint64_t *value) {
+    if (!PyLong_Check(object)) {
+        PyErr_Format(PyExc_TypeError, "values are ints, not %.60R", object);
+        return -1;
+    }
+    if (HOLDS_OBJECTS(map)) {
+        *value = (uint64_t)(uintptr_t)Py_NewRef(object);
+        return 0;
+    }
+    *value = PyLong_AsUnsignedLongLong(object);
+    return *value == (uint64_t)-1 && PyErr_Occurred() ? -1 : 0;
+}
+
+void release_value(const Map *map, uint64_t value) {
+    if (HOLDS_OBJECTS(map)) Py_DECREF((PyObject *)(uintptr_t)value);
+}
+
+int map_set(Map *map, uint64_t key, PyObject *object) {
+    uint64_t value, old;
+    if (value_of(map, object, &value) < 0) return -1;
+    int replaced = map_insert(map, key, value, &old);
+    if (replaced < 0) {
+        release_value(map, value);
+        return -1;
+    }
+    if (replaced) release_value(map, old);
+    return 0;
+}
+
+void map_clear_all(Map *map) {
+    Map emptied = *map;  /* the map is emptied first: a value's release may run any code */
+    map->one = (Table){NULL, 0, 0};
+    map->shards = NULL;
+    map->used = 0;
+    map->has_zero = 0;
+    map->version++;
+    Py_ssize_t shard = 0, position = 0;
+    Entry *entry;
+    if (HOLDS_OBJECTS(map)) {
+        if (emptied.has_zero) release_value(map, emptied.zero_value);
+        while ((entry = next_entry(&emptied, &shard, &position)) != NULL)
+            release_value(map, entry->value);
+    }
+    PyMem_Free(emptied.one.entries);
+    for (Py_ssize_t i = 0; emptied.shards != NULL && i < SHARDS; i++)
+        PyMem_Free(emptied.shards[i].entries);
+    PyMem_Free(emptied.shards);
+}
+
+static PyObject *map_new(PyTypeObject *type, PyObject *args, PyObject *kwargs) {
+    if (PyTuple_GET_SIZE(args) || (kwargs && PyDict_GET_SIZE(kwargs))) {
+        PyErr_Format(PyExc_TypeError, "%s() takes no arguments", type->tp_name);
+        return NULL;
+    }
+    return type->tp_alloc(type, 0);  /* zeroed: empty */
+}
+
+static void map_dealloc(Map *map) {
+    map_clear_all(map);
+    Py_TYPE(map)->tp_free((PyObject *)map);
+}
+
+static int map_contains(Map *map, PyObject *object) {
+    uint64_t key, value;
+    int found = key_of(object, &key);
+    return found <= 0 ? found : map_lookup(map, key, &value);
+}
+
+static PyObject *map_subscript(Map *map, PyObject *object) {
+    uint64_t key, value;
+    int found = key_of(object, &key);
+    if (found < 0) return NULL;
+    if (found == 0 || !map_lookup(map, key, &value)) {
+        PyErr_SetObject(PyExc_KeyError, object);
+        return NULL;
+    }
+    return value_to_object(map, value);
+}
+
+static int map_ass_subscript(Map *map, PyObject *object, PyObject *item) {
+    uint64_t key, old;
+    if (item != NULL) return required_key(object, &key) < 0 ? -1 : map_set(map, key, item);
+    int found = key_of(object, &key);
+    if (found < 0) return -1;
+    if (found == 0 || !map_erase(map, key, &old)) {
+        PyErr_SetObject(PyExc_KeyError, object);
+        return -1;
+    }
+    release_value(map, old);
+    return 0;
+}
+
+static PyObject *map_get(Map *map, PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs < 1 || nargs > 2) return PyErr_Format(PyExc_TypeError, "get takes 1 or 2 arguments");
+    uint64_t key, value;
+    int found = key_of(args[0], &key);
+    if (found < 0) return NULL;
+    if (found && map_lookup(map, key, &value)) return value_to_object(map, value);
+    return Py_NewRef(nargs == 2 ? args[1] : Py_None);
+}
+
+static PyObject *map_pop(Map *map, PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs < 1 || nargs > 2) return PyErr_Format(PyExc_TypeError, "pop takes 1 or 2 arguments");
+    uint64_t key, old;
+    int found = key_of(args[0], &key);
+    if (found < 0) return NULL;
+    if (found && map_erase(map, key, &old)) {
+        if (HOLDS_OBJECTS(map)) return (PyObject *)(uintptr_t)old;  /* the map's reference */
+        return PyLong_FromUnsignedLongLong(old);
+    }
+    if (nargs == 2) return Py_NewRef(args[1]);
+    PyErr_SetObject(PyExc_KeyError, args[0]);
+    return NULL;
+}
+
+static PyObject *map_clear(Map *map, PyObject *unused) {
+    map_clear_all(map);
+    Py_RETURN_NONE;
+}
+
+/* -- their iterators -- */
+
+enum { KEYS, VALUES, ITEMS };
+
+typedef struct {
+    PyObject_HEAD
+    Map *map;  /* NULL once exhausted */
+    Py_ssize_t shard;
+    Py_ssize_t position;  /* -1: the key 0, then the slots of each table in turn */
+    uint64_t version;
+    int kind;
+} MapIter;
+
+static PyTypeObject MapIterType;
+
+static PyObject *map_iterate(Map *map, int kind) {
+    MapIter *iter = PyObject_New(MapIter, &MapIterType);
+    if (iter == NULL) return NULL;
+    iter->map = (Map *)Py_NewRef(map);
+    iter->shard = 0;
+    iter->position = -1;
+    iter->version = map->version;
+    iter->kind = kind;
+    return (PyObject *)iter;
+}
+
+static PyObject *map_iter(Map *map) { return map_iterate(map, KEYS); }
+static PyObject *map_keys(Map *map, PyObject *unused) { return map_iterate(map, KEYS); }
+static PyObject *map_values(Map *map, PyObject *unused) { return map_iterate(map, VALUES); }
+static PyObject *map_items(Map *map, PyObject *unused) { return map_iterate(map, ITEMS); }
+
+static PyObject *iter_next(MapIter *iter) {
+    Map *map = iter->map;
+    if (map == NULL) return NULL;
+    if (map->version != iter->version) {
+        PyErr_SetString(PyExc_RuntimeError, "map changed size during iteration");
+        return NULL;
+    }
+    uint64_t key = 0, value = 0;
+    int found = 0;
+    if (iter->position == -1) {
+        iter->position = 0;
+        found = map->has_zero;
+        value = map->zero_value;
+    }
+    Entry *entry = found ? NULL : next_entry(map, &iter->shard, &iter->position);
+    if (entry != NULL) {
+        key = entry->key;
+        value = entry->value;
+        found = 1;
+    }
+    if (!found) {
+        Py_CLEAR(iter->map);
+        return NULL;
+    }
+    if (iter->kind == KEYS) return PyLong_FromUnsignedLongLong(key);
+    if (iter->kind == VALUES) return value_to_object(map, value);
+    PyObject *key_object = PyLong_FromUnsignedLongLong(key);
+    PyObject *value_object = key_object ? value_to_object(map, value) : NULL;
+    PyObject *pair = value_object ? PyTuple_Pack(2, key_object, value_object) : NULL;
+    Py_XDECREF(key_object);
+    Py_XDECREF(value_object);
+    return pair;
+}
+
+static void iter_dealloc(MapIter *iter) {
+    Py_XDECREF(iter->map);
+    PyObject_Free(iter);
+}
+
+static PyTypeObject MapIterType = {
+    PyVarObject_HEAD_INIT(NULL, 0)
+    .tp_name = "conductor._native.MapIterator",
+    .tp_basicsize = sizeof(MapIter),
+    .tp_dealloc = (destructor)iter_dealloc,
+    .tp_flags = Py_TPFLAGS_DEFAULT,
+    .tp_iter = PyObject_SelfIter,
+    .tp_iternext = (iternextfunc)iter_next,
+};
+
+/* The map as a new dict (repr, comparison: tests and debugging, not the hot path). */
+static PyObject *map_to_dict(Map *map) {
+    PyObject *items = map_items(map, NULL);
+    PyObject *copy = items ? PyDict_New() : NULL;
+    if (copy != NULL && PyDict_MergeFromSeq2(copy, items, 1) < 0) Py_CLEAR(copy);
+    Py_XDECREF(items);
+    return copy;
+}
+
+static int is_map(PyObject *object) {
+    return Py_IS_TYPE(object, &HashMapType) || Py_IS_TYPE(object, &MaskMapType);
+}
+
+/* == and != compare the keys and values, with a dict or another map, as dicts do. */
+static PyObject *map_richcompare(PyObject *self, PyObject *other, int op) {
+    if ((op != Py_EQ && op != Py_NE) || !(PyDict_Check(other) || is_map(other)))
+        Py_RETURN_NOTIMPLEMENTED;
+    PyObject *mine = map_to_dict((Map *)self);
+    PyObject *theirs = mine == NULL ? NULL
+                       : is_map(other) ? map_to_dict((Map *)other) : Py_NewRef(other);
+    PyObject *result = theirs == NULL ? NULL : PyObject_RichCompare(mine, theirs, op);
+    Py_XDECREF(mine);
+    Py_XDECREF(theirs);
+    return result;
+}
+
+static PyObject *map_repr(Map *map) {
+    PyObject *copy = map_to_dict(map);
+    PyObject *repr = copy ? PyUnicode_FromFormat("%s(%R)", Py_TYPE(map)->tp_name, copy) : NULL;
+    Py_XDECREF(copy);
+    return repr;
+}
+
+static PyMappingMethods map_as_mapping = {
+    .mp_length = (lenfunc)map_length,
+    .mp_subscript = (binaryfunc)map_subscript,
+    .mp_ass_subscript = (objobjargproc)map_ass_subscript,
+};
+
+static PySequenceMethods map_as_sequence = {
+    .sq_contains = (objobjproc)map_contains,
+};
+
+static PyMethodDef map_methods[] = {
+    {"get", (PyCFunction)(void (*)(void))map_get, METH_FASTCALL, "get(key, default=None)"},
+    {"pop", (PyCFunction)(void (*)(void))map_pop, METH_FASTCALL, "pop(key[, default])"},
+    {"keys", (PyCFunction)map_keys, METH_NOARGS, "an iterator over the keys"},
+    {"values", (PyCFunction)map_values, METH_NOARGS, "an iterator over the values"},
+    {"items", (PyCFunction)map_items, METH_NOARGS, "an iterator over (key, value) pairs"},
+    {"clear", (PyCFunction)map_clear, METH_NOARGS, "remove every key"},
+    {NULL, NULL, 0, NULL},
+};
+
+#define MAP_TYPE(c_name, py_name, doc)                                                      \
+    PyTypeObject c_name = {                                                          \
+        PyVarObject_HEAD_INIT(NULL, 0)                                                      \
+        .tp_name = "conductor._native." py_name,                                            \
+        .tp_basicsize = sizeof(Map),                                                        \
+        .tp_dealloc = (destructor)map_dealloc,                                              \
+        .tp_repr = (reprfunc)map_repr,                                                      \
+        .tp_richcompare = map_richcompare,                                                  \
+        .tp_hash = PyObject_HashNotImplemented,                                             \
+        .tp_as_sequence = &map_as_sequence,                                                 \
+        .tp_as_mapping = &map_as_mapping,                                                   \
+        .tp_iter = (getiterfunc)map_iter,                                                   \
+        .tp_flags = Py_TPFLAGS_DEFAULT,                                                     \
+        .tp_doc = doc,                                                                      \
+        .tp_methods = map_methods,                                                          \
+        .tp_new = map_new,                                                                  \
+    }
+
+MAP_TYPE(HashMapType, "HashMap", "uint64 -> uint64, a compact dict for hashes.");
+MAP_TYPE(MaskMapType, "MaskMap", "uint64 -> int, a compact dict for owner bitmasks.");
+
+int maps_exec(PyObject *module) {
+    if (PyType_Ready(&MapIterType) < 0) return -1;
+    PyTypeObject *types[] = {&HashMapType, &MaskMapType};
+    for (size_t i = 0; i < 2; i++) {
+        if (PyType_Ready(types[i]) < 0 || PyModule_AddType(module, types[i]) < 0) return -1;
+    }
+    return 0;
+}

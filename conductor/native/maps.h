@@ -1,0 +1,107 @@
+/* Maps keyed by unsigned 64-bit hashes: HashMap and MaskMap (maps.c), and what the index's
+ * loops in C use of them. */
+#ifndef CONDUCTOR_NATIVE_MAPS_H
+#define CONDUCTOR_NATIVE_MAPS_H
+
+#include <Python.h>
+#include <stdint.h>
+
+/* Why not dicts: a dict entry of an int key costs ~42 bytes plus the key's int object (48)
+ * and, for an int value, the value's; every lookup follows the key's pointer. Here a key
+ * and its value are 16 bytes inline, at most 3/4 of the slots used (open addressing, linear
+ * probing, deletion by backward shift: no tombstones).
+ *
+ * HashMap: uint64 -> uint64 (engine hash -> prefix hash).
+ * MaskMap: uint64 -> int object (prefix hash -> owner bitmask; masks may be wider than 64
+ *          bits, and a single owner's mask is that owner's one shared bit object).
+ * Both behave like dicts for what the index asks of them: len, in, [], get, pop, del,
+ * iteration over keys / values / items (an error if the map changes meanwhile), clear, ==.
+ * A key that is not an unsigned 64-bit int is never present, and cannot be stored.
+ */
+
+typedef struct {
+    uint64_t key;  /* 0: a free slot (the key 0 itself is kept beside the table) */
+    uint64_t value;  /* HashMap: the value; MaskMap: a PyObject* owned by the map */
+} Entry;
+
+typedef struct {
+    Entry *entries;  /* NULL while capacity is 0 */
+    Py_ssize_t capacity;  /* 0 or a power of two */
+    Py_ssize_t used;  /* entries in the table */
+} Table;
+
+/* A map grows by doubling a table, which rehashes all its keys at once: ~160 ms for 3M
+ * keys, a stall every query would wait out. So a map of SHARD_AT keys splits into SHARDS
+ * tables, chosen by a key's top hash bits, that grow one at a time: a doubling then moves
+ * 1/SHARDS of the keys (~1 ms at 3M). Small maps (most: an owner's blocks) stay one table. */
+#define SHARD_BITS 8
+#define SHARDS (1 << SHARD_BITS)
+#define SHARD_AT 65536
+
+typedef struct {
+    PyObject_HEAD
+    Table one;  /* the table while the map is not split */
+    Table *shards;  /* NULL, or SHARDS tables once it split */
+    Py_ssize_t used;  /* keys in the tables, the key 0 not counted */
+    int has_zero;
+    uint64_t zero_value;
+    uint64_t version;  /* bumped when a key comes or goes: iterators check it */
+} Map;
+
+extern PyTypeObject HashMapType;
+extern PyTypeObject MaskMapType;
+
+#define HOLDS_OBJECTS(map) Py_IS_TYPE((PyObject *)(map), &MaskMapType)
+
+static inline uint64_t mix(uint64_t key) {
+    key ^= key >> 30;  /* splitmix64's finalizer: keys that share low bits spread too */
+    key *= 0xBF58476D1CE4E5B9ULL;
+    key ^= key >> 27;
+    key *= 0x94D049BB133111EBULL;
+    return key ^ (key >> 31);
+}
+
+/* A key's first slot in a table: the low bits of its mix (its shard: the top bits). */
+static inline size_t home_of(uint64_t key, Py_ssize_t capacity) {
+    return (size_t)mix(key) & (size_t)(capacity - 1);
+}
+
+static inline Table *table_of(const Map *map, uint64_t key) {
+    return map->shards ? &map->shards[mix(key) >> (64 - SHARD_BITS)] : (Table *)&map->one;
+}
+
+/* The entry of ``key`` (not 0), or NULL. */
+static inline Entry *map_find(const Map *map, uint64_t key) {
+    const Table *table = table_of(map, key);
+    if (table->capacity == 0) return NULL;
+    size_t mask = (size_t)table->capacity - 1;
+    for (size_t i = home_of(key, table->capacity);; i = (i + 1) & mask) {
+        Entry *entry = &table->entries[i];
+        if (entry->key == key) return entry;
+        if (entry->key == 0) return NULL;
+    }
+}
+
+static inline int map_lookup(const Map *map, uint64_t key, uint64_t *value) {
+    if (key == 0) {
+        if (map->has_zero) *value = map->zero_value;
+        return map->has_zero;
+    }
+    Entry *entry = map_find(map, key);
+    if (entry != NULL) *value = entry->value;
+    return entry != NULL;
+}
+
+static inline Py_ssize_t map_length(const Map *map) { return map->used + map->has_zero; }
+
+/* the rest is in maps.c, each with what it does */
+Entry *next_entry(const Map *map, Py_ssize_t *shard, Py_ssize_t *position);
+uint64_t *map_value_slot(Map *map, uint64_t key, int *created);
+int map_erase(Map *map, uint64_t key, uint64_t *old);
+int key_of(PyObject *object, uint64_t *key);
+int required_key(PyObject *object, uint64_t *key);
+void release_value(const Map *map, uint64_t value);
+int map_set(Map *map, uint64_t key, PyObject *object);
+void map_clear_all(Map *map);
+
+#endif
