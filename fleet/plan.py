@@ -17,6 +17,7 @@ import os
 import sys
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from publishers.local import free_port
 
@@ -225,7 +226,7 @@ def router_config(
     engines: list[ServicePlan],
     kv_store: str,
     model_dir: Path | None = None,
-) -> dict:
+) -> dict[str, Any]:
     """The router's config (the upstream proxy's layout): each engine under its one name,
     with the store it saves to (``kv_store``, the master's address; absent: none), and the
     model directory the engines tokenize with, for the router to tokenize in-process."""

@@ -105,7 +105,10 @@ class ChildProcess:
         if self.process is None:
             return []
         try:
-            return psutil.Process(self.process.pid).children(recursive=True)
+            children: list[psutil.Process] = psutil.Process(self.process.pid).children(
+                recursive=True
+            )
+            return children
         except psutil.NoSuchProcess:
             return []
 

@@ -159,6 +159,7 @@ def _write_files(directory: Path) -> None:
     tokenizer = train_tokenizer()
     vocab_size = tokenizer.get_vocab_size()
     bos_id, eos_id = tokenizer.token_to_id(BOS), tokenizer.token_to_id(END_OF_TURN)
+    assert bos_id is not None and eos_id is not None  # both are the tokenizer's special tokens
     tokenizer.save(str(directory / "tokenizer.json"))
     write_json(
         directory / "tokenizer_config.json",

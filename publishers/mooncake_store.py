@@ -46,7 +46,7 @@ from conductor.vllm_hash import low64_be
 from .local import free_port
 
 if TYPE_CHECKING:
-    import torch
+    import torch  # type: ignore[import-not-found, unused-ignore]  # the optional [store] extra
 
 MIB = 1 << 20
 MASK64 = (1 << 64) - 1
@@ -222,7 +222,7 @@ class KVBlockShape:
         import torch
 
         count = self.layers * 2 * self.kv_heads * self.block_size * self.head_dim
-        return count * torch.empty((), dtype=self.torch_dtype).element_size()
+        return count * int(torch.empty((), dtype=self.torch_dtype).element_size())
 
 
 def kv_block(shape: KVBlockShape, digest: bytes) -> torch.Tensor:
@@ -238,7 +238,7 @@ def same_bytes(block: torch.Tensor, expected: torch.Tensor) -> bool:
     import torch
 
     flat = (t.contiguous().reshape(-1).view(torch.uint8) for t in (block, expected))
-    return torch.equal(*flat)
+    return bool(torch.equal(*flat))
 
 
 class KVBlockStore:
@@ -256,7 +256,7 @@ class KVBlockStore:
         device_name: str = "",
     ) -> None:
         import torch  # noqa: F401  (seconds to import: paid here, not by the first request)
-        from mooncake.store import MooncakeDistributedStore  # the optional [store] extra
+        from mooncake.store import MooncakeDistributedStore  # type: ignore[import-not-found, unused-ignore]  # [store] extra
 
         if local_hostname == LOOPBACK_ENV["MC_TCP_BIND_ADDRESS"]:
             for name, value in LOOPBACK_ENV.items():
@@ -341,7 +341,7 @@ class KVBlockStore:
 
 def binary(name: str) -> Path:
     """``mooncake_master`` or ``mooncake_client``, shipped inside the wheel."""
-    import mooncake
+    import mooncake  # type: ignore[import-not-found, unused-ignore]
 
     return Path(mooncake.__file__).with_name(name)
 
@@ -372,7 +372,7 @@ def store_process_command(address: StoreAddress, port: int, segment_bytes: int) 
     ]
 
 
-def _wait_listening(port: int, process: subprocess.Popen, log: Path, timeout: float) -> None:
+def _wait_listening(port: int, process: subprocess.Popen[bytes], log: Path, timeout: float) -> None:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if process.poll() is not None:
@@ -385,7 +385,7 @@ def _wait_listening(port: int, process: subprocess.Popen, log: Path, timeout: fl
     raise StoreError(f"nothing listens on {port}:\n{log.read_text(errors='replace')[-2000:]}")
 
 
-def _end(process: subprocess.Popen | None, kill: bool = False) -> None:
+def _end(process: subprocess.Popen[bytes] | None, kill: bool = False) -> None:
     if process is None or process.poll() is not None:
         return
     if kill:
@@ -415,14 +415,14 @@ class LocalStore:
         self.address = StoreAddress(
             f"127.0.0.1:{self.rpc_port}", f"http://127.0.0.1:{self.metadata_port}/metadata"
         )
-        self.master: subprocess.Popen | None = None
-        self.store: subprocess.Popen | None = None
+        self.master: subprocess.Popen[bytes] | None = None
+        self.store: subprocess.Popen[bytes] | None = None
 
     @property
     def admin_url(self) -> str:
         return f"http://127.0.0.1:{self.metrics_port}"
 
-    def _spawn(self, name: str, command: list[str], port: int) -> subprocess.Popen:
+    def _spawn(self, name: str, command: list[str], port: int) -> subprocess.Popen[bytes]:
         log = self.run_dir / f"{name}.log"
         with log.open("ab") as output:
             process = subprocess.Popen(

@@ -1,5 +1,5 @@
-"""mypy, strict, on the conductor and the router (the files and flags are pyproject.toml's
-``[tool.mypy]``): a type error fails the suite like a failing test."""
+"""mypy, strict, on the conductor, the router, the tokenizers and the fleet (the files and flags
+are pyproject.toml's ``[tool.mypy]``): a type error fails the suite like a failing test."""
 
 from __future__ import annotations
 
