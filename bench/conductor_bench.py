@@ -475,7 +475,8 @@ def bench_ingest_runs(
 ) -> dict[str, dict[str, Any]]:
     """Repeat the ingest run, contenders interleaved so they share the machine's noise.
 
-    One ~1 s run on a shared VM varies by +-25%; the median run of each is reported.
+    One short run on a shared VM is noisy (bench/results/ gives each run's figure); the
+    median run of each is reported.
     """
     runs: dict[str, list[dict[str, Any]]] = {c.key: [] for c in contenders}
     for _ in range(scale.ingest_runs):

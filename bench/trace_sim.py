@@ -124,7 +124,7 @@ def block_tokens(hash_id: int) -> list[int]:
     SHAKE-128 of the id, one byte per token: equal ids give equal blocks, distinct ids
     collide with negligible probability (512 random bytes). Byte-sized token ids are
     Python's shared small ints, which matters: every cached block keeps its tokens in the
-    engines' BlockManager, and 16-bit tokens made one full run hold 3.7 GB.
+    engines' BlockManager, and 16-bit tokens made one full run hold gigabytes.
     """
     return list(hashlib.shake_128(hash_id.to_bytes(8, "little")).digest(TRACE_BLOCK_SIZE))
 

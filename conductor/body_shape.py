@@ -4,7 +4,8 @@ whether they are plain numbers, and how many bytes the rest takes.
 A route's byte cap is sized for its largest request in JSON (12 bytes per token id), but a
 small int is one msgpack byte, and decoding (msgpack, or pydantic for a JSON body the C
 token reader declines) builds a Python object per value: ~12x the token limit fit the cap,
-and a cap's worth of nested empty arrays took ~400 ms of the event loop to refuse. Reading
+and a cap's worth of nested empty arrays held the event loop while it was decoded, only to
+be refused (tests/conductor/test_http_hardening.py holds both cases). Reading
 the shape costs a pass in C over the body (msgspec reads each field's value as ``Raw``
 bytes) and builds no object per item, so a body that breaks a limit is refused at once.
 """

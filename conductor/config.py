@@ -293,8 +293,9 @@ class QueryRequest(QueryBase):
     @classmethod
     def from_plain_json(cls, body: bytes) -> QueryRequest | None:
         """``model_validate_json`` of a plain body (a flat object, its token array of int32
-        unescaped), whose token array is read in place by C (4,096 ids: ~45 us, not ~190 us
-        through pydantic's Python ints) and the rest by pydantic, with its errors; None for
+        unescaped), whose token array is read in place by C (a fraction of the time pydantic
+        takes to build Python ints; bench.conductor_bench's JSON /query measures it) and the
+        rest by pydantic, with its errors; None for
         anything unusual, which the caller parses the general way."""
         split = json_int32_field(body, "token_ids")
         if split is None:

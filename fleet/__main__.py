@@ -165,7 +165,7 @@ class Fleet:
         print("  Ctrl-C stops the fleet.", flush=True)
 
     async def stop(self) -> None:
-        """Router first (no new requests), then the engines (at once: SGLang takes ~10 s to
+        """Router first (no new requests), then the engines (at once: SGLang takes seconds to
         stop), the store, the conductor."""
         store = [[s.store.name], [s.master.name]] if (s := self.plan.store) else []
         engines = [engine.name for engine in self.plan.engines]

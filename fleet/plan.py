@@ -33,7 +33,7 @@ SGLANG_EXTENSIONS_DIR = "~/.cache/mooncake/sglang-torch-extensions"
 # what an SGLang server leaves in /dev/shm: its load-snapshot file on every stop, and
 # multiprocessing's semaphores after a kill
 SGLANG_SHM_PREFIXES = ("/dev/shm/sglang_loads_", "/dev/shm/sem.mp-")
-# what a vLLM server leaves there: Python shared-memory segments (~160 and ~240 MiB each)
+# what a vLLM server leaves there: Python shared-memory segments (hundreds of MiB each)
 # and semaphores, on every stop
 VLLM_SHM_PREFIXES = ("/dev/shm/psm_", "/dev/shm/sem.mp-")
 # how the router registers each kind's event stream with the conductor (the simulator

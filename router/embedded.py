@@ -2,8 +2,9 @@
 
 The router subscribes to the prefill instances' KV-event streams itself, with the
 conductor's own subscribers, sequence tracking, replays and ``PrefixCacheTable``, and asks
-the table in-process: no HTTP hop per request (about 1 ms of the router's overhead, and the
-conductor's CPU to parse the query), one process less to run. The price: the router's event
+the table in-process: no HTTP hop per request (most of the router's own time with token
+ids, bench.router_overhead's ``ids-embedded`` against ``ids``; and the conductor's CPU to
+parse the query), one process less to run. The price: the router's event
 loop also applies the events (in steps of ~0.5 ms, as the service does), and other routers
 or tools cannot share this index. It is the router's index as ``ConductorClient`` is
 (``index_client.IndexClient``), but reads a prompt's block hashes, where a conductor is sent

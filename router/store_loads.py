@@ -7,7 +7,8 @@ it got from the connector (``vllm:external_prefix_cache_hits_total``). Between t
 of one engine, bytes ÷ seconds is the bandwidth its loads reached and bytes ÷ tokens the KV
 bytes per token: the two numbers of the router's store cost. Per-request figures cannot
 give them: an answer's ``cached_tokens`` does not separate GPU hits from store loads, and
-its TTFT mixes the load with queueing and compute that cost 30× more per token.
+its TTFT mixes the load with queueing and compute that costs far more per token
+(bench.store_bench times a load against recomputing).
 """
 
 from __future__ import annotations

