@@ -13,7 +13,8 @@ parse, whose blocks already carry their ``tokens_hash`` (the publisher hashes, s
 figure leaves hashing out; its hashing is timed alone and folded in as a second figure),
 ``find_matches`` for the walk and ``compute_block_hash_for_seq`` for the prompt's hashes.
 Memory is each index built to the same size in a fresh subprocess.
-What the figures mean and what was found: bench/README.md.
+What the figures mean: bench/README.md; what was measured and found:
+bench/results/index-vs-dynamo.md.
 """
 
 from __future__ import annotations

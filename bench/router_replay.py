@@ -29,7 +29,8 @@ charge a load the timing model's time for the modelled engine's KV, like every o
 The store's binaries listen on every interface: run it inside
 ``scripts/isolated-net.sh``.
 
-Run ``python -m bench.router_replay --help``; bench/README.md "Router replay" has results.
+Run ``python -m bench.router_replay --help``; bench/README.md says how it works and
+bench/results/router-replay.md has its results.
 """
 
 from __future__ import annotations
@@ -781,7 +782,7 @@ def summarize(
 
 
 def format_table(setup: dict[str, Any], runs: Sequence[dict[str, Any]]) -> str:
-    """A markdown table: paste it into the README as is."""
+    """A markdown table: paste it into a results file (bench/results/) as is."""
     slos = [f"{slo:g}" for slo in setup["slos_s"]]
     head = ["policy", "hit", "forgone", "TTFT mean", "p50", "p90", "p99", "client p50", "p99",
             *(f"≤{s} s" for s in slos), "imb req", "imb tok", "err", "rej", "router p50 ms",

@@ -36,7 +36,7 @@ default every instance has served the trace's first request before the replay st
 (``warm_start``): a fleet in service holds its system prompt.
 
 Run ``python -m bench.trace_report --help`` (the command line); bench/README.md "trace_sim"
-has results and caveats.
+has its method and caveats, bench/results/trace-replay.md its results.
 """
 
 from __future__ import annotations
@@ -464,9 +464,9 @@ class TraceSimulation:
     def _queued_work(self, decision: Decision, prompt_length: int) -> int:
         """What the router adds to the instance's ``queued_prefill_tokens``: the tokens it
         expects to be computed, as the proxy does. With ``queue_seconds`` (a what-if, see
-        the README) it adds the estimated prefill time in per-token units instead, so the
-        ttft policy's ``per_token_s × queued`` sums queued prefill *times*, as Algorithm 1
-        does."""
+        bench/results/trace-replay.md) it adds the estimated prefill time in per-token units
+        instead, so the ttft policy's ``per_token_s × queued`` sums queued prefill *times*,
+        as Algorithm 1 does."""
         cached = min(decision.cached_tokens, prompt_length)
         if not self.config.queue_seconds:
             return prompt_length - cached

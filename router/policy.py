@@ -21,7 +21,7 @@ from typing import Protocol, TypeVar
 Rank = TypeVar("Rank", float, tuple[float, ...])
 # count a prefix pulled through the store when it is this many times the instance's own:
 # 1, whenever the store holds more. On the FAST'25 traces with a store, 1 gave the lowest
-# mean and p90 TTFT of 1, 1.5, 2, 4 and inf (bench/README.md "Trace replay")
+# mean and p90 TTFT of 1, 1.5, 2, 4 and inf (bench/results/trace-replay.md)
 STORE_BALANCE_THRESHOLD = 1.0
 
 
@@ -241,7 +241,7 @@ class RoutingParams:
     balance_threshold: float | None = None
     ttft_slo_s: float | None = None
     # within (1 + slack) × the fastest TTFT estimate, the longest hit wins (0: Mooncake's
-    # Algorithm 1 exactly); 0.5 measured best on the FAST'25 traces (bench/README.md)
+    # Algorithm 1 exactly); 0.5 measured best on the FAST'25 traces (bench/results/trace-replay.md)
     ttft_slack: float = 0.5
     cost: PrefillCostModel = PrefillCostModel()
 
