@@ -201,8 +201,8 @@ async def test_msgpack_that_cannot_be_decoded_is_400(served, http):
 
 
 async def test_a_query_no_context_matches_says_which_contexts_the_model_has(served, http):
-    """The README's example asked for block size 16 of a fleet running 32 and got
-    ``{"default": {}}`` with no hint why."""
+    """The HTTP API's example (then in the README, now docs/http-api.md) asked for block
+    size 16 of a fleet running 32 and got ``{"default": {}}`` with no hint why."""
     for number, (block_size, lora) in enumerate([(32, ""), (32, "sql-adapter")]):
         body = {
             **VALID_REGISTRATION,
