@@ -64,9 +64,10 @@ def cpu_share(position: int, engines: int, cpus: list[int]) -> list[int]:
     """The CPUs of the ``position``-th of ``engines`` real engines.
 
     vLLM's automatic binding pins every engine's compute threads to the same first cores,
-    so two engines on one machine take turns: measured here, a request to one engine right
-    after the other answered waited about a second. Each engine gets its own share (or,
-    with more engines than CPUs, they share round-robin)."""
+    so two engines on one machine take turns: a request to one engine right after the other
+    answered waited for the other's threads (bench.fleet_latency measured it before and
+    after). Each engine gets its own share (or, with more engines than CPUs, they share
+    round-robin)."""
     if engines > len(cpus):
         return [cpus[position % len(cpus)]]
     size = len(cpus) // engines
