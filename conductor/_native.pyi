@@ -39,51 +39,6 @@ class MaskMap(_Map[K, int]): ...
 def chain_hashes(
     parent: int, token_ids: Sequence[int] | bytes, block_size: int, /
 ) -> list[int]: ...
-
-# what hold and release_many change: one owner's blocks on one tier (by_engine_hash,
-# copies, extra_refs), the context's engine_prefix and engine_refs, the tier's blocks, the
-# owner's bit (PrefixContext._holder)
-HolderArgs = tuple[
-    HashMap[EngineHash, PrefixHash],
-    dict[EngineHash, int],
-    dict[PrefixHash, int],
-    HashMap[EngineHash, PrefixHash],
-    dict[EngineHash, int],
-    MaskMap[PrefixHash],
-    int,
-]
-
-def hold(
-    by_engine_hash: HashMap[EngineHash, PrefixHash],
-    copies: dict[EngineHash, int],
-    extra_refs: dict[PrefixHash, int],
-    engine_prefix: HashMap[EngineHash, PrefixHash],
-    engine_refs: dict[EngineHash, int],
-    blocks: MaskMap[PrefixHash],
-    bit: int,
-    engine_hashes: Sequence[EngineHash],
-    prefix_hashes: Sequence[PrefixHash],
-    /,
-) -> int: ...
-def release_many(
-    by_engine_hash: HashMap[EngineHash, PrefixHash],
-    copies: dict[EngineHash, int],
-    extra_refs: dict[PrefixHash, int],
-    engine_prefix: HashMap[EngineHash, PrefixHash],
-    engine_refs: dict[EngineHash, int],
-    blocks: MaskMap[PrefixHash],
-    bit: int,
-    engine_hashes: Sequence[EngineHash],
-    /,
-) -> int: ...
-def release_all(
-    by_engine_hash: HashMap[EngineHash, PrefixHash],
-    engine_prefix: HashMap[EngineHash, PrefixHash],
-    engine_refs: dict[EngineHash, int],
-    blocks: MaskMap[PrefixHash],
-    bit: int,
-    /,
-) -> int: ...
 def u64_hashes(values: list[object], /) -> list[int] | None: ...
 def int32_tokens(raw: bytes | bytearray | memoryview, /) -> bytes | None: ...
 def json_int32_field(body: bytes, key: str, /) -> tuple[bytes, bytes] | None: ...
@@ -95,24 +50,53 @@ class PackedBatch:
     dp_rank: int | None
     removals: int
     def __len__(self) -> int: ...
-    def apply(
-        self,
-        start: int,
-        max_blocks: int,
-        block_size: int,
-        root: int,
-        owner_tiers: tuple[HashMap[EngineHash, PrefixHash], ...],
-        by_engine_hash: HashMap[EngineHash, PrefixHash],
-        copies: dict[EngineHash, int],
-        extra_refs: dict[PrefixHash, int],
-        engine_prefix: HashMap[EngineHash, PrefixHash],
-        engine_refs: dict[EngineHash, int],
-        blocks: MaskMap[PrefixHash],
-        bit: int,
-        /,
-    ) -> tuple[int, int, int, int, int]: ...
 
 def pack_batch(payload: bytes, block_size: int, /) -> PackedBatch | None: ...
-def walk_masks(
-    blocks: MaskMap[K], hashes: Sequence[object], interest: int, /
-) -> list[tuple[list[int], tuple[int, int, int, int]]]: ...
+
+class Holdings:
+    """One owner's blocks on one tier of a context (made by ContextBlocks.owner); its maps
+    are read only."""
+
+    @property
+    def by_engine_hash(self) -> HashMap[EngineHash, PrefixHash]: ...
+    @property
+    def copies(self) -> HashMap[EngineHash, int]: ...  # physical copies beyond the first
+    @property
+    def extra_refs(self) -> HashMap[PrefixHash, int]: ...  # engine hashes beyond the first
+    def count(self) -> int: ...
+    def prefix_count(self) -> int: ...
+
+class ContextBlocks:
+    """The blocks of one context and of each of its owners; its maps are read only, and
+    change through its methods."""
+
+    @property
+    def blocks(self) -> tuple[MaskMap[PrefixHash], MaskMap[PrefixHash], MaskMap[PrefixHash]]: ...
+    @property
+    def engine_prefix(self) -> HashMap[EngineHash, PrefixHash]: ...
+    @property
+    def engine_refs(self) -> HashMap[EngineHash, int]: ...  # holders beyond the first
+    def __init__(self, block_size: int) -> None: ...
+    def owner(self, bit: int, /) -> tuple[Holdings, Holdings, Holdings]: ...
+    def hold(
+        self,
+        holdings: Holdings,
+        engine_hashes: Sequence[EngineHash],
+        prefix_hashes: Sequence[PrefixHash],
+        /,
+    ) -> int: ...
+    def release(self, holdings: Holdings, engine_hashes: Sequence[EngineHash], /) -> int: ...
+    def evict(self, holdings: Holdings, engine_hashes: Sequence[EngineHash], /) -> int: ...
+    def clear(self, holdings: Holdings, /) -> int: ...
+    def apply_packed(
+        self,
+        packed: PackedBatch,
+        owner: tuple[Holdings, Holdings, Holdings],
+        start: int,
+        max_blocks: int,
+        root: int,
+        /,
+    ) -> tuple[int, int, int, int, int]: ...
+    def walk(
+        self, hashes: Sequence[object], interest: int, /
+    ) -> list[tuple[list[int], tuple[int, int, int, int]]]: ...

@@ -5,9 +5,11 @@ inside one (the service applies a large batch in a few calls, between which quer
 Its invariants and its place in the data flow: docs/architecture.md.
 
 Layout, chosen for memory (three 16-byte map entries per block and tier in the common case,
-no int object per hash) and for a fast /query walk. The maps are ``_native.HashMap``
-(uint64 -> uint64) and ``_native.MaskMap`` (uint64 -> int): dicts in all this module asks
-of them, kept in C without an object per key.
+no int object per hash) and for a fast /query walk. The blocks are kept in C: a context's in
+a ``_native.ContextBlocks``, each owner's on each tier in a ``_native.Holdings``; their maps
+(``HashMap``: uint64 -> uint64, ``MaskMap``: uint64 -> int) read as dicts, without an
+object per key, and change only through ContextBlocks' methods, which keep the counts below
+consistent.
 
 * A ``PrefixContext`` per (tenant, model, LoRA, block size) holds three MaskMaps, one per
   tier, ``prefix hash -> bitmask of slots``. A *slot* is one (instance, DP rank); its bit is
@@ -16,7 +18,7 @@ of them, kept in C without an object per key.
   and unregisters therefore touch only what that owner stored, and leave nothing behind.
 * The context keeps one ``engine hash -> prefix hash`` map over all its owners, counted
   (``/query_by_hash`` and parent lookups are one map lookup per hash, whatever the number
-  of owners): one more entry per distinct engine hash, and one in ``_engine_refs`` for a
+  of owners): one more entry per distinct engine hash, and one in ``engine_refs`` for a
   hash held more than once (another tier, another owner).
 * A stream's slots are indexed by DP rank: clearing a rank touches that rank's slots only,
   so clearing N ranks is linear. ``max_dp_ranks`` and ``max_lora_contexts`` bound the
@@ -41,8 +43,7 @@ from collections.abc import Set as AbstractSet
 from dataclasses import dataclass, field
 from typing import cast
 
-from . import _native
-from ._native import HashMap, MaskMap, PackedBatch
+from ._native import ContextBlocks, HashMap, MaskMap, PackedBatch
 from .hash_profile import HashProfile
 from .hashing import PrefixHash, chain_hashes, prefix_hashes, salt_root
 from .wire.events import (
@@ -172,27 +173,6 @@ class _Engines:
     names: list[str]
 
 
-class _Holdings:
-    """The blocks one slot holds on one tier, keyed by the engine's own hash."""
-
-    __slots__ = ("by_engine_hash", "copies", "extra_refs")
-
-    def __init__(self) -> None:
-        self.by_engine_hash: HashMap[EngineHash, PrefixHash] = HashMap()
-        # engine hash -> how many *more* physical copies the owner holds (vLLM caches and
-        # announces a block again when two requests computed it; each copy is evicted alone)
-        self.copies: dict[EngineHash, int] = {}
-        # prefix hash -> how many *more* engine hashes of this owner map to it
-        self.extra_refs: dict[PrefixHash, int] = {}
-
-    def count(self) -> int:
-        return len(self.by_engine_hash) + sum(self.copies.values())
-
-    def prefix_count(self) -> int:
-        """Distinct prefix blocks, as the context's tier maps count them."""
-        return len(self.by_engine_hash) - sum(self.extra_refs.values())
-
-
 class _Slot:
     """One owner of blocks: an engine (instance, DP rank) or a pool (``shared_pool``).
 
@@ -211,7 +191,13 @@ class _Slot:
     )
 
     def __init__(
-        self, instance_id: str, dp_rank: int, shared_pool: bool, index: int, kv_store: str = ""
+        self,
+        instance_id: str,
+        dp_rank: int,
+        shared_pool: bool,
+        index: int,
+        state: ContextBlocks,
+        kv_store: str = "",
     ) -> None:
         self.instance_id = instance_id
         self.dp_rank = dp_rank
@@ -219,7 +205,7 @@ class _Slot:
         self.kv_store = kv_store
         self.index = index
         self.bit = 1 << index
-        self.holdings = (_Holdings(), _Holdings(), _Holdings())
+        self.holdings = state.owner(self.bit)  # its blocks on each tier
         self.streams: set[str] = set()
 
 
@@ -233,7 +219,10 @@ class PrefixContext:
     def __init__(self, key: ContextKey, profile: HashProfile | None = None) -> None:
         self.key = key
         self.profile = profile
-        self.blocks: tuple[MaskMap[PrefixHash], ...] = (MaskMap(), MaskMap(), MaskMap())
+        self._state = ContextBlocks(key.block_size)
+        # per tier, prefix hash -> the bits of the slots holding it (read here, changed by
+        # self._state's methods, as are the maps below)
+        self.blocks: tuple[MaskMap[PrefixHash], ...] = self._state.blocks
         self.slots: dict[SlotKey, _Slot] = {}
         self._by_index: dict[int, _Slot] = {}
         self._free: list[int] = []
@@ -242,8 +231,8 @@ class PrefixContext:
         self.pool_mask = 0  # every pool's bit: 0 keeps the walk free of pool lookups
         # engine hash -> prefix hash over every owner and tier, and how many *more* holders
         # than one it has (the first holder's mapping: engine hashes of one context agree)
-        self.engine_prefix: HashMap[EngineHash, PrefixHash] = HashMap()
-        self._engine_refs: dict[EngineHash, int] = {}
+        self.engine_prefix: HashMap[EngineHash, PrefixHash] = self._state.engine_prefix
+        self._engine_refs: HashMap[EngineHash, int] = self._state.engine_refs
         self._engines: _Engines | None = None  # what queries need of the slots, kept whole
 
     # -- slots ---------------------------------------------------------------------------
@@ -251,7 +240,7 @@ class PrefixContext:
         slot = self.slots.get((instance_id, dp_rank))
         if slot is None:
             index = self._free.pop() if self._free else len(self.slots)
-            slot = _Slot(instance_id, dp_rank, shared_pool, index, kv_store)
+            slot = _Slot(instance_id, dp_rank, shared_pool, index, self._state, kv_store)
             self.slots[(instance_id, dp_rank)] = slot
             self._by_index[index] = slot
             self._engines = None
@@ -292,68 +281,34 @@ class PrefixContext:
         engine_hashes: Sequence[EngineHash],
         prefix_hashes: Sequence[PrefixHash],
     ) -> int:
-        """Record that ``slot`` holds these blocks on ``tier``; returns how many were stored.
-
-        One call per stored event off the C lane: the loop is ``_native.hold``.
-        """
-        return _native.hold(*self._holder(slot, tier), engine_hashes, prefix_hashes)
+        """Record that ``slot`` holds these blocks on ``tier``; returns how many were stored
+        (one call per stored event off the C lane)."""
+        return self._state.hold(slot.holdings[tier], engine_hashes, prefix_hashes)
 
     def release(self, slot: _Slot, tier: Tier, engine_hash: EngineHash) -> bool:
         return self.release_many(slot, tier, (engine_hash,)) == 1
 
     def release_many(self, slot: _Slot, tier: Tier, engine_hashes: Sequence[EngineHash]) -> int:
-        """One copy fewer of each block ``slot`` holds on ``tier``; returns how many it held
-        (the loop is ``_native.release_many``)."""
-        return _native.release_many(*self._holder(slot, tier), engine_hashes)
+        """One copy fewer of each block ``slot`` holds on ``tier``; returns how many it held."""
+        return self._state.release(slot.holdings[tier], engine_hashes)
 
     def apply_packed(
         self, slot: _Slot, packed: PackedBatch, start: int, max_blocks: int, root: int
     ) -> tuple[int, int, int, int, int]:
         """Events of a packed batch from ``start`` on, about ``max_blocks`` blocks' worth,
-        for ``slot``'s GPU blocks, chained from ``root`` (the loop is
-        ``PackedBatch.apply``): (the first event not applied, blocks stored, blocks removed,
-        events orphaned, events whose token count does not fit their hashes)."""
-        owner_tiers = tuple(holdings.by_engine_hash for holdings in slot.holdings)
-        block_size = self.key.block_size
-        return packed.apply(
-            start, max_blocks, block_size, root, owner_tiers, *self._holder(slot, Tier.GPU)
-        )
+        for ``slot``'s GPU blocks, chained from ``root``: (the first event not applied,
+        blocks stored, blocks removed, events orphaned, events whose token count does not
+        fit their hashes)."""
+        return self._state.apply_packed(packed, slot.holdings, start, max_blocks, root)
 
-    def _holder(self, slot: _Slot, tier: Tier) -> _native.HolderArgs:
-        """What holding or releasing ``slot``'s blocks on ``tier`` changes, as the C loops
-        take it."""
-        holdings = slot.holdings[tier]
-        return (
-            holdings.by_engine_hash,
-            holdings.copies,
-            holdings.extra_refs,
-            self.engine_prefix,
-            self._engine_refs,
-            self.blocks[tier],
-            slot.bit,
-        )
-
-    def evict(self, slot: _Slot, tier: Tier, engine_hash: EngineHash) -> None:
-        """Forget every copy of a block (its one key left the store, whoever saved it)."""
-        slot.holdings[tier].copies.pop(engine_hash, None)
-        self.release(slot, tier, engine_hash)
+    def evict(self, slot: _Slot, tier: Tier, engine_hashes: Sequence[EngineHash]) -> None:
+        """Forget every copy of these blocks (their keys left the store, whoever saved them)."""
+        self._state.evict(slot.holdings[tier], engine_hashes)
 
     def clear_slot(self, slot: _Slot) -> int:
-        """Forget every block of ``slot``; returns how many engine blocks it held."""
-        held = 0
-        for tier in TIERS:
-            holdings = slot.holdings[tier]
-            held += holdings.count()
-            _native.release_all(
-                holdings.by_engine_hash,
-                self.engine_prefix,
-                self._engine_refs,
-                self.blocks[tier],
-                slot.bit,
-            )  # a million blocks in ~0.1 s: unregistering a big engine holds queries briefly
-            holdings.copies.clear()
-            holdings.extra_refs.clear()
-        return held
+        """Forget every block of ``slot``; returns how many engine blocks it held (a million
+        in ~0.1 s: unregistering a big engine holds queries briefly)."""
+        return sum(self._state.clear(holdings) for holdings in slot.holdings)
 
     def prefix_of(self, engine_hash: EngineHash, owner: SlotKey | None = None) -> PrefixHash | None:
         """The prefix hash an engine hash was indexed under, by any owner of the context.
@@ -499,7 +454,7 @@ class PrefixContext:
         """The walk of a GPU-only context: slots stop together, in groups (in C, on the
         masks as machine words: 280 blocks of 1,000 slots stopping at 256 places take
         ~0.2 ms, against ~0.33 ms in Python)."""
-        return _native.walk_masks(self.blocks[Tier.GPU], hashes, interest)
+        return self._state.walk(hashes, interest)
 
     def _engine_set(self) -> _Engines:
         """The engine slots as queries see them; rebuilt after a slot came or went."""
@@ -728,8 +683,7 @@ class PrefixCacheTable:
                     and engine_hash not in announced
                     and engine_hash in holds
                 ]
-                for engine_hash in gone:
-                    context.evict(pool, Tier.CPU, engine_hash)
+                context.evict(pool, Tier.CPU, gone)
                 yield len(gone)
 
     def _pool(

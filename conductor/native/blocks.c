@@ -1,82 +1,68 @@
-/* The index's per-block loops: PrefixContext.hold, release_many and clear_slot. */
+/* The index's hot state: ContextBlocks, a context's blocks over every owner, and Holdings,
+ * one owner's blocks on one tier. Python's PrefixContext keeps its slots, pools and the
+ * match logic, reads these maps, and changes them only through the methods below, which
+ * keep the counts that hold them together (docs/architecture.md, "The index's invariants"):
+ *
+ *   - an owner's holdings map each engine hash it holds to its prefix hash; a hash stored
+ *     again is one more physical copy (``copies``), a prefix reached through another engine
+ *     hash one more reference (``extra_refs``);
+ *   - the context maps each engine hash to its prefix over every owner and tier, with the
+ *     holders beyond the first in ``engine_refs`` (a lookup by engine hash is one probe);
+ *   - a tier's mask of a prefix has the bit of each owner holding it on that tier.
+ */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 #include <stdint.h>
-#include <string.h>
+#include <structmember.h>
 
 #include "blocks.h"
 #include "maps.h"
 
-/* counts[key] = counts.get(key, 0) + delta; the entry goes when it reaches 0. */
-static int add_count(PyObject *counts, PyObject *key, long delta) {
-    PyObject *held = PyDict_GetItemWithError(counts, key);
-    if (held == NULL && PyErr_Occurred()) return -1;
-    long count = held == NULL ? 0 : PyLong_AsLong(held);
-    if (count == -1 && PyErr_Occurred()) return -1;
-    if (count + delta == 0) return PyDict_DelItem(counts, key);
-    PyObject *value = PyLong_FromLong(count + delta);
-    if (value == NULL) return -1;
-    int result = PyDict_SetItem(counts, key, value);
-    Py_DECREF(value);
-    return result;
-}
+/* -- the rules ------------------------------------------------------------------------- */
 
-/* Each argument of ``kinds`` ("h": HashMap, "m": MaskMap, "d": dict, ".": any) is one. */
-int check_args(PyObject *const *args, Py_ssize_t nargs, const char *kinds) {
-    Py_ssize_t count = (Py_ssize_t)strlen(kinds);
-    if (nargs != count) {
-        PyErr_Format(PyExc_TypeError, "takes %zd arguments (%zd given)", count, nargs);
-        return -1;
-    }
-    for (Py_ssize_t i = 0; i < count; i++) {
-        PyTypeObject *type = kinds[i] == 'h' ? &HashMapType
-                             : kinds[i] == 'm' ? &MaskMapType
-                             : kinds[i] == 'd' ? &PyDict_Type
-                                               : NULL;
-        if (type != NULL && !Py_IS_TYPE(args[i], type)) {
-            PyErr_Format(PyExc_TypeError, "argument %zd must be a %s", i + 1, type->tp_name);
-            return -1;
-        }
-    }
+/* counts[key] += 1 (a HashMap of counts: an absent key counts 0). 0, or -1 on error. */
+static int count_up(Map *counts, uint64_t key) {
+    int created;
+    uint64_t *count = map_value_slot(counts, key, &created);
+    if (count == NULL) return -1;
+    ++*count;
     return 0;
 }
 
-/* ``add_count`` keyed by ``hash``, whose int is ``object`` or (NULL) made here. */
-static int add_hash_count(PyObject *counts, PyObject *object, uint64_t hash, long delta) {
-    PyObject *key = object ? Py_NewRef(object) : PyLong_FromUnsignedLongLong(hash);
-    int result = key == NULL ? -1 : add_count(counts, key, delta);
-    Py_XDECREF(key);
-    return result;
+/* 1 when ``counts`` has ``key`` (counted one less now, gone at 0), 0 when not. */
+static int count_down(Map *counts, uint64_t key) {
+    uint64_t *count = map_value_of(counts, key), old;
+    if (count == NULL) return 0;
+    if (--*count == 0) map_erase(counts, key, &old);
+    return 1;
 }
 
-/* 1 when ``counts`` holds ``hash`` (one count fewer now), 0 when not, -1 on error. */
-static int take_count(PyObject *counts, PyObject *object, uint64_t hash) {
-    if (!PyDict_GET_SIZE(counts)) return 0;
-    PyObject *key = object ? Py_NewRef(object) : PyLong_FromUnsignedLongLong(hash);
-    int held = key == NULL ? -1 : PyDict_Contains(counts, key);
-    if (held > 0) held = add_count(counts, key, -1) < 0 ? -1 : 1;
-    Py_XDECREF(key);
-    return held;
+/* The sum of a HashMap's counts. */
+static Py_ssize_t total(const Map *counts) {
+    Py_ssize_t sum = 0;
+    MapCursor at = MAP_START;
+    uint64_t key, count;
+    while (map_next(counts, &at, &key, &count)) sum += (Py_ssize_t)count;
+    return sum;
 }
 
-/* The owner holds one block more (a block it holds already counts one more copy; a prefix
- * it holds under another engine hash, one more extra ref). The hashes' ints are passed when
- * the caller has them, else NULL. 0, or -1 on error. */
-int hold_block(const Holder *h, uint64_t engine_hash, uint64_t prefix_hash,
-                      PyObject *engine_object, PyObject *prefix_object) {
+/* The owner holds one block more: a block it holds already counts one more copy, a prefix
+ * it holds under another engine hash one more extra reference. 0, or -1 on error. */
+int hold_block(const Holdings *h, uint64_t engine_hash, uint64_t prefix_hash) {
+    const ContextBlocks *context = h->context;
     int created;
     uint64_t *slot = map_value_slot(h->by_engine_hash, engine_hash, &created);
     if (slot == NULL) return -1;
-    if (!created) return add_hash_count(h->copies, engine_object, engine_hash, 1);
+    if (!created) return count_up(h->copies, engine_hash);
     *slot = prefix_hash;
-    slot = map_value_slot(h->engine_prefix, engine_hash, &created);
+    slot = map_value_slot(context->engine_prefix, engine_hash, &created);
     if (slot == NULL) return -1;
     if (created) {
         *slot = prefix_hash;
-    } else if (add_hash_count(h->engine_refs, engine_object, engine_hash, 1) < 0) {
+    } else if (count_up(context->engine_refs, engine_hash) < 0) {
         return -1;
     }
-    slot = map_value_slot(h->blocks, prefix_hash, &created);
+    slot = map_value_slot(context->tiers[h->tier], prefix_hash, &created);
     if (slot == NULL) return -1;
     if (created) {
         *slot = (uint64_t)(uintptr_t)Py_NewRef(h->bit);
@@ -88,7 +74,7 @@ int hold_block(const Holder *h, uint64_t engine_hash, uint64_t prefix_hash,
     int mine = PyObject_IsTrue(both);
     Py_DECREF(both);
     if (mine < 0) return -1;
-    if (mine) return add_hash_count(h->extra_refs, prefix_object, prefix_hash, 1);
+    if (mine) return count_up(h->extra_refs, prefix_hash);
     PyObject *joined = PyNumber_Or(mask, h->bit);
     if (joined == NULL) return -1;
     *slot = (uint64_t)(uintptr_t)joined;  /* the map takes the new mask's reference */
@@ -96,16 +82,16 @@ int hold_block(const Holder *h, uint64_t engine_hash, uint64_t prefix_hash,
     return 0;
 }
 
-/* Clear the owner's bit (``others`` = ~bit) from ``mask``, the mask ``blocks`` holds for
- * the prefix; the entry goes with its last bit. */
-static int unset_bit(Map *blocks, uint64_t prefix_hash, uint64_t mask, PyObject *bit,
-                     PyObject *others) {
+/* Clear the owner's bit from ``mask``, the mask its tier holds for the prefix; the entry
+ * goes with its last bit. */
+static int unset_bit(const Holdings *h, uint64_t prefix_hash, uint64_t mask) {
+    Map *blocks = h->context->tiers[h->tier];
     uint64_t old;
-    if ((PyObject *)(uintptr_t)mask == bit) {  /* its owner's own bit object: the last bit */
+    if ((PyObject *)(uintptr_t)mask == h->bit) {  /* its owner's own bit object: the last bit */
         if (map_erase(blocks, prefix_hash, &old)) release_value(blocks, old);
         return 0;
     }
-    PyObject *left = PyNumber_And((PyObject *)(uintptr_t)mask, others);
+    PyObject *left = PyNumber_And((PyObject *)(uintptr_t)mask, h->others);
     if (left == NULL) return -1;
     int kept = PyObject_IsTrue(left);
     int result = kept < 0 ? -1 : kept ? map_set(blocks, prefix_hash, left) : 0;
@@ -114,65 +100,218 @@ static int unset_bit(Map *blocks, uint64_t prefix_hash, uint64_t mask, PyObject 
     return result;
 }
 
-/* One holder fewer of ``engine_hash``: a count less in ``engine_refs`` while others hold
- * it, else its entry in ``engine_prefix`` goes. ``object`` is its int, or NULL. 1 when
- * released, 0 when it had no entry, -1 on error. */
-static int release_engine_hash(Map *engine_prefix, PyObject *engine_refs,
-                               uint64_t engine_hash, PyObject *object) {
-    int shared = take_count(engine_refs, object, engine_hash);
-    if (shared) return shared;
+/* One holder fewer of ``engine_hash`` in the context: a count less in ``engine_refs``
+ * while others hold it, else its entry goes. 1, or 0 when it had none. */
+static int release_engine_hash(const ContextBlocks *context, uint64_t engine_hash) {
     uint64_t old;
-    return map_erase(engine_prefix, engine_hash, &old);
+    return count_down(context->engine_refs, engine_hash)
+           || map_erase(context->engine_prefix, engine_hash, &old);
 }
 
-/* The owner holds one copy fewer of a block (``others`` = ~bit): 1 when it held it, 0 when
- * not, -1 on error. Its last copy gone, the block is forgotten; its prefix keeps the
+/* The owner holds one copy fewer of a block (``every_copy``: none): 1 when it held it, 0
+ * when not, -1 on error. Its last copy gone, the block is forgotten; its prefix keeps the
  * owner's bit while another engine hash of the owner still stands for it. */
-int release_block(const Holder *h, PyObject *others, uint64_t engine_hash,
-                         PyObject *engine_object) {
-    int copy = take_count(h->copies, engine_object, engine_hash);
-    if (copy) return copy;
+int release_block(const Holdings *h, uint64_t engine_hash, int every_copy) {
     uint64_t prefix_hash, mask;
+    if (every_copy) {
+        map_erase(h->copies, engine_hash, &prefix_hash);
+    } else if (count_down(h->copies, engine_hash)) {
+        return 1;
+    }
     if (!map_erase(h->by_engine_hash, engine_hash, &prefix_hash)) return 0;
-    int held = release_engine_hash(h->engine_prefix, h->engine_refs, engine_hash, engine_object);
-    if (held == 0)
+    if (!release_engine_hash(h->context, engine_hash)) {
         PyErr_Format(PyExc_KeyError, "engine hash %llu", (unsigned long long)engine_hash);
-    if (held <= 0) return -1;
-    int extra = take_count(h->extra_refs, NULL, prefix_hash);
-    if (extra) return extra;
-    if (!map_lookup(h->blocks, prefix_hash, &mask)) {
+        return -1;
+    }
+    if (count_down(h->extra_refs, prefix_hash)) return 1;
+    if (!map_lookup(h->context->tiers[h->tier], prefix_hash, &mask)) {
         PyErr_Format(PyExc_KeyError, "prefix %llu", (unsigned long long)prefix_hash);
         return -1;
     }
-    return unset_bit(h->blocks, prefix_hash, mask, h->bit, others) < 0 ? -1 : 1;
+    return unset_bit(h, prefix_hash, mask) < 0 ? -1 : 1;
 }
 
-/* A Holder from 7 arguments (by_engine_hash, copies, extra_refs, engine_prefix,
- * engine_refs, blocks, bit) after ``check_args`` took their types ("hddhdm."). */
-int holder_of(PyObject *const *args, Holder *h) {
-    if (args[0] == args[3]) {  /* one map's slot would move while the other's is filled */
-        PyErr_SetString(PyExc_ValueError, "by_engine_hash and engine_prefix are one map");
-        return -1;
+/* Forget every block of the owner on its tier. 0, or -1 on error. */
+static int clear_holdings(const Holdings *h) {
+    MapCursor at = MAP_START;
+    uint64_t engine_hash, prefix_hash, mask;
+    while (map_next(h->by_engine_hash, &at, &engine_hash, &prefix_hash)) {
+        release_engine_hash(h->context, engine_hash);
+        if (!map_lookup(h->context->tiers[h->tier], prefix_hash, &mask))
+            continue;  /* unset already: an extra reference's prefix */
+        if (unset_bit(h, prefix_hash, mask) < 0) return -1;
     }
-    *h = (Holder){(Map *)args[0], args[1], args[2], (Map *)args[3], args[4], (Map *)args[5],
-                  args[6]};
+    map_clear_all(h->by_engine_hash);
+    map_clear_all(h->copies);
+    map_clear_all(h->extra_refs);
     return 0;
 }
 
-PyDoc_STRVAR(hold_doc,
-"hold(" HOLDER_ARGS ",\n     engine_hashes, prefix_hashes, /)\n--\n\n"
-"PrefixContext.hold's loop: record that the owner whose slot bit is ``bit`` holds these\n"
-"blocks (pairs of the two sequences, up to the shorter) in its ``by_engine_hash`` (a block\n"
-"it holds already counts one more copy), the context's ``engine_prefix`` (one more\n"
-"holder in ``engine_refs`` when known) and the tier's ``blocks`` masks (a prefix it holds\n"
-"under another engine hash counts in ``extra_refs``). Returns how many pairs it took.");
+/* -- Holdings ---------------------------------------------------------------------------- */
 
-static PyObject *hold(PyObject *module, PyObject *const *args, Py_ssize_t nargs) {
-    Holder h;
-    if (check_args(args, nargs, "hddhdm...") < 0 || holder_of(args, &h) < 0) return NULL;
-    PyObject *engine_seq = PySequence_Fast(args[7], "engine_hashes must be a sequence");
+static Map *new_map(PyTypeObject *type) { return (Map *)PyObject_CallNoArgs((PyObject *)type); }
+
+static Holdings *holdings_new(ContextBlocks *context, PyObject *bit, PyObject *others,
+                              int tier) {
+    Holdings *h = PyObject_New(Holdings, &HoldingsType);
+    if (h == NULL) return NULL;
+    h->context = (ContextBlocks *)Py_NewRef(context);
+    h->bit = Py_NewRef(bit);
+    h->others = Py_NewRef(others);
+    h->tier = tier;
+    h->by_engine_hash = new_map(&HashMapType);
+    h->copies = new_map(&HashMapType);
+    h->extra_refs = new_map(&HashMapType);
+    if (h->by_engine_hash == NULL || h->copies == NULL || h->extra_refs == NULL) Py_CLEAR(h);
+    return h;
+}
+
+static void holdings_dealloc(Holdings *h) {
+    Py_XDECREF(h->by_engine_hash);
+    Py_XDECREF(h->copies);
+    Py_XDECREF(h->extra_refs);
+    Py_DECREF(h->others);
+    Py_DECREF(h->bit);
+    Py_DECREF(h->context);
+    PyObject_Free(h);
+}
+
+static PyObject *holdings_count(Holdings *h, PyObject *unused) {
+    return PyLong_FromSsize_t(map_length(h->by_engine_hash) + total(h->copies));
+}
+
+static PyObject *holdings_prefix_count(Holdings *h, PyObject *unused) {
+    return PyLong_FromSsize_t(map_length(h->by_engine_hash) - total(h->extra_refs));
+}
+
+static PyMethodDef holdings_methods[] = {
+    {"count", (PyCFunction)holdings_count, METH_NOARGS,
+     "count()\n--\n\nthe engine blocks held, each physical copy counted"},
+    {"prefix_count", (PyCFunction)holdings_prefix_count, METH_NOARGS,
+     "prefix_count()\n--\n\nthe distinct prefix blocks held, as the tier's masks count them"},
+    {NULL, NULL, 0, NULL},
+};
+
+static PyMemberDef holdings_members[] = {
+    {"by_engine_hash", T_OBJECT, offsetof(Holdings, by_engine_hash), READONLY,
+     "engine hash -> prefix hash (a HashMap; read only)"},
+    {"copies", T_OBJECT, offsetof(Holdings, copies), READONLY,
+     "engine hash -> how many more physical copies are held (a HashMap; read only)"},
+    {"extra_refs", T_OBJECT, offsetof(Holdings, extra_refs), READONLY,
+     "prefix hash -> how many more engine hashes map to it (a HashMap; read only)"},
+    {NULL},
+};
+
+PyTypeObject HoldingsType = {
+    PyVarObject_HEAD_INIT(NULL, 0)
+    .tp_name = "conductor._native.Holdings",
+    .tp_doc = "One owner's blocks on one tier of a context (ContextBlocks.owner makes them).",
+    .tp_basicsize = sizeof(Holdings),
+    .tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_DISALLOW_INSTANTIATION,
+    .tp_dealloc = (destructor)holdings_dealloc,
+    .tp_methods = holdings_methods,
+    .tp_members = holdings_members,
+};
+
+/* -- ContextBlocks ----------------------------------------------------------------------- */
+
+/* ``object`` as holdings of ``context``; NULL (an error set) when it is not. */
+static const Holdings *holdings_of(const ContextBlocks *context, PyObject *object) {
+    if (!Py_IS_TYPE(object, &HoldingsType) || ((Holdings *)object)->context != context) {
+        PyErr_SetString(PyExc_TypeError, "holdings must be a Holdings of this ContextBlocks");
+        return NULL;
+    }
+    return (const Holdings *)object;
+}
+
+/* ``owner``, a tuple this context's ``owner`` made, as its holdings per tier: 0, or -1. */
+int owner_of(const ContextBlocks *context, PyObject *owner, const Holdings *tiers[TIERS]) {
+    int valid = PyTuple_Check(owner) && PyTuple_GET_SIZE(owner) == TIERS;
+    for (int tier = 0; valid && tier < TIERS; tier++) {
+        tiers[tier] = (const Holdings *)PyTuple_GET_ITEM(owner, tier);
+        valid = Py_IS_TYPE(tiers[tier], &HoldingsType) && tiers[tier]->context == context
+                && tiers[tier]->tier == tier && tiers[tier]->bit == tiers[0]->bit;
+    }
+    if (!valid) PyErr_SetString(PyExc_TypeError, "owner must be a tuple this ContextBlocks made");
+    return valid ? 0 : -1;
+}
+
+static int check_count(Py_ssize_t nargs, Py_ssize_t expected, const char *name) {
+    if (nargs == expected) return 0;
+    PyErr_Format(PyExc_TypeError, "%s takes %zd arguments (%zd given)", name, expected, nargs);
+    return -1;
+}
+
+static PyObject *context_new(PyTypeObject *type, PyObject *args, PyObject *kwargs) {
+    Py_ssize_t block_size;
+    static char *names[] = {"block_size", NULL};
+    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "n:ContextBlocks", names, &block_size))
+        return NULL;
+    ContextBlocks *self = (ContextBlocks *)type->tp_alloc(type, 0);
+    if (self == NULL) return NULL;
+    self->block_size = block_size;
+    self->blocks = PyTuple_New(TIERS);
+    if (self->blocks == NULL) goto fail;
+    for (int tier = 0; tier < TIERS; tier++) {
+        self->tiers[tier] = new_map(&MaskMapType);
+        if (self->tiers[tier] == NULL) goto fail;
+        PyTuple_SET_ITEM(self->blocks, tier, Py_NewRef(self->tiers[tier]));
+    }
+    self->engine_prefix = new_map(&HashMapType);
+    self->engine_refs = new_map(&HashMapType);
+    if (self->engine_prefix == NULL || self->engine_refs == NULL) goto fail;
+    return (PyObject *)self;
+fail:
+    Py_DECREF(self);
+    return NULL;
+}
+
+static void context_dealloc(ContextBlocks *self) {
+    for (int tier = 0; tier < TIERS; tier++) Py_XDECREF(self->tiers[tier]);
+    Py_XDECREF(self->blocks);
+    Py_XDECREF(self->engine_prefix);
+    Py_XDECREF(self->engine_refs);
+    Py_TYPE(self)->tp_free((PyObject *)self);
+}
+
+PyDoc_STRVAR(context_owner_doc,
+"owner(bit, /)\n--\n\n"
+"A new owner's holdings on each tier (GPU, CPU, DISK), empty; ``bit`` (an int > 0) is the\n"
+"owner's bit in the context's masks, given to no other owner while it holds blocks.");
+
+static PyObject *context_owner(ContextBlocks *self, PyObject *bit) {
+    PyObject *zero = PyLong_FromLong(0);  /* a cached small int: never NULL */
+    int positive = PyLong_Check(bit) ? PyObject_RichCompareBool(bit, zero, Py_GT) : 0;
+    Py_DECREF(zero);
+    if (positive < 0) return NULL;
+    if (!positive) return PyErr_Format(PyExc_ValueError, "bit must be an int > 0, not %.60R", bit);
+    PyObject *others = PyNumber_Invert(bit);
+    PyObject *owner = others == NULL ? NULL : PyTuple_New(TIERS);
+    for (int tier = 0; owner != NULL && tier < TIERS; tier++) {
+        Holdings *h = holdings_new(self, bit, others, tier);
+        if (h == NULL) Py_CLEAR(owner);
+        else PyTuple_SET_ITEM(owner, tier, (PyObject *)h);
+    }
+    Py_XDECREF(others);
+    return owner;
+}
+
+PyDoc_STRVAR(context_hold_doc,
+"hold(holdings, engine_hashes, prefix_hashes, /)\n--\n\n"
+"PrefixContext.hold: the owner holds these blocks (pairs of the two sequences, up to the\n"
+"shorter) on its holdings' tier. A block it holds already counts one more copy; an engine\n"
+"hash another owner holds, one more holder; a prefix it holds under another engine hash,\n"
+"one more extra reference; else its tier's mask of the prefix gets the owner's bit.\n"
+"Returns how many pairs it took; a hash that is no unsigned 64-bit int raises TypeError\n"
+"(the pairs before it are held).");
+
+static PyObject *context_hold(ContextBlocks *self, PyObject *const *args, Py_ssize_t nargs) {
+    if (check_count(nargs, 3, "hold") < 0) return NULL;
+    const Holdings *h = holdings_of(self, args[0]);
+    if (h == NULL) return NULL;
+    PyObject *engine_seq = PySequence_Fast(args[1], "engine_hashes must be a sequence");
     if (engine_seq == NULL) return NULL;
-    PyObject *prefix_seq = PySequence_Fast(args[8], "prefix_hashes must be a sequence");
+    PyObject *prefix_seq = PySequence_Fast(args[2], "prefix_hashes must be a sequence");
     if (prefix_seq == NULL) {
         Py_DECREF(engine_seq);
         return NULL;
@@ -186,7 +325,7 @@ static PyObject *hold(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
         uint64_t engine_hash, prefix_hash;
         if (required_key(engine_hashes[i], &engine_hash) < 0
             || required_key(prefix_hashes[i], &prefix_hash) < 0
-            || hold_block(&h, engine_hash, prefix_hash, engine_hashes[i], prefix_hashes[i]) < 0)
+            || hold_block(h, engine_hash, prefix_hash) < 0)
             goto done;
     }
     result = PyLong_FromSsize_t(count);
@@ -196,82 +335,108 @@ done:
     return result;
 }
 
-PyDoc_STRVAR(release_many_doc,
-"release_many(" HOLDER_ARGS ",\n             engine_hashes, /)\n--\n\n"
-"PrefixContext.release_many's loop: the owner whose slot bit is ``bit`` holds one copy\n"
-"fewer of each of these blocks (hashes it does not hold are skipped). Its last copy gone,\n"
-"a block leaves ``by_engine_hash`` and has one holder fewer in ``engine_prefix`` /\n"
-"``engine_refs``; its prefix's mask in ``blocks`` loses ``bit`` (the entry goes with the\n"
-"last bit) unless ``extra_refs`` counts another engine hash of the owner for it.\n"
-"Returns how many it held.");
-
-static PyObject *release_many(PyObject *module, PyObject *const *args, Py_ssize_t nargs) {
-    Holder h;
-    if (check_args(args, nargs, "hddhdm..") < 0 || holder_of(args, &h) < 0) return NULL;
-    PyObject *others = PyNumber_Invert(h.bit);
-    if (others == NULL) return NULL;
-    PyObject *seq = PySequence_Fast(args[7], "engine_hashes must be a sequence");
-    if (seq == NULL) {
-        Py_DECREF(others);
-        return NULL;
-    }
+/* release and evict: each engine hash's block released (every copy of it, or one). */
+static PyObject *release_each(ContextBlocks *self, PyObject *const *args, Py_ssize_t nargs,
+                              int every_copy) {
+    if (check_count(nargs, 2, every_copy ? "evict" : "release") < 0) return NULL;
+    const Holdings *h = holdings_of(self, args[0]);
+    if (h == NULL) return NULL;
+    PyObject *seq = PySequence_Fast(args[1], "engine_hashes must be a sequence");
+    if (seq == NULL) return NULL;
     Py_ssize_t count = PySequence_Fast_GET_SIZE(seq), released = 0;
     PyObject **engine_hashes = PySequence_Fast_ITEMS(seq), *result = NULL;
     for (Py_ssize_t i = 0; i < count; i++) {
         uint64_t engine_hash;
         int found = key_of(engine_hashes[i], &engine_hash);
-        if (found > 0) found = release_block(&h, others, engine_hash, engine_hashes[i]);
+        if (found > 0) found = release_block(h, engine_hash, every_copy);
         if (found < 0) goto done;
         released += found;
     }
     result = PyLong_FromSsize_t(released);
 done:
-    Py_DECREF(others);
     Py_DECREF(seq);
     return result;
 }
 
-PyDoc_STRVAR(release_all_doc,
-"release_all(by_engine_hash, engine_prefix, engine_refs, blocks, bit, /)\n--\n\n"
-"PrefixContext.clear_slot's loop for one tier: forget every engine hash the owner holds\n"
-"(one holder fewer in ``engine_prefix``/``engine_refs``), clear ``bit`` from each of its\n"
-"prefixes' masks in ``blocks`` (the entry goes with the last bit), and empty\n"
-"``by_engine_hash``. Returns how many engine hashes it held.");
+PyDoc_STRVAR(context_release_doc,
+"release(holdings, engine_hashes, /)\n--\n\n"
+"PrefixContext.release_many: the owner holds one copy fewer of each of these blocks on its\n"
+"holdings' tier (hashes it does not hold are skipped). Its last copy gone, a block has one\n"
+"holder fewer in the context, and its prefix's mask loses the owner's bit (the entry goes\n"
+"with the last bit) unless another engine hash of the owner stands for that prefix.\n"
+"Returns how many it held.");
 
-static PyObject *release_all(PyObject *module, PyObject *const *args, Py_ssize_t nargs) {
-    if (check_args(args, nargs, "hhdm.") < 0) return NULL;
-    Map *by_engine_hash = (Map *)args[0], *engine_prefix = (Map *)args[1];
-    Map *blocks = (Map *)args[3];
-    PyObject *engine_refs = args[2], *bit = args[4];
-    PyObject *others = PyNumber_Invert(bit);
-    if (others == NULL) return NULL;
-    Py_ssize_t held = map_length(by_engine_hash), shard = 0, position = 0;
-    int zero = by_engine_hash->has_zero;  /* the key 0, kept beside the tables, first */
-    for (;;) {
-        uint64_t engine_hash, prefix_hash, mask;
-        if (zero) {
-            zero = 0;
-            engine_hash = 0, prefix_hash = by_engine_hash->zero_value;
-        } else {
-            Entry *entry = next_entry(by_engine_hash, &shard, &position);
-            if (entry == NULL) break;
-            engine_hash = entry->key, prefix_hash = entry->value;
-        }
-        if (release_engine_hash(engine_prefix, engine_refs, engine_hash, NULL) < 0) goto fail;
-        if (!map_lookup(blocks, prefix_hash, &mask)) continue;  /* unset already (extra_refs) */
-        if (unset_bit(blocks, prefix_hash, mask, bit, others) < 0) goto fail;
-    }
-    map_clear_all(by_engine_hash);
-    Py_DECREF(others);
-    return PyLong_FromSsize_t(held);
-fail:
-    Py_DECREF(others);
-    return NULL;
+static PyObject *context_release(ContextBlocks *self, PyObject *const *args, Py_ssize_t nargs) {
+    return release_each(self, args, nargs, 0);
 }
 
-PyMethodDef blocks_methods[] = {
-    {"hold", (PyCFunction)(void (*)(void))hold, METH_FASTCALL, hold_doc},
-    {"release_many", (PyCFunction)(void (*)(void))release_many, METH_FASTCALL, release_many_doc},
-    {"release_all", (PyCFunction)(void (*)(void))release_all, METH_FASTCALL, release_all_doc},
+PyDoc_STRVAR(context_evict_doc,
+"evict(holdings, engine_hashes, /)\n--\n\n"
+"``release``, every copy of each block at once (its one key left the store, whoever saved\n"
+"it). Returns how many it held.");
+
+static PyObject *context_evict(ContextBlocks *self, PyObject *const *args, Py_ssize_t nargs) {
+    return release_each(self, args, nargs, 1);
+}
+
+PyDoc_STRVAR(context_clear_doc,
+"clear(holdings, /)\n--\n\n"
+"PrefixContext.clear_slot for one tier: the owner holds nothing there any more. Returns how\n"
+"many engine blocks it held, each copy counted (a million in ~0.1 s).");
+
+static PyObject *context_clear(ContextBlocks *self, PyObject *holdings) {
+    const Holdings *h = holdings_of(self, holdings);
+    if (h == NULL) return NULL;
+    Py_ssize_t held = map_length(h->by_engine_hash) + total(h->copies);
+    return clear_holdings(h) < 0 ? NULL : PyLong_FromSsize_t(held);
+}
+
+/* defined with their concerns */
+PyObject *context_walk(ContextBlocks *self, PyObject *const *args, Py_ssize_t nargs);
+PyObject *context_apply_packed(ContextBlocks *self, PyObject *const *args, Py_ssize_t nargs);
+extern const char context_walk_doc[], context_apply_packed_doc[];
+
+#define FASTCALL(function) (PyCFunction)(void (*)(void))(function), METH_FASTCALL
+
+static PyMethodDef context_methods[] = {
+    {"owner", (PyCFunction)context_owner, METH_O, context_owner_doc},
+    {"hold", FASTCALL(context_hold), context_hold_doc},
+    {"release", FASTCALL(context_release), context_release_doc},
+    {"evict", FASTCALL(context_evict), context_evict_doc},
+    {"clear", (PyCFunction)context_clear, METH_O, context_clear_doc},
+    {"apply_packed", FASTCALL(context_apply_packed), context_apply_packed_doc},
+    {"walk", FASTCALL(context_walk), context_walk_doc},
     {NULL, NULL, 0, NULL},
 };
+
+static PyMemberDef context_members[] = {
+    {"blocks", T_OBJECT, offsetof(ContextBlocks, blocks), READONLY,
+     "per tier (GPU, CPU, DISK), prefix hash -> its holders' bits (MaskMaps; read only)"},
+    {"engine_prefix", T_OBJECT, offsetof(ContextBlocks, engine_prefix), READONLY,
+     "engine hash -> prefix hash, over every owner and tier (a HashMap; read only)"},
+    {"engine_refs", T_OBJECT, offsetof(ContextBlocks, engine_refs), READONLY,
+     "engine hash -> how many more holders than one it has (a HashMap; read only)"},
+    {NULL},
+};
+
+PyTypeObject ContextBlocksType = {
+    PyVarObject_HEAD_INIT(NULL, 0)
+    .tp_name = "conductor._native.ContextBlocks",
+    .tp_doc = "ContextBlocks(block_size)\n--\n\n"
+              "The blocks of one context (tenant, model, LoRA, block size) and of each of its\n"
+              "owners, with the rules that keep them consistent.",
+    .tp_basicsize = sizeof(ContextBlocks),
+    .tp_flags = Py_TPFLAGS_DEFAULT,
+    .tp_new = context_new,
+    .tp_dealloc = (destructor)context_dealloc,
+    .tp_methods = context_methods,
+    .tp_members = context_members,
+};
+
+int blocks_exec(PyObject *module) {
+    PyTypeObject *types[] = {&ContextBlocksType, &HoldingsType};
+    for (size_t i = 0; i < 2; i++) {
+        if (PyType_Ready(types[i]) < 0 || PyModule_AddType(module, types[i]) < 0) return -1;
+    }
+    return 0;
+}

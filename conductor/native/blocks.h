@@ -1,4 +1,5 @@
-/* The index's per-block loops (blocks.c), and what the ingest lane applies through them. */
+/* The index's hot state (blocks.c): a context's blocks and each owner's, and the rules that
+ * keep them consistent; what the ingest lane and the query walk use of it. */
 #ifndef CONDUCTOR_NATIVE_BLOCKS_H
 #define CONDUCTOR_NATIVE_BLOCKS_H
 
@@ -7,25 +8,37 @@
 
 #include "maps.h"
 
-/* One owner's blocks on one tier, and the context maps they count in: what holding or
- * releasing a block changes. */
+#define TIERS 3  /* GPU, CPU, DISK: wire.events.Tier's values */
+
+/* One context's blocks over every owner (a PrefixContext's). */
 typedef struct {
-    Map *by_engine_hash;  /* the owner's: engine hash -> prefix hash */
-    PyObject *copies;  /* the owner's: engine hash -> physical copies beyond the first */
-    PyObject *extra_refs;  /* the owner's: prefix hash -> engine hashes beyond the first */
-    Map *engine_prefix;  /* the context's, over every owner and tier */
-    PyObject *engine_refs;  /* the context's: engine hash -> holders beyond the first */
-    Map *blocks;  /* the tier's prefix hash -> owner bitmask */
-    PyObject *bit;  /* the owner's bit */
-} Holder;
+    PyObject_HEAD
+    PyObject *blocks;  /* a tuple of a MaskMap per tier: prefix hash -> its holders' bits */
+    Map *tiers[TIERS];  /* the same MaskMaps */
+    Map *engine_prefix;  /* engine hash -> prefix hash, over every owner and tier */
+    Map *engine_refs;  /* engine hash -> how many more holders than one it has */
+    Py_ssize_t block_size;  /* tokens a block: what the lane hashes together */
+} ContextBlocks;
 
-#define HOLDER_ARGS "by_engine_hash, copies, extra_refs, engine_prefix, engine_refs, blocks, bit"
+/* One owner's blocks on one tier, keyed by the engine's own hash. */
+typedef struct {
+    PyObject_HEAD
+    ContextBlocks *context;  /* what its blocks count in */
+    PyObject *bit;  /* the owner's bit: one int object, shared by the masks it alone holds */
+    PyObject *others;  /* ~bit: what a mask keeps when the owner lets go of its block */
+    int tier;
+    Map *by_engine_hash;  /* engine hash -> prefix hash */
+    /* engine hash -> how many more physical copies the owner holds (vLLM caches and
+     * announces a block again when two requests computed it; each copy is evicted alone) */
+    Map *copies;
+    Map *extra_refs;  /* prefix hash -> how many more engine hashes of the owner map to it */
+} Holdings;
 
-int check_args(PyObject *const *args, Py_ssize_t nargs, const char *kinds);
-int holder_of(PyObject *const *args, Holder *h);
-int hold_block(const Holder *h, uint64_t engine_hash, uint64_t prefix_hash,
-               PyObject *engine_object, PyObject *prefix_object);
-int release_block(const Holder *h, PyObject *others, uint64_t engine_hash,
-                  PyObject *engine_object);
+extern PyTypeObject ContextBlocksType;
+extern PyTypeObject HoldingsType;
+
+int hold_block(const Holdings *h, uint64_t engine_hash, uint64_t prefix_hash);
+int release_block(const Holdings *h, uint64_t engine_hash, int every_copy);
+int owner_of(const ContextBlocks *context, PyObject *owner, const Holdings *tiers[TIERS]);
 
 #endif

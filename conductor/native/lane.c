@@ -223,11 +223,12 @@ static void packed_dealloc(PackedBatch *b) {
 
 PyDoc_STRVAR(pack_batch_doc,
 "pack_batch(payload, block_size, /)\n--\n\n"
-"A vLLM / SGLang event batch read whole into C buffers, for PackedBatch.apply; None when\n"
-"any part of it needs a decision in Python: an event other than BlockStored (with int\n"
-"hashes and token ids, the registered block size or none, GPU medium or none, no LoRA,\n"
-"salt, extra keys or group) or BlockRemoved (GPU medium or none, no group), an unknown\n"
-"field, a malformed payload. The Python decoders then decode it, with their errors.");
+"A vLLM / SGLang event batch read whole into C buffers, for ContextBlocks.apply_packed;\n"
+"None when any part of it needs a decision in Python: an event other than BlockStored\n"
+"(with int hashes and token ids, the registered block size or none, GPU medium or none, no\n"
+"LoRA, salt, extra keys or group) or BlockRemoved (GPU medium or none, no group), an\n"
+"unknown field, a malformed payload. The Python decoders then decode it, with their\n"
+"errors.");
 
 static PyObject *pack_batch(PyObject *module, PyObject *const *args, Py_ssize_t nargs) {
     if (nargs != 2) {
@@ -254,54 +255,47 @@ static PyObject *pack_batch(PyObject *module, PyObject *const *args, Py_ssize_t 
     return (PyObject *)b;
 }
 
-/* ``prefix_of`` in C: the prefix the owner (its three tiers' maps) or, failing that, any
- * owner of the context indexed ``engine_hash`` under. */
-static int prefix_of(PyObject *owner_tiers, const Map *engine_prefix, uint64_t engine_hash,
-                     uint64_t *prefix_hash) {
-    for (Py_ssize_t tier = 0; tier < PyTuple_GET_SIZE(owner_tiers); tier++) {
-        if (map_lookup((Map *)PyTuple_GET_ITEM(owner_tiers, tier), engine_hash, prefix_hash))
-            return 1;
+/* ``PrefixContext.prefix_of`` in C: the prefix the owner (on any tier) or, failing that,
+ * any owner of the context indexed ``engine_hash`` under. */
+static int prefix_of(const Holdings *owner[TIERS], uint64_t engine_hash, uint64_t *prefix_hash) {
+    for (int tier = 0; tier < TIERS; tier++) {
+        if (map_lookup(owner[tier]->by_engine_hash, engine_hash, prefix_hash)) return 1;
     }
-    return map_lookup(engine_prefix, engine_hash, prefix_hash);
+    return map_lookup(owner[0]->context->engine_prefix, engine_hash, prefix_hash);
 }
 
-PyDoc_STRVAR(packed_apply_doc,
-"apply(start, max_blocks, block_size, root, owner_tiers, " HOLDER_ARGS ", /)\n--\n\n"
-"Apply events from ``start`` on to one owner's GPU blocks, as PrefixCacheTable does an event\n"
-"it decoded: a stored event's prefix hashes chain from ``root`` (no parent) or from its\n"
-"parent's prefix (looked up in the owner's three tiers' by_engine_hash, ``owner_tiers``,\n"
-"then in engine_prefix: unknown, the event is orphaned) over ``block_size`` tokens a block,\n"
-"and each block is held; a removed event's blocks are released. It stops after the event\n"
-"that brings the blocks it looked at to ``max_blocks`` (a bound on the time it holds the\n"
-"caller). Returns (the first event not applied, blocks stored, blocks removed, events\n"
-"orphaned, events whose token count does not fit their hashes).");
+const char context_apply_packed_doc[] =
+"apply_packed(packed, owner, start, max_blocks, root, /)\n--\n\n"
+"Apply the events of a PackedBatch from ``start`` on to an owner's GPU blocks (``owner``:\n"
+"what ``owner`` made), as PrefixCacheTable does an event it decoded: a stored event's\n"
+"prefix hashes chain from ``root`` (no parent) or from its parent's prefix (the owner's on\n"
+"any tier, else any owner's: unknown, the event is orphaned) over ``block_size`` tokens a\n"
+"block, and each block is held; a removed event's blocks are released. It stops after the\n"
+"event that brings the blocks it looked at to ``max_blocks`` (a bound on the time it holds\n"
+"the caller). Returns (the first event not applied, blocks stored, blocks removed, events\n"
+"orphaned, events whose token count does not fit their hashes).";
 
-static PyObject *packed_apply(PackedBatch *b, PyObject *const *args, Py_ssize_t nargs) {
-    Holder h;
-    if (check_args(args, nargs, ".....hddhdm.") < 0 || holder_of(args + 5, &h) < 0)
+PyObject *context_apply_packed(ContextBlocks *self, PyObject *const *args, Py_ssize_t nargs) {
+    const Holdings *owner[TIERS];
+    if (nargs != 5) {
+        return PyErr_Format(PyExc_TypeError, "apply_packed takes 5 arguments (%zd given)", nargs);
+    }
+    if (!Py_IS_TYPE(args[0], &PackedBatchType)) {
+        PyErr_SetString(PyExc_TypeError, "packed must be a PackedBatch");
         return NULL;
-    Py_ssize_t start = PyLong_AsSsize_t(args[0]), max_blocks = PyLong_AsSsize_t(args[1]);
-    Py_ssize_t block_size = PyLong_AsSsize_t(args[2]);
-    uint64_t root = PyLong_AsUnsignedLongLong(args[3]);
+    }
+    if (owner_of(self, args[1], owner) < 0) return NULL;
+    const PackedBatch *b = (const PackedBatch *)args[0];
+    const Holdings *gpu = owner[0];
+    Py_ssize_t start = PyLong_AsSsize_t(args[2]), max_blocks = PyLong_AsSsize_t(args[3]);
+    uint64_t root = PyLong_AsUnsignedLongLong(args[4]);
     if (PyErr_Occurred()) return NULL;
-    PyObject *owner_tiers = args[4];
-    if (!PyTuple_Check(owner_tiers)) {
-        PyErr_SetString(PyExc_TypeError, "owner_tiers must be a tuple of HashMaps");
-        return NULL;
-    }
-    for (Py_ssize_t i = 0; i < PyTuple_GET_SIZE(owner_tiers); i++) {
-        if (!Py_IS_TYPE(PyTuple_GET_ITEM(owner_tiers, i), &HashMapType)) {
-            PyErr_SetString(PyExc_TypeError, "owner_tiers must be a tuple of HashMaps");
-            return NULL;
-        }
-    }
+    Py_ssize_t block_size = self->block_size;
     if (start < 0 || start > b->count || max_blocks <= 0 || block_size <= 0
         || block_size > (PY_SSIZE_T_MAX - 8) / 4) {
-        PyErr_SetString(PyExc_ValueError, "apply: bad start, max_blocks or block size");
+        PyErr_SetString(PyExc_ValueError, "apply_packed: bad start, max_blocks or block size");
         return NULL;
     }
-    PyObject *others = PyNumber_Invert(h.bit);
-    if (others == NULL) return NULL;
     size_t step = 4 * (size_t)block_size;
     uint8_t stack[8 + 4 * 64];
     uint8_t *buffer = step <= 4 * 64 ? stack : PyMem_Malloc(8 + step);
@@ -317,7 +311,7 @@ static PyObject *packed_apply(PackedBatch *b, PyObject *const *args, Py_ssize_t 
         const uint64_t *hashes = b->hashes + e->first_hash;
         if (e->removed) {
             for (size_t k = 0; k < e->hash_count; k++) {
-                int held = release_block(&h, others, hashes[k], NULL);
+                int held = release_block(gpu, hashes[k], 0);
                 if (held < 0) goto done;
                 removed += held;
             }
@@ -328,7 +322,7 @@ static PyObject *packed_apply(PackedBatch *b, PyObject *const *args, Py_ssize_t 
             continue;
         }
         uint64_t chain = root;
-        if (e->has_parent && !prefix_of(owner_tiers, h.engine_prefix, e->parent, &chain)) {
+        if (e->has_parent && !prefix_of(owner, e->parent, &chain)) {
             orphaned++;
             continue;
         }
@@ -337,14 +331,13 @@ static PyObject *packed_apply(PackedBatch *b, PyObject *const *args, Py_ssize_t 
             put_le64(buffer, chain);
             memcpy(buffer + 8, tokens + k * step, step);
             chain = xxh64(buffer, 8 + step, 0);
-            if (hold_block(&h, hashes[k], chain, NULL, NULL) < 0) goto done;
+            if (hold_block(gpu, hashes[k], chain) < 0) goto done;
         }
         stored += (Py_ssize_t)e->hash_count;
     }
     result = Py_BuildValue("(nnnnn)", i, stored, removed, orphaned, mismatched);
 done:
     if (buffer != stack) PyMem_Free(buffer);
-    Py_DECREF(others);
     return result;
 }
 
@@ -367,11 +360,6 @@ static PyGetSetDef packed_getset[] = {
     {NULL},
 };
 
-static PyMethodDef packed_methods[] = {
-    {"apply", (PyCFunction)(void (*)(void))packed_apply, METH_FASTCALL, packed_apply_doc},
-    {NULL, NULL, 0, NULL},
-};
-
 static PySequenceMethods packed_as_sequence = {.sq_length = (lenfunc)packed_length};
 
 static PyTypeObject PackedBatchType = {
@@ -383,7 +371,6 @@ static PyTypeObject PackedBatchType = {
     .tp_dealloc = (destructor)packed_dealloc,
     .tp_as_sequence = &packed_as_sequence,
     .tp_getset = packed_getset,
-    .tp_methods = packed_methods,
 };
 
 PyMethodDef lane_methods[] = {

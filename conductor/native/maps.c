@@ -7,8 +7,8 @@
 #include "maps.h"
 
 /* The next occupied entry from (*shard, *position) on, both moved past it; NULL at the end.
- * The way every walk over a whole map goes (iterators, clearing, release_all). */
-Entry *next_entry(const Map *map, Py_ssize_t *shard, Py_ssize_t *position) {
+ * How map_next goes over the tables. */
+static Entry *next_entry(const Map *map, Py_ssize_t *shard, Py_ssize_t *position) {
     Py_ssize_t tables = map->shards ? SHARDS : 1;
     for (; *shard < tables; (*shard)++, *position = 0) {
         const Table *table = map->shards ? &map->shards[*shard] : &map->one;
@@ -20,6 +20,20 @@ Entry *next_entry(const Map *map, Py_ssize_t *shard, Py_ssize_t *position) {
     return NULL;
 }
 
+/* The next key and its value from ``at`` on (1), or the end (0). */
+int map_next(const Map *map, MapCursor *at, uint64_t *key, uint64_t *value) {
+    if (at->position == -1) {  /* the key 0 first, kept beside the tables */
+        at->position = 0;
+        if (map->has_zero) {
+            *key = 0, *value = map->zero_value;
+            return 1;
+        }
+    }
+    Entry *entry = next_entry(map, &at->shard, &at->position);
+    if (entry == NULL) return 0;
+    *key = entry->key, *value = entry->value;
+    return 1;
+}
 
 static void place(Entry *entries, Py_ssize_t capacity, uint64_t key, uint64_t value) {
     size_t mask = (size_t)capacity - 1, i = home_of(key, capacity);
@@ -233,13 +247,9 @@ void map_clear_all(Map *map) {
     map->used = 0;
     map->has_zero = 0;
     map->version++;
-    Py_ssize_t shard = 0, position = 0;
-    Entry *entry;
-    if (HOLDS_OBJECTS(map)) {
-        if (emptied.has_zero) release_value(map, emptied.zero_value);
-        while ((entry = next_entry(&emptied, &shard, &position)) != NULL)
-            release_value(map, entry->value);
-    }
+    MapCursor at = MAP_START;
+    uint64_t key, value;
+    while (HOLDS_OBJECTS(map) && map_next(&emptied, &at, &key, &value)) release_value(map, value);
     PyMem_Free(emptied.one.entries);
     for (Py_ssize_t i = 0; emptied.shards != NULL && i < SHARDS; i++)
         PyMem_Free(emptied.shards[i].entries);
@@ -324,8 +334,7 @@ enum { KEYS, VALUES, ITEMS };
 typedef struct {
     PyObject_HEAD
     Map *map;  /* NULL once exhausted */
-    Py_ssize_t shard;
-    Py_ssize_t position;  /* -1: the key 0, then the slots of each table in turn */
+    MapCursor at;
     uint64_t version;
     int kind;
 } MapIter;
@@ -336,8 +345,7 @@ static PyObject *map_iterate(Map *map, int kind) {
     MapIter *iter = PyObject_New(MapIter, &MapIterType);
     if (iter == NULL) return NULL;
     iter->map = (Map *)Py_NewRef(map);
-    iter->shard = 0;
-    iter->position = -1;
+    iter->at = (MapCursor)MAP_START;
     iter->version = map->version;
     iter->kind = kind;
     return (PyObject *)iter;
@@ -355,20 +363,8 @@ static PyObject *iter_next(MapIter *iter) {
         PyErr_SetString(PyExc_RuntimeError, "map changed size during iteration");
         return NULL;
     }
-    uint64_t key = 0, value = 0;
-    int found = 0;
-    if (iter->position == -1) {
-        iter->position = 0;
-        found = map->has_zero;
-        value = map->zero_value;
-    }
-    Entry *entry = found ? NULL : next_entry(map, &iter->shard, &iter->position);
-    if (entry != NULL) {
-        key = entry->key;
-        value = entry->value;
-        found = 1;
-    }
-    if (!found) {
+    uint64_t key, value;
+    if (!map_next(map, &iter->at, &key, &value)) {
         Py_CLEAR(iter->map);
         return NULL;
     }

@@ -11,7 +11,7 @@
  * and its value are 16 bytes inline, at most 3/4 of the slots used (open addressing, linear
  * probing, deletion by backward shift: no tombstones).
  *
- * HashMap: uint64 -> uint64 (engine hash -> prefix hash).
+ * HashMap: uint64 -> uint64 (engine hash -> prefix hash, or a hash -> a count).
  * MaskMap: uint64 -> int object (prefix hash -> owner bitmask; masks may be wider than 64
  *          bits, and a single owner's mask is that owner's one shared bit object).
  * Both behave like dicts for what the index asks of them: len, in, [], get, pop, del,
@@ -82,6 +82,13 @@ static inline Entry *map_find(const Map *map, uint64_t key) {
     }
 }
 
+/* Where the value of ``key`` is stored, or NULL when it is absent. */
+static inline uint64_t *map_value_of(Map *map, uint64_t key) {
+    if (key == 0) return map->has_zero ? &map->zero_value : NULL;
+    Entry *entry = map_find(map, key);
+    return entry != NULL ? &entry->value : NULL;
+}
+
 static inline int map_lookup(const Map *map, uint64_t key, uint64_t *value) {
     if (key == 0) {
         if (map->has_zero) *value = map->zero_value;
@@ -94,8 +101,14 @@ static inline int map_lookup(const Map *map, uint64_t key, uint64_t *value) {
 
 static inline Py_ssize_t map_length(const Map *map) { return map->used + map->has_zero; }
 
+/* A place in a walk over a map's keys (MAP_START: before the first). */
+typedef struct {
+    Py_ssize_t shard, position;  /* position -1: the key 0 is next */
+} MapCursor;
+#define MAP_START {0, -1}
+
 /* the rest is in maps.c, each with what it does */
-Entry *next_entry(const Map *map, Py_ssize_t *shard, Py_ssize_t *position);
+int map_next(const Map *map, MapCursor *at, uint64_t *key, uint64_t *value);
 uint64_t *map_value_slot(Map *map, uint64_t key, int *created);
 int map_erase(Map *map, uint64_t key, uint64_t *old);
 int key_of(PyObject *object, uint64_t *key);

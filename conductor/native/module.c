@@ -8,9 +8,11 @@
  *
  *   hashing.c  the Go conductor's prefix hash chain (XXH64)
  *   maps.c     HashMap and MaskMap, compact dicts keyed by 64-bit hashes
- *   blocks.c   the index's per-block loops: hold and release an owner's blocks
- *   walk.c     a query's walk over a tier's owner masks
- *   lane.c     the ingest lane: a msgpack batch (msgpack.h) read and applied whole
+ *   blocks.c   the index's hot state, ContextBlocks (a context's blocks) and Holdings
+ *              (an owner's on one tier), changed only by its methods
+ *   walk.c     ContextBlocks.walk: a query's walk over the GPU tier's owner masks
+ *   lane.c     the ingest lane: a msgpack batch (msgpack.h) read whole, applied by
+ *              ContextBlocks.apply_packed
  *   decode.c   the Python decoders' helpers: hashes normalized, token ids read in place
  *   json.c     a JSON prompt's token ids read in place
  */
@@ -18,18 +20,17 @@
 #include <Python.h>
 
 /* what each file adds to the module */
-extern PyMethodDef hashing_methods[], blocks_methods[], walk_methods[], lane_methods[],
-    decode_methods[], json_methods[];
+extern PyMethodDef hashing_methods[], lane_methods[], decode_methods[], json_methods[];
 int maps_exec(PyObject *module);  /* HashMap, MaskMap */
+int blocks_exec(PyObject *module);  /* ContextBlocks, Holdings */
 int lane_exec(PyObject *module);  /* PackedBatch */
 
 static int native_exec(PyObject *module) {
-    PyMethodDef *functions[] = {hashing_methods, blocks_methods, walk_methods, lane_methods,
-                                decode_methods, json_methods};
+    PyMethodDef *functions[] = {hashing_methods, lane_methods, decode_methods, json_methods};
     for (size_t i = 0; i < sizeof functions / sizeof *functions; i++) {
         if (PyModule_AddFunctions(module, functions[i]) < 0) return -1;
     }
-    return maps_exec(module) < 0 || lane_exec(module) < 0 ? -1 : 0;
+    return maps_exec(module) < 0 || blocks_exec(module) < 0 || lane_exec(module) < 0 ? -1 : 0;
 }
 
 static PyModuleDef_Slot native_slots[] = {
@@ -40,7 +41,7 @@ static PyModuleDef_Slot native_slots[] = {
 static struct PyModuleDef native_module = {
     PyModuleDef_HEAD_INIT,
     .m_name = "conductor._native",
-    .m_doc = "The ingestion hot path in C: prefix hash chains, the index's maps and loops.",
+    .m_doc = "The ingestion hot path in C: prefix hash chains, the index's maps and state.",
     .m_size = 0,
     .m_slots = native_slots,
 };

@@ -136,7 +136,7 @@ static inline int mp_map(MpReader *r, size_t *count) {
 }
 
 /* Any one value, containers up to ``depth`` levels deep. */
-static int mp_skip(MpReader *r, int depth) {
+static inline int mp_skip(MpReader *r, int depth) {
     if (r->p >= r->end || depth <= 0) return 0;
     uint8_t tag = *r->p;
     uint64_t bits;

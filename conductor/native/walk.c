@@ -1,4 +1,4 @@
-/* A query's walk over a tier's owner masks (PrefixContext._walk_gpu). */
+/* A query's walk over the owner masks of a context's GPU tier (PrefixContext._walk_gpu). */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 #include <stdint.h>
@@ -84,26 +84,29 @@ static int add_stop(PyObject *stops, const uint64_t *bits, Py_ssize_t words, Py_
     return result;
 }
 
-PyDoc_STRVAR(walk_masks_doc,
-"walk_masks(blocks, hashes, interest, /)\n--\n\n"
-"Where the owners in ``interest`` (a mask) stop along ``hashes``: each walks while\n"
-"``blocks`` (a MaskMap: prefix hash -> owner mask) has its bit for the next hash. A list\n"
+const char context_walk_doc[] =
+"walk(hashes, interest, /)\n--\n\n"
+"Where the owners in ``interest`` (a mask) stop along ``hashes``: each walks while the GPU\n"
+"tier's mask of the next hash (``blocks[0]``) has its bit. A list\n"
 "of (owner indices, (position,) * 4): the owners whose first missing block is at that\n"
 "position (on each tier, for the index's answers), in order; those that hold every block\n"
 "last, at len(hashes). A hash that is no unsigned 64-bit int is held by nobody.\n"
 "~0.2 us a block for 1,000 owners, where Python's walk allocates a 1,000-bit int for\n"
-"each block (~1.2 us a block).");
+"each block (~1.2 us a block).";
 
-static PyObject *walk_masks(PyObject *module, PyObject *const *args, Py_ssize_t nargs) {
-    if (check_args(args, nargs, "m..") < 0) return NULL;
-    Map *blocks = (Map *)args[0];
-    if (!PyLong_Check(args[2])) {  /* a negative one: OverflowError, read as unsigned */
-        return PyErr_Format(PyExc_TypeError, "interest must be an int, not %.60R", args[2]);
+PyObject *context_walk(ContextBlocks *self, PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs != 2) {
+        return PyErr_Format(PyExc_TypeError, "walk takes 2 arguments (%zd given)", nargs);
     }
-    PyObject *hashes = PySequence_Fast(args[1], "hashes must be a sequence");
+    Map *blocks = self->tiers[0];
+    PyObject *interest = args[1];
+    if (!PyLong_Check(interest)) {  /* a negative one: OverflowError, read as unsigned */
+        return PyErr_Format(PyExc_TypeError, "interest must be an int, not %.60R", interest);
+    }
+    PyObject *hashes = PySequence_Fast(args[0], "hashes must be a sequence");
     if (hashes == NULL) return NULL;
     PyObject *stops = PyList_New(0);
-    Py_ssize_t words = words_of(args[2]);
+    Py_ssize_t words = words_of(interest);
     Scratch scratch = {NULL, 0};
     uint64_t *alive = NULL;  /* then the words held at a position, and those that stopped */
     if (stops == NULL || words < 0) goto fail;
@@ -115,7 +118,7 @@ static PyObject *walk_masks(PyObject *module, PyObject *const *args, Py_ssize_t 
     Py_ssize_t count = PySequence_Fast_GET_SIZE(hashes);
     PyObject **items = PySequence_Fast_ITEMS(hashes);
     uint64_t *held = alive + words, *stopped = held + words;
-    if (words > 0 && low_words(args[2], alive, words, &scratch) < 0) goto fail;
+    if (words > 0 && low_words(interest, alive, words, &scratch) < 0) goto fail;
     for (Py_ssize_t position = 0; position < count && words > 0; position++) {
         uint64_t key, mask;
         int found = key_of(items[position], &key);
@@ -148,8 +151,3 @@ fail:
     Py_XDECREF(stops);
     return NULL;
 }
-
-PyMethodDef walk_methods[] = {
-    {"walk_masks", (PyCFunction)(void (*)(void))walk_masks, METH_FASTCALL, walk_masks_doc},
-    {NULL, NULL, 0, NULL},
-};

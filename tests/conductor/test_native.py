@@ -33,49 +33,70 @@ def test_the_module_is_built_from_the_current_source() -> None:
     assert not changed, f"{changed} changed after the module was built: pip install -e ."
 
 
-def test_hold_and_release_many_refuse_arguments_of_another_kind() -> None:
-    maps = [_native.HashMap(), {}, {}, _native.HashMap(), {}]
-    with pytest.raises(TypeError, match="argument 6 must be a conductor._native.MaskMap"):
-        _native.hold(*maps, {}, 1, [1], [2])  # type: ignore[arg-type]
-    with pytest.raises(TypeError, match="argument 1 must be a conductor._native.HashMap"):
-        _native.release_many({}, {}, {}, _native.HashMap(), {}, _native.MaskMap(), 1, [1])  # type: ignore[arg-type]
-    with pytest.raises(TypeError, match=r"takes 9 arguments \(2 given\)"):
-        _native.hold(_native.HashMap(), {})  # type: ignore[call-arg]
+def test_the_blocks_take_only_holdings_of_their_own_context() -> None:
+    state, other = _native.ContextBlocks(16), _native.ContextBlocks(16)
+    theirs = other.owner(1)
+    with pytest.raises(TypeError, match="holdings must be a Holdings of this ContextBlocks"):
+        state.hold(theirs[0], [1], [2])
+    with pytest.raises(TypeError, match="holdings must be a Holdings of this ContextBlocks"):
+        state.release({}, [1])  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="owner must be a tuple this ContextBlocks made"):
+        state.apply_packed(_packed(), theirs, 0, 1, 0)
+    with pytest.raises(TypeError, match=r"hold takes 3 arguments \(1 given\)"):
+        state.hold(state.owner(1)[0])  # type: ignore[call-arg]
+    for bit in (0, -2, 1.0):
+        with pytest.raises(ValueError, match="bit must be an int > 0"):
+            state.owner(bit)  # type: ignore[arg-type]
+    with pytest.raises(TypeError):
+        _native.Holdings()  # type: ignore[call-arg]
 
 
-def _context() -> tuple[Any, ...]:
-    """A context's maps as PrefixContext keeps them, for one owner on one tier."""
-    return _native.HashMap(), {}, {}, _native.HashMap(), {}, _native.MaskMap()
+def _packed() -> _native.PackedBatch:
+    packed = _native.pack_batch(msgpack.packb([0.0, []]), 16)
+    assert packed is not None
+    return packed
 
 
 def test_hold_stops_at_the_shorter_sequence_and_release_skips_what_is_not_held() -> None:
-    by_engine, copies, extra, engine_prefix, refs, blocks = maps = _context()
-    assert _native.hold(*maps, 2, [10, 11], [7]) == 1
-    assert dict(by_engine.items()) == dict(engine_prefix.items()) == {10: 7}
-    assert dict(blocks.items()) == {7: 2}
-    assert _native.release_many(*maps, 2, [99, 10, 10]) == 1
-    assert len(by_engine) == len(engine_prefix) == len(blocks) == 0
+    state = _native.ContextBlocks(16)
+    mine = state.owner(2)[0]
+    assert state.hold(mine, [10, 11], [7]) == 1
+    assert dict(mine.by_engine_hash.items()) == dict(state.engine_prefix.items()) == {10: 7}
+    assert dict(state.blocks[0].items()) == {7: 2}
+    assert state.release(mine, [99, 10, 10]) == 1
+    assert len(mine.by_engine_hash) == len(state.engine_prefix) == len(state.blocks[0]) == 0
 
 
-def test_release_many_takes_copies_and_extra_references_first() -> None:
+def test_release_takes_copies_and_extra_references_first() -> None:
     """A block held twice loses a copy first; a prefix the owner holds under two engine
     hashes keeps its bit until the last of them goes."""
-    by_engine, copies, extra, engine_prefix, refs, blocks = maps = _context()
-    assert _native.hold(*maps, 4, [10, 10, 11], [70, 70, 70]) == 3
-    assert copies == {10: 1} and extra == {70: 1} and blocks == {70: 4}
-    assert _native.release_many(*maps, 4, [10]) == 1  # the copy
-    assert copies == {} and by_engine == {10: 70, 11: 70}
-    assert _native.release_many(*maps, 4, [11]) == 1  # the extra reference
-    assert extra == {} and blocks == {70: 4} and engine_prefix == {10: 70}
-    assert _native.release_many(*maps, 4, [10, 10]) == 1  # the last one: the bit goes
-    assert len(by_engine) == len(engine_prefix) == len(blocks) == 0
+    state = _native.ContextBlocks(16)
+    mine = state.owner(4)[0]
+    assert state.hold(mine, [10, 10, 11], [70, 70, 70]) == 3
+    assert mine.copies == {10: 1} and mine.extra_refs == {70: 1} and state.blocks[0] == {70: 4}
+    assert (mine.count(), mine.prefix_count()) == (3, 1)
+    assert state.release(mine, [10]) == 1  # the copy
+    assert mine.copies == {} and mine.by_engine_hash == {10: 70, 11: 70}
+    assert state.release(mine, [11]) == 1  # the extra reference
+    assert mine.extra_refs == {} and state.blocks[0] == {70: 4} and state.engine_prefix == {10: 70}
+    assert state.release(mine, [10, 10]) == 1  # the last one: the bit goes
+    assert len(mine.by_engine_hash) == len(state.engine_prefix) == len(state.blocks[0]) == 0
+
+
+def test_evict_forgets_every_copy_at_once() -> None:
+    state = _native.ContextBlocks(16)
+    mine = state.owner(1)[1]
+    assert state.hold(mine, [10, 10, 10, 11], [70, 70, 70, 71]) == 4
+    assert state.evict(mine, [10, 12]) == 1
+    assert mine.by_engine_hash == {11: 71} and mine.copies == {} and state.blocks[1] == {71: 1}
 
 
 def test_a_hash_that_is_no_uint64_raises_and_leaves_earlier_blocks_recorded() -> None:
-    by_engine, copies, extra, engine_prefix, refs, blocks = maps = _context()
+    state = _native.ContextBlocks(16)
+    mine = state.owner(1)[0]
     with pytest.raises(TypeError, match="keys are unsigned 64-bit ints"):
-        _native.hold(*maps, 1, [5, -6], [50, 60])
-    assert dict(by_engine.items()) == {5: 50} and dict(blocks.items()) == {50: 1}
+        state.hold(mine, [5, -6], [50, 60])
+    assert dict(mine.by_engine_hash.items()) == {5: 50} and dict(state.blocks[0].items()) == {50: 1}
 
 
 @settings(max_examples=300, deadline=None)
@@ -203,12 +224,13 @@ def test_a_map_split_into_shards_answers_as_a_dict(kind: type) -> None:
     assert len(mapping) == 70_000 and mapping.get(69_999) == 70_000
 
 
-def test_release_all_empties_a_split_map() -> None:
-    by_engine, copies, extra, engine_prefix, refs, blocks = maps = _context()
+def test_clear_empties_a_split_map() -> None:
+    state = _native.ContextBlocks(16)
+    mine = state.owner(1)[0]
     hashes = list(range(1, 100_001))
-    assert _native.hold(*maps, 1, hashes, [h + 7 for h in hashes]) == 100_000
-    assert _native.release_all(by_engine, engine_prefix, refs, blocks, 1) == 100_000
-    assert len(by_engine) == len(engine_prefix) == len(blocks) == 0
+    assert state.hold(mine, hashes, [h + 7 for h in hashes]) == 100_000
+    assert state.clear(mine) == 100_000
+    assert len(mine.by_engine_hash) == len(state.engine_prefix) == len(state.blocks[0]) == 0
 
 
 # -- token ids read in place from msgpack -------------------------------------------------------
@@ -253,19 +275,20 @@ def test_chain_hashes_reads_an_int32_array_in_place() -> None:
     assert chain_hashes(7, array("q", tokens), 16) == chain_hashes(7, tokens, 16)  # one by one
 
 
-def test_release_all_forgets_every_block_of_an_owner_and_keeps_the_others() -> None:
-    """Two engine hashes of one owner on one prefix (an extra reference), and a prefix
-    another owner holds too: that one keeps the other owner's bit."""
-    by_engine, copies, extra, engine_prefix, refs, blocks = maps = _context()
-    assert _native.hold(*maps, 1, [10, 11, 12], [70, 70, 71]) == 3
-    other = _native.HashMap()
-    assert _native.hold(other, {}, {}, engine_prefix, refs, blocks, 2, [12, 0], [71, 72]) == 2
-    assert refs == {12: 1} and blocks == {70: 1, 71: 3, 72: 2}
-    assert _native.release_all(by_engine, engine_prefix, refs, blocks, 1) == 3
-    assert len(by_engine) == 0 and refs == {}
-    assert engine_prefix == {12: 71, 0: 72} and blocks == {71: 2, 72: 2}
-    assert _native.release_all(other, engine_prefix, refs, blocks, 2) == 2
-    assert len(engine_prefix) == len(blocks) == 0
+def test_clear_forgets_every_block_of_an_owner_and_keeps_the_others() -> None:
+    """Two engine hashes of one owner on one prefix (an extra reference), a copy, and a
+    prefix another owner holds too: that one keeps the other owner's bit."""
+    state = _native.ContextBlocks(16)
+    mine, other = state.owner(1)[0], state.owner(2)[0]
+    assert state.hold(mine, [10, 11, 12, 12], [70, 70, 71, 71]) == 4
+    assert state.hold(other, [12, 0], [71, 72]) == 2
+    assert state.engine_refs == {12: 1} and state.blocks[0] == {70: 1, 71: 3, 72: 2}
+    assert state.clear(mine) == 4
+    assert len(mine.by_engine_hash) == len(mine.copies) == len(mine.extra_refs) == 0
+    assert state.engine_refs == {} and state.engine_prefix == {12: 71, 0: 72}
+    assert state.blocks[0] == {71: 2, 72: 2}
+    assert state.clear(other) == 2
+    assert len(state.engine_prefix) == len(state.blocks[0]) == 0
 
 
 # -- a JSON prompt's token ids read in place ---------------------------------------------------
@@ -349,7 +372,7 @@ def test_json_int32_field_reads_only_a_flat_object_with_one_int32_array() -> Non
 
 
 def walk_in_python(blocks: dict[int, int], hashes: list[Any], interest: int) -> list[Any]:
-    """What walk_masks computes, one big-int operation per block."""
+    """What ContextBlocks.walk computes, one big-int operation per block."""
     stops, alive = [], interest
     for position, prefix_hash in enumerate(hashes):
         still = alive & blocks.get(prefix_hash, 0)
@@ -374,24 +397,23 @@ WIDE_MASKS = st.integers(min_value=1, max_value=2**300)
     st.lists(st.one_of(st.integers(0, 45), st.integers(-5, -1), st.just(2**64)), max_size=50),
     st.one_of(st.just(0), st.integers(1, 2**64), st.integers(1, 2**200)),
 )
-def test_walk_masks_stops_each_owner_where_python_s_walk_does(
+def test_walk_stops_each_owner_where_python_s_walk_does(
     blocks: dict[int, int], hashes: list[int], interest: int
 ) -> None:
     """Masks narrower and wider than the interest, keys absent or no uint64 (held by
     nobody), an empty walk, an empty interest."""
-    masks = _native.MaskMap()
+    state = _native.ContextBlocks(16)
     for key, mask in blocks.items():
-        masks[key] = mask
-    assert _native.walk_masks(masks, hashes, interest) == walk_in_python(blocks, hashes, interest)
+        state.blocks[0][key] = mask  # masks as no owner's holdings could set them
+    assert state.walk(hashes, interest) == walk_in_python(blocks, hashes, interest)
 
 
-def test_walk_masks_refuses_what_it_cannot_walk() -> None:
-    with pytest.raises(TypeError, match="argument 1 must be a conductor._native.MaskMap"):
-        _native.walk_masks({}, [1], 1)  # type: ignore[arg-type]
+def test_walk_refuses_what_it_cannot_walk() -> None:
+    state = _native.ContextBlocks(16)
     with pytest.raises(TypeError, match="interest must be an int"):
-        _native.walk_masks(_native.MaskMap(), [1], 1.0)  # type: ignore[arg-type]
+        state.walk([1], 1.0)  # type: ignore[arg-type]
     with pytest.raises(OverflowError):
-        _native.walk_masks(_native.MaskMap(), [1], -1)
+        state.walk([1], -1)
     with pytest.raises(TypeError, match="hashes must be a sequence"):
-        _native.walk_masks(_native.MaskMap(), 5, 1)  # type: ignore[arg-type]
-    assert _native.walk_masks(_native.MaskMap(), (1, 2), 0b101) == [([0, 2], (0, 0, 0, 0))]
+        state.walk(5, 1)  # type: ignore[arg-type]
+    assert state.walk((1, 2), 0b101) == [([0, 2], (0, 0, 0, 0))]
