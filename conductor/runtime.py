@@ -72,10 +72,15 @@ def add_version_flag(parser: argparse.ArgumentParser) -> None:
 
 
 def configure_logging(level: str) -> None:
-    """Structured ``key=value`` lines on stderr, a repeated line collapsed into a count."""
-    logging.basicConfig(level=log_level(level), format=LOG_FORMAT)
-    for handler in logging.getLogger().handlers:
-        handler.addFilter(RepeatedLineFilter())
+    """Structured ``key=value`` lines on stderr, a repeated line collapsed into a count.
+
+    Like ``basicConfig``, it does nothing to a process whose root logger has handlers
+    already (a test runner's, when a command's ``main`` runs in-process): the filter goes
+    on its own handler only, never on someone else's."""
+    handler = logging.StreamHandler()
+    handler.setFormatter(logging.Formatter(LOG_FORMAT))
+    handler.addFilter(RepeatedLineFilter())
+    logging.basicConfig(level=log_level(level), handlers=[handler])
 
 
 def new_event_loop() -> asyncio.AbstractEventLoop:
