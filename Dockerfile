@@ -5,7 +5,7 @@
 #   docker run -p 8000:8000 -e HEALTHCHECK_URL=http://127.0.0.1:8000/health \
 #       --entrypoint mooncake-router conductor --config /etc/mooncake/router.json
 # Dependencies are installed at the exact versions of constraints.txt. The project's wheel is
-# built in a first stage that has a C compiler (conductor/_native.c); the image has none.
+# built in a first stage that has a C compiler (conductor/native/); the image has none.
 FROM python:3.11 AS build
 WORKDIR /src
 COPY pyproject.toml setup.py README.md ./

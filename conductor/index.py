@@ -59,7 +59,8 @@ from .wire.events import (
 TIERS = (Tier.GPU, Tier.CPU, Tier.DISK)
 STORE_POOL_RANK = -1  # a kv_store pool's slot key is (address, -1): DP ranks are never < 0
 EVERY_SLOT = -1  # the member mask of a Mooncake pool: all bits set
-RECONCILE_STEP = 5_000  # pool blocks a store check looks at between two yields: <20 ms
+# pool blocks a store check looks at between two yields (bench.kv_store_check_bench)
+RECONCILE_STEP = 5_000
 UNKNOWN_PREFIX = PrefixHash(-1)  # an engine hash nobody published: no block has it
 SlotKey = tuple[str, int]  # (instance id, DP rank); a kv_store pool: (address, -1)
 # Cumulative hits of one DP rank, in walk order: GPU; GPU or the engine's own CPU offload
@@ -229,10 +230,9 @@ class PrefixContext:
         # pool bit -> bits of the engine slots its blocks count for (EVERY_SLOT: Mooncake)
         self.pool_members: dict[int, int] = {}
         self.pool_mask = 0  # every pool's bit: 0 keeps the walk free of pool lookups
-        # engine hash -> prefix hash over every owner and tier, and how many *more* holders
-        # than one it has (the first holder's mapping: engine hashes of one context agree)
+        # engine hash -> prefix hash over every owner and tier (the first holder's mapping:
+        # engine hashes of one context agree); the state counts the holders beyond one
         self.engine_prefix: HashMap[EngineHash, PrefixHash] = self._state.engine_prefix
-        self._engine_refs: HashMap[EngineHash, int] = self._state.engine_refs
         self._engines: _Engines | None = None  # what queries need of the slots, kept whole
 
     # -- slots ---------------------------------------------------------------------------
@@ -306,8 +306,8 @@ class PrefixContext:
         self._state.evict(slot.holdings[tier], engine_hashes)
 
     def clear_slot(self, slot: _Slot) -> int:
-        """Forget every block of ``slot``; returns how many engine blocks it held (a million
-        in ~0.1 s: unregistering a big engine holds queries briefly)."""
+        """Forget every block of ``slot``; returns how many engine blocks it held (one C
+        loop: unregistering a big engine holds queries briefly; bench.index_bench)."""
         return sum(self._state.clear(holdings) for holdings in slot.holdings)
 
     def prefix_of(self, engine_hash: EngineHash, owner: SlotKey | None = None) -> PrefixHash | None:
@@ -329,8 +329,8 @@ class PrefixContext:
 
     def prefix_count(self) -> int:
         """Distinct prefix blocks some owner holds on some tier: the GPU count, plus each
-        CPU and disk block no lower tier holds (a walk over those two tiers: ~65 ms a
-        million blocks, nothing for a GPU-only context)."""
+        CPU and disk block no lower tier holds (a walk over those two tiers, linear in their
+        blocks; nothing for a GPU-only context)."""
         gpu, cpu, disk = self.blocks
         count = len(gpu)
         if cpu:
@@ -452,8 +452,8 @@ class PrefixContext:
 
     def _walk_gpu(self, hashes: Sequence[PrefixHash], interest: int) -> list[_Stop]:
         """The walk of a GPU-only context: slots stop together, in groups (in C, on the
-        masks as machine words: 280 blocks of 1,000 slots stopping at 256 places take
-        ~0.2 ms, against ~0.33 ms in Python)."""
+        masks as machine words, where Python allocates a big int per block; bench.index_bench
+        measures the query)."""
         return self._state.walk(hashes, interest)
 
     def _engine_set(self) -> _Engines:
@@ -554,8 +554,9 @@ def _record_stops(lengths: dict[int, list[int]], stopped: int, position: int, ti
 
 
 def _bit_indices(mask: int) -> list[int]:
-    """The set bits of a slot mask, lowest first. A 1,000-bit mask costs ~20 ops per bit in
-    int arithmetic; read from its binary text when many bits are set (~6x faster)."""
+    """The set bits of a slot mask, lowest first: by int arithmetic when few bits are set,
+    from the mask's binary text when many are (each step of the arithmetic copies the whole
+    wide int)."""
     if mask.bit_count() > 32:
         return [index for index, digit in enumerate(bin(mask)[:1:-1]) if digit == "1"]
     indices = []

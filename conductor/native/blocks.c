@@ -382,7 +382,7 @@ static PyObject *context_evict(ContextBlocks *self, PyObject *const *args, Py_ss
 PyDoc_STRVAR(context_clear_doc,
 "clear(holdings, /)\n--\n\n"
 "PrefixContext.clear_slot for one tier: the owner holds nothing there any more. Returns how\n"
-"many engine blocks it held, each copy counted (a million in ~0.1 s).");
+"many engine blocks it held, each copy counted.");
 
 static PyObject *context_clear(ContextBlocks *self, PyObject *holdings) {
     const Holdings *h = holdings_of(self, holdings);

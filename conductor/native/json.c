@@ -67,7 +67,7 @@ PyDoc_STRVAR(json_int32_field_doc,
 "that array replaced by [], the values as int32 little-endian bytes). None when the body\n"
 "is no flat object (only strings, numbers, true, false and null beside the array) with\n"
 "the key once, unescaped, and such an array: the caller then parses it the general way.\n"
-"4,096 token ids parse in ~45 us here, against ~190 us through pydantic's Python ints.");
+"Faster than pydantic's Python ints (bench.conductor_bench measures /query).");
 
 static PyObject *json_int32_field(PyObject *module, PyObject *const *args, Py_ssize_t nargs) {
     if (nargs != 2 || !PyBytes_Check(args[0]) || !PyUnicode_Check(args[1])) {

@@ -6,8 +6,8 @@
 #include <Python.h>
 #include <stdint.h>
 
-/* Why not dicts: a dict entry of an int key costs ~42 bytes plus the key's int object (48)
- * and, for an int value, the value's; every lookup follows the key's pointer. Here a key
+/* Why not dicts: a dict entry of an int key costs its slot plus the key's int object and,
+ * for an int value, the value's; every lookup follows the key's pointer. Here a key
  * and its value are 16 bytes inline, at most 3/4 of the slots used (open addressing, linear
  * probing, deletion by backward shift: no tombstones).
  *
@@ -30,10 +30,10 @@ typedef struct {
     Py_ssize_t used;  /* entries in the table */
 } Table;
 
-/* A map grows by doubling a table, which rehashes all its keys at once: ~160 ms for 3M
+/* A map grows by doubling a table, which rehashes all its keys at once: for millions of
  * keys, a stall every query would wait out. So a map of SHARD_AT keys splits into SHARDS
  * tables, chosen by a key's top hash bits, that grow one at a time: a doubling then moves
- * 1/SHARDS of the keys (~1 ms at 3M). Small maps (most: an owner's blocks) stay one table. */
+ * 1/SHARDS of the keys (bench.index_bench's query percentiles show the stall is gone). Small maps (most: an owner's blocks) stay one table. */
 #define SHARD_BITS 8
 #define SHARDS (1 << SHARD_BITS)
 #define SHARD_AT 65536

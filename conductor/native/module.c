@@ -1,8 +1,8 @@
 /* conductor._native: the ingestion hot path in C, one module built from this directory.
  *
- * Why C: in Python the per-block loops cost ~1.5 us a block (an 8-byte pack, a slice and an
- * xxh64 call to hash it; six dict operations in bytecode to record it), about two thirds of
- * what the service spends ingesting an event. Each file is one concern and says which
+ * Why C: in Python the per-block loops (an 8-byte pack, a slice and an xxh64 call to hash
+ * a block; six dict operations in bytecode to record it) were most of what the service
+ * spent ingesting an event (bench.conductor_bench measures ingest). Each file is one concern and says which
  * Python code it stands for; tests/conductor/test_hashing.py, test_native.py, test_lane.py
  * and the randomized model check in test_index.py pin their results.
  *

@@ -91,8 +91,7 @@ const char context_walk_doc[] =
 "of (owner indices, (position,) * 4): the owners whose first missing block is at that\n"
 "position (on each tier, for the index's answers), in order; those that hold every block\n"
 "last, at len(hashes). A hash that is no unsigned 64-bit int is held by nobody.\n"
-"~0.2 us a block for 1,000 owners, where Python's walk allocates a 1,000-bit int for\n"
-"each block (~1.2 us a block).";
+"Machine words, where Python's walk allocates an owner-wide int for each block.";
 
 PyObject *context_walk(ContextBlocks *self, PyObject *const *args, Py_ssize_t nargs) {
     if (nargs != 2) {

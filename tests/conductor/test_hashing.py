@@ -140,7 +140,7 @@ def test_store_scenario_first_steps_match_go() -> None:
     assert chain_hashes(parent, second["token_ids"], 4) == second["conductor_hashes"]
 
 
-# -- the chain in C (conductor/_native.c) against an independent model ---------------------
+# -- the chain in C (conductor/native/hashing.c) against an independent model -------------
 
 INT64 = st.integers(min_value=-(2**63), max_value=2**64 - 1)
 

@@ -173,7 +173,7 @@ def check_invariants(table: PrefixCacheTable) -> None:
                 for engine_hash in holdings.by_engine_hash:
                     holders[engine_hash] = holders.get(engine_hash, 0) + 1
         assert set(context.engine_prefix) == holders.keys()  # the O(1) lookup is exact
-        assert context._engine_refs == {h: n - 1 for h, n in holders.items() if n > 1}
+        assert context._state.engine_refs == {h: n - 1 for h, n in holders.items() if n > 1}
         for stream_key in {s for slot in context.slots.values() for s in slot.streams}:
             assert stream_key in table._stream_slots
     for stream_key, by_rank in table._stream_slots.items():
@@ -1638,7 +1638,7 @@ def test_removal_fast_path_and_general_path_agree(table: PrefixCacheTable) -> No
     gpu = context.slots[("a", 0)].holdings[Tier.GPU]
     assert gpu.by_engine_hash == {20: p[0], 10: p[0], 11: p[1], 12: p[3], 13: p[4]}
     assert (gpu.copies, gpu.extra_refs) == ({11: 1}, {p[0]: 1})
-    assert context._engine_refs == {10: 1, 11: 1}
+    assert context._state.engine_refs == {10: 1, 11: 1}
     check_invariants(table)
     stats = table.apply(src("a").key, batch(removed([11, 13, 99, 10, 11, 12, 20])))
     assert stats.blocks_removed == 6  # 99 was never held

@@ -64,7 +64,7 @@ def snapshot(table: PrefixCacheTable) -> dict[ContextKey, Any]:
             },
             [dict(blocks.items()) for blocks in context.blocks],
             dict(context.engine_prefix.items()),
-            dict(context._engine_refs),
+            dict(context._state.engine_refs),
         )
         for key, context in table.contexts.items()
     }
