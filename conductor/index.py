@@ -417,19 +417,15 @@ class PrefixContext:
         groups: dict[TierHits, InstanceMatch] = {}  # by blocks, for one rank
         single, uniform_rank, names = engines.single, engines.uniform_rank, engines.names
         for indices, blocks in stops:
-            gpu, cpu_local, cpu, disk = tokens = (
-                blocks[0] * size,
-                blocks[1] * size,
-                blocks[2] * size,
-                blocks[3] * size,
-            )
             if uniform_rank is not None:  # one answer for the group, one store per instance
                 match = groups.get(blocks)
                 if match is None:
+                    tokens = _tokens(blocks, size)
                     match = groups[blocks] = InstanceMatch(*tokens, {uniform_rank: tokens})
                 for index in indices:
                     matches[names[index]] = match
                 continue
+            gpu, cpu_local, cpu, disk = tokens = _tokens(blocks, size)
             for index in indices:
                 owner = single.get(index)
                 if owner is not None:  # its answer is this slot's alone
@@ -545,6 +541,15 @@ def _members(
 ) -> list[tuple[ContextKey, SlotKey]]:
     """Every (context, slot key) of a stream, whatever its rank."""
     return [member for members in by_rank.values() for member in members]
+
+
+def _tokens(blocks: TierHits, block_size: int) -> TierHits:
+    return (
+        blocks[0] * block_size,
+        blocks[1] * block_size,
+        blocks[2] * block_size,
+        blocks[3] * block_size,
+    )
 
 
 def _record_stops(lengths: dict[int, list[int]], stopped: int, position: int, tier: int) -> None:

@@ -131,6 +131,25 @@ async def assert_hits_match_engine(
     return total
 
 
+async def assert_fleet_hits_match(
+    http: aiohttp.ClientSession,
+    fleet: Mapping[str, Any],
+    instance: str,
+    prompts: list[list[int]],
+    block_size: int,
+) -> int:
+    """``assert_hits_match_engine`` for one engine of a running fleet, by its name."""
+    return await assert_hits_match_engine(
+        http,
+        url(fleet, "conductor"),
+        url(fleet, instance),
+        instance,
+        prompts,
+        block_size,
+        kind=fleet[instance]["kind"],
+    )
+
+
 def url(services: Mapping[str, Any], name: str) -> str:
     return services[name]["url"]
 

@@ -16,7 +16,7 @@ from conductor.sglang_hash import block_keys, signed64
 from publishers.engine.block_hash import BlockHasher, event_hash
 from tests.real.checks import (
     MODEL,
-    assert_hits_match_engine,
+    assert_fleet_hits_match,
     assert_router_follows_the_prefix,
     documents,
     engine_tokens,
@@ -40,20 +40,10 @@ def mixed_fleet(tmp_path_factory: pytest.TempPathFactory, model_dir: Path) -> It
         yield services
 
 
-async def _hits_match(
-    http: aiohttp.ClientSession, fleet: dict, instance: str, prompts: list[list[int]]
-) -> int:
-    conductor, engine = url(fleet, "conductor"), url(fleet, instance)
-    kind = fleet[instance]["kind"]
-    return await assert_hits_match_engine(
-        http, conductor, engine, instance, prompts, BLOCK, kind=kind
-    )
-
-
 @pytest.mark.parametrize("instance", ENGINES)
 async def test_query_equals_each_engines_cached_tokens(mixed_fleet, http, model_dir, instance):
     prompts = sharing_prompts(tokenizer(model_dir), 8, seed=len(instance) * 13)
-    assert await _hits_match(http, mixed_fleet, instance, prompts) > 8 * BLOCK
+    assert await assert_fleet_hits_match(http, mixed_fleet, instance, prompts, BLOCK) > 8 * BLOCK
 
 
 async def _answer(http: aiohttp.ClientSession, fleet: dict, route: str, body: dict) -> Any:
@@ -72,7 +62,7 @@ async def test_both_kinds_share_one_context_and_either_kinds_block_hashes_find_b
     it. Hashes no engine of the context published (another seed) find nothing."""
     tokens = sharing_prompts(tokenizer(model_dir), 1, seed=5)[0]
     for instance in ENGINES:
-        await _hits_match(http, mixed_fleet, instance, [tokens])
+        await assert_fleet_hits_match(http, mixed_fleet, instance, [tokens], BLOCK)
     full = len(tokens) // BLOCK * BLOCK
     body = {"model": MODEL, "block_size": BLOCK}
     by_tokens = await _answer(http, mixed_fleet, "/query", body | {"token_ids": tokens})

@@ -8,12 +8,11 @@ from __future__ import annotations
 from collections.abc import Iterator
 from pathlib import Path
 
-import aiohttp
 import pytest
 
 from tests.real.checks import (
     assert_a_late_conductor_learns_the_buffer,
-    assert_hits_match_engine,
+    assert_fleet_hits_match,
     assert_router_follows_the_prefix,
     conductor_hit,
     documents,
@@ -44,15 +43,6 @@ def sglang_fleet(tmp_path_factory: pytest.TempPathFactory, model_dir: Path) -> I
         yield services
 
 
-async def _hits_match(
-    http: aiohttp.ClientSession, fleet: dict, instance: str, prompts: list[list[int]]
-) -> int:
-    conductor, engine = url(fleet, "conductor"), url(fleet, instance)
-    return await assert_hits_match_engine(
-        http, conductor, engine, instance, prompts, BLOCK, kind="sglang"
-    )
-
-
 @pytest.mark.parametrize("instance", ["sglang-a", "sglang-b"])
 async def test_query_equals_sglang_cached_tokens(sglang_fleet, http, model_dir, instance):
     """Prompts sharing documents, then one prompt sent again and extended twice."""
@@ -61,7 +51,7 @@ async def test_query_equals_sglang_cached_tokens(sglang_fleet, http, model_dir, 
     again = prompts[-1]
     longer = again + tok.encode(" and then some more words about the cache").ids
     prompts += [again, longer, longer + tok.encode(" once more").ids]
-    assert await _hits_match(http, sglang_fleet, instance, prompts) > 10 * BLOCK
+    assert await assert_fleet_hits_match(http, sglang_fleet, instance, prompts, BLOCK) > 10 * BLOCK
 
 
 async def test_evicted_blocks_leave_the_index(sglang_fleet, http, model_dir):
@@ -73,19 +63,21 @@ async def test_evicted_blocks_leave_the_index(sglang_fleet, http, model_dir):
     preamble = documents(1, 80, seed=30)[0]
     early, *later = [tok.encode(f"{preamble}\n{text}").ids for text in documents(5, 300, 31)]
     assert sum(len(tokens) for tokens in later) > SMALL_POOL
-    await _hits_match(http, sglang_fleet, "sglang-b", [early, *later])
+    await assert_fleet_hits_match(http, sglang_fleet, "sglang-b", [early, *later], BLOCK)
     held = await conductor_hit(http, url(sglang_fleet, "conductor"), "sglang-b", early, BLOCK)
     # its removals reached the index: only the pages it shares with the others are left
     shared = next(i for i, (a, b) in enumerate(zip(early, later[-1], strict=False)) if a != b)
     assert held["GPU"] == shared // BLOCK * BLOCK > 0, held
-    assert await _hits_match(http, sglang_fleet, "sglang-b", [early]) == held["GPU"]
+    assert (
+        await assert_fleet_hits_match(http, sglang_fleet, "sglang-b", [early], BLOCK) == held["GPU"]
+    )
 
 
 async def test_flush_cache_empties_only_that_engines_part(sglang_fleet, http, model_dir):
     tokens = tokenizer(model_dir).encode(documents(1, 200, seed=41)[0]).ids
     conductor = url(sglang_fleet, "conductor")
     for instance in ("sglang-a", "sglang-b"):
-        await _hits_match(http, sglang_fleet, instance, [tokens])
+        await assert_fleet_hits_match(http, sglang_fleet, instance, [tokens], BLOCK)
     async with http.post(f"{url(sglang_fleet, 'sglang-a')}/flush_cache") as response:
         assert response.status == 200, await response.text()
     await eventually(
@@ -93,7 +85,7 @@ async def test_flush_cache_empties_only_that_engines_part(sglang_fleet, http, mo
         lambda hit: hit["GPU"] == 0,
     )
     await indexed(http, conductor, "sglang-b", tokens, BLOCK)  # still all of it
-    assert await _hits_match(http, sglang_fleet, "sglang-a", [tokens]) == 0
+    assert await assert_fleet_hits_match(http, sglang_fleet, "sglang-a", [tokens], BLOCK) == 0
 
 
 async def test_a_conductor_started_after_sglang_learns_its_buffer(
@@ -102,7 +94,7 @@ async def test_a_conductor_started_after_sglang_learns_its_buffer(
     """SGLang's replay buffer begins with the AllBlocksCleared it publishes at start, which
     only a replay shows a late subscriber."""
     prompts = sharing_prompts(tokenizer(model_dir), 3, seed=77)
-    await _hits_match(http, sglang_fleet, "sglang-a", prompts)
+    await assert_fleet_hits_match(http, sglang_fleet, "sglang-a", prompts, BLOCK)
     await assert_a_late_conductor_learns_the_buffer(
         http, sglang_fleet, "sglang-a", prompts, BLOCK, tmp_path
     )
