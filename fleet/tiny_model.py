@@ -8,7 +8,11 @@ writes one from nothing, deterministically (the same bytes on every run and mach
   (any string tokenizes; no unknown tokens), with Llama-3-style special tokens;
 - ``tokenizer_config.json`` with a chat template, so ``/v1/chat/completions`` works;
 - ``config.json`` for ``LlamaForCausalLM`` within vLLM's CPU limits (head_dim >= 32);
-- seeded random float32 weights in ``model.safetensors``.
+- seeded random float32 weights in ``model.safetensors``;
+- a PEFT LoRA adapter, ``tiny-sql``, in ``lora/tiny-sql/`` (rank 8 on ``q_proj`` and
+  ``v_proj``, seeded non-zero weights: its answers and its KV blocks differ from the base
+  model's), which vLLM serves with ``--enable-lora --lora-modules
+  tiny-sql=DIR/lora/tiny-sql --max-lora-rank 8``.
 
 The generated text is gibberish; the prefill, the prefix cache and the KV events are real.
 """
@@ -50,6 +54,14 @@ HEADS = 4
 KV_HEADS = 2
 HEAD_DIM = HIDDEN // HEADS  # 32: vLLM's CPU attention needs at least 32
 MAX_POSITIONS = 4096
+
+LORA_NAME = "tiny-sql"
+LORA_DIR = "lora"  # the model directory's subdirectory holding its adapters, one each
+LORA_RANK = 8
+LORA_ALPHA = 16
+LORA_TARGETS = ("q_proj", "v_proj")
+LORA_SEED = SEED + 1
+BASE_MODEL_NAME = "tiny-llama"  # the adapter's base_model_name_or_path: the name fleets serve
 
 
 def train_tokenizer(corpus: Path = CORPUS) -> Tokenizer:
@@ -120,6 +132,49 @@ def random_weights(vocab_size: int) -> dict[str, np.ndarray]:
     return weights
 
 
+def lora_weights() -> dict[str, np.ndarray]:
+    """The adapter's A and B matrices under PEFT's names for a Llama. Both are non-zero
+    (PEFT starts B at zero, an adapter that changes nothing), and large enough next to
+    the base weights that the adapter's answers differ from the base model's."""
+    rng = np.random.RandomState(LORA_SEED)
+    out_features = {"q_proj": HEADS * HEAD_DIM, "v_proj": KV_HEADS * HEAD_DIM}
+    weights: dict[str, np.ndarray] = {}
+    for layer in range(LAYERS):
+        for module in LORA_TARGETS:
+            prefix = f"base_model.model.model.layers.{layer}.self_attn.{module}"
+            a = rng.standard_normal((LORA_RANK, HIDDEN)) * 0.1
+            b = rng.standard_normal((out_features[module], LORA_RANK)) * 0.1
+            weights[f"{prefix}.lora_A.weight"] = a.astype(np.float32)
+            weights[f"{prefix}.lora_B.weight"] = b.astype(np.float32)
+    return weights
+
+
+def lora_config() -> dict[str, Any]:
+    """``adapter_config.json``: what PEFT writes for a plain LoRA (vLLM reads r,
+    lora_alpha and target_modules, and rejects features it lacks)."""
+    return {
+        "base_model_name_or_path": BASE_MODEL_NAME,
+        "bias": "none",
+        "fan_in_fan_out": False,
+        "inference_mode": True,
+        "init_lora_weights": True,
+        "lora_alpha": LORA_ALPHA,
+        "lora_dropout": 0.0,
+        "modules_to_save": None,
+        "peft_type": "LORA",
+        "r": LORA_RANK,
+        "target_modules": list(LORA_TARGETS),
+        "task_type": "CAUSAL_LM",
+        "use_dora": False,
+        "use_rslora": False,
+    }
+
+
+def lora_adapter_dir(model_dir: Path) -> Path:
+    """Where ``write_tiny_model`` puts the adapter: ``MODEL_DIR/lora/tiny-sql``."""
+    return model_dir / LORA_DIR / LORA_NAME
+
+
 def write_json(path: Path, payload: dict[str, Any]) -> Path:
     path.write_text(json.dumps(payload, indent=2, sort_keys=True) + "\n", encoding="utf-8")
     return path
@@ -132,6 +187,7 @@ MODEL_FILES = {
     "special_tokens_map.json",
     "tokenizer.json",
     "tokenizer_config.json",
+    LORA_DIR,
 }
 
 
@@ -183,13 +239,19 @@ def _write_files(directory: Path) -> None:
         directory / "generation_config.json", {"bos_token_id": bos_id, "eos_token_id": eos_id}
     )
     save_file(random_weights(vocab_size), str(directory / "model.safetensors"))
+    adapter = lora_adapter_dir(directory)
+    adapter.mkdir(parents=True)
+    write_json(adapter / "adapter_config.json", lora_config())
+    save_file(lora_weights(), str(adapter / "adapter_model.safetensors"))
 
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(
         prog="mooncake-tiny-model",
         description="Write a tiny random-weight Llama (tokenizer, config, weights) that real "
-        "vLLM loads offline. Deterministic: the same bytes every run.",
+        "vLLM loads offline, with a LoRA adapter for it in DIRECTORY/lora/tiny-sql (serve it "
+        "with --enable-lora --lora-modules tiny-sql=DIRECTORY/lora/tiny-sql "
+        "--max-lora-rank 8). Deterministic: the same bytes every run.",
     )
     parser.add_argument(
         "directory",
@@ -203,6 +265,7 @@ def main(argv: list[str] | None = None) -> None:
     except OSError as error:
         sys.exit(f"mooncake-tiny-model: {error}")
     print(f"tiny model written to {directory}")
+    print(f"LoRA adapter {LORA_NAME} written to {lora_adapter_dir(directory)}")
 
 
 if __name__ == "__main__":

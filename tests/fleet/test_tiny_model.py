@@ -8,6 +8,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 from safetensors.numpy import load_file
 from tokenizers import Tokenizer
 
@@ -15,7 +16,12 @@ from fleet import tiny_model
 
 
 def _digests(directory: Path) -> dict[str, str]:
-    return {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in directory.iterdir()}
+    """Every file under ``directory``, by its relative path."""
+    return {
+        str(p.relative_to(directory)): hashlib.sha256(p.read_bytes()).hexdigest()
+        for p in directory.rglob("*")
+        if p.is_file()
+    }
 
 
 def test_the_same_bytes_every_run(tmp_path: Path) -> None:
@@ -38,6 +44,8 @@ def test_the_same_bytes_every_run(tmp_path: Path) -> None:
         "special_tokens_map.json",
         "tokenizer.json",
         "tokenizer_config.json",
+        "lora/tiny-sql/adapter_config.json",
+        "lora/tiny-sql/adapter_model.safetensors",
     }
 
 
@@ -81,3 +89,35 @@ def test_a_directory_that_is_not_a_tiny_model_is_never_replaced(tmp_path: Path) 
     assert "exists and is not a tiny model" in result.stderr
     assert [p.name for p in precious.iterdir()] == ["notes.txt"]
     assert sorted(p.name for p in tmp_path.iterdir()) == ["precious"]  # no partial left
+
+
+def test_the_lora_adapter_fits_the_model_as_peft_lays_it_out(tmp_path: Path) -> None:
+    """PEFT's names and shapes for a Llama: A is (r, in), B is (out, r), on q_proj and
+    v_proj of every layer; B is not PEFT's initial zeros, so the adapter changes answers."""
+    directory = tiny_model.write_tiny_model(tmp_path / "model")
+    adapter = tiny_model.lora_adapter_dir(directory)
+    assert adapter == directory / "lora" / tiny_model.LORA_NAME
+    config = json.loads((directory / "config.json").read_text())
+    peft = json.loads((adapter / "adapter_config.json").read_text())
+    assert {k: peft[k] for k in ("r", "target_modules", "peft_type", "task_type")} == {
+        "r": 8,
+        "target_modules": ["q_proj", "v_proj"],
+        "peft_type": "LORA",
+        "task_type": "CAUSAL_LM",
+    }
+    assert peft["lora_alpha"] > 0 and peft["base_model_name_or_path"]
+    hidden, head_dim = config["hidden_size"], config["head_dim"]
+    out_features = {
+        "q_proj": config["num_attention_heads"] * head_dim,
+        "v_proj": config["num_key_value_heads"] * head_dim,
+    }
+    weights = load_file(adapter / "adapter_model.safetensors")
+    expected = {}
+    for layer in range(config["num_hidden_layers"]):
+        for module, out in out_features.items():
+            prefix = f"base_model.model.model.layers.{layer}.self_attn.{module}"
+            expected[f"{prefix}.lora_A.weight"] = (8, hidden)
+            expected[f"{prefix}.lora_B.weight"] = (out, 8)
+    assert {name: weight.shape for name, weight in weights.items()} == expected
+    assert all(weight.dtype == np.float32 and np.all(weight != 0) for weight in weights.values())
+    assert all(np.abs(weight).max() < 1 for weight in weights.values())
