@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+from collections.abc import Mapping
 from typing import Any
 
 from aiohttp import web
@@ -24,18 +25,26 @@ ERROR_TYPES = {
 
 
 class ApiError(Exception):
-    """An OpenAI-style error answer: ``{"error": {"message", "type", "param", "code"}}``."""
+    """An OpenAI-style error answer: ``{"error": {"message", "type", "param", "code"}}``;
+    ``headers`` go with it (a 429's ``Retry-After``, a 401's ``WWW-Authenticate``)."""
 
     def __init__(
-        self, status: int, message: str, kind: str | None = None, param: str | None = None
+        self,
+        status: int,
+        message: str,
+        kind: str | None = None,
+        param: str | None = None,
+        headers: Mapping[str, str] | None = None,
     ):
         super().__init__(message)
         self.status, self.message, self.param = status, message, param
         self.kind = kind or ERROR_TYPES.get(status, "InternalServerError")
+        self.headers = dict(headers or {})
 
     def response(self) -> web.Response:
         body = {"message": self.message, "type": self.kind, "param": self.param}
-        return web.json_response({"error": {**body, "code": self.status}}, status=self.status)
+        error = {"error": {**body, "code": self.status}}
+        return web.json_response(error, status=self.status, headers=self.headers)
 
 
 def upstream_message(answer: Any) -> str:
