@@ -6,8 +6,8 @@ for it (``fleet/plan.py``: block size 32, PYTHONHASHSEED=0, ZMQ KV events) plus
 ``--enable-lora --lora-modules tiny-sql=model/lora/tiny-sql --max-lora-rank 8``, serving
 the tiny model and its adapter (``fleet/tiny_model.py``). It subscribes before vLLM
 starts and sends token-id prompts one at a time (max_tokens 1, temperature 0): a prompt
-on the adapter, its repeat, its extension by a block and a half, then the same prompt on
-the base model and its repeat. It writes ``tests/fixtures/vllm_lora_frames.json``:
+on the adapter, its repeat, its extension by a block and a half, the same prompt on the
+base model and its repeat, then the prompt on the adapter with a cache salt. It writes ``tests/fixtures/vllm_lora_frames.json``:
 
 - ``vllm_version`` and ``flags`` (the model directory written ``MODEL_DIR``, the work
   directory vLLM runs in ``WORK_DIR``);
@@ -23,7 +23,7 @@ the base model and its repeat. It writes ``tests/fixtures/vllm_lora_frames.json`
 - ``models``: ``/v1/models``'s ``data``, each model's ``id``, ``root`` and ``parent``;
 - ``started``: the frames published before the first request (none so far);
 - ``steps``: for each request, ``model`` (the base model's or the adapter's name),
-  ``prompt`` (the token ids sent), ``usage`` (vLLM's answer's) and ``frames``: every
+  ``prompt`` (the token ids sent), ``cache_salt`` if it had one, ``usage`` (vLLM's answer's) and ``frames``: every
   KV-event message published for it, as ``{"topic": str, "seq": int, "payload": hex of the
   msgpack payload, "decoded": the payload decoded}``, in arrival order.
 
@@ -78,6 +78,7 @@ SETTLE_S = 0.6  # a request's frames have all arrived when none came for this lo
 FRAME_WAIT_S = 5.0  # the longest a request's first frame may take after its answer
 STOP_TIMEOUT_S = 60.0
 SEED = 20261127
+SALT = "tenant-a"
 
 
 def script() -> list[dict[str, Any]]:
@@ -95,6 +96,7 @@ def script() -> list[dict[str, Any]]:
         {"model": LORA_NAME, "prompt": extended},
         {"model": BASE_MODEL, "prompt": prompt},
         {"model": BASE_MODEL, "prompt": prompt},
+        {"model": LORA_NAME, "prompt": prompt, "cache_salt": SALT},  # another namespace
     ]
 
 
