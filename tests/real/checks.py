@@ -57,12 +57,15 @@ async def conductor_hit(
     tokens: list[int],
     block_size: int,
     salt: str | None = None,
+    lora: str = "",
 ) -> dict[str, Any]:
+    """The instance's hit in the base model's context, or in LoRA adapter ``lora``'s."""
     body: dict[str, Any] = {
         "model": MODEL,
         "block_size": block_size,
         "token_ids": tokens,
         "instance_id": instance,
+        "lora_name": lora,
     }
     if salt is not None:
         body["cache_salt"] = salt
@@ -73,10 +76,15 @@ async def conductor_hit(
 
 
 async def complete_tokens(
-    http: aiohttp.ClientSession, engine: str, tokens: list[int], salt: str | None = None
+    http: aiohttp.ClientSession,
+    engine: str,
+    tokens: list[int],
+    salt: str | None = None,
+    lora: str = "",
 ) -> int:
-    """Sends a token-id prompt straight to the engine; returns its cached-token count."""
-    body: dict[str, Any] = {"model": MODEL, "prompt": tokens, "max_tokens": 1}
+    """Sends a token-id prompt straight to the engine (to LoRA adapter ``lora`` if named);
+    returns its cached-token count."""
+    body: dict[str, Any] = {"model": lora or MODEL, "prompt": tokens, "max_tokens": 1}
     if salt is not None:
         body["cache_salt"] = salt
     async with http.post(f"{engine}/v1/completions", json=body) as response:
@@ -92,11 +100,12 @@ async def indexed(
     tokens: list[int],
     block_size: int,
     salt: str | None = None,
+    lora: str = "",
 ) -> None:
     """Until the conductor holds every complete block of a prompt the engine computed."""
     full = len(tokens) // block_size * block_size
     await eventually(
-        lambda: conductor_hit(http, conductor, instance, tokens, block_size, salt),
+        lambda: conductor_hit(http, conductor, instance, tokens, block_size, salt, lora),
         lambda hit: hit["GPU"] == full,
     )
 
@@ -111,20 +120,21 @@ async def assert_hits_match_engine(
     salt: str | None = None,
     *,
     kind: str,
+    lora: str = "",
 ) -> int:
     """For each prompt: the conductor's GPU hit (less the block an engine recomputes at a
     full hit: vLLM and SGLang both compute a prompt's last token) equals the cached tokens
     the engine reports; the sum equals the engine's own hit counter. Returns the tokens
-    hit."""
+    hit. With ``lora``, the prompts go to that adapter and the hits are its context's."""
     hits_before = await metric(http, engine, HITS_METRIC[kind])
     total = 0
     for tokens in prompts:
-        hit = await conductor_hit(http, conductor, instance, tokens, block_size, salt)
+        hit = await conductor_hit(http, conductor, instance, tokens, block_size, salt, lora)
         predicted = min(hit["GPU"], (len(tokens) - 1) // block_size * block_size)
-        cached = await complete_tokens(http, engine, tokens, salt)
+        cached = await complete_tokens(http, engine, tokens, salt, lora)
         assert cached == predicted, f"{kind} reused {cached}, the conductor said {predicted}"
         total += cached
-        await indexed(http, conductor, instance, tokens, block_size, salt)
+        await indexed(http, conductor, instance, tokens, block_size, salt, lora)
     await eventually(  # SGLang counts a request a moment after its answer
         lambda: metric(http, engine, HITS_METRIC[kind]), lambda hits: hits - hits_before == total
     )
