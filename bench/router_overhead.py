@@ -132,7 +132,8 @@ async def chunk_tokens(http: aiohttp.ClientSession, url: str) -> dict[str, float
     """Prompt ids the router's chunk cache gave (reused) and its tokenizer computed."""
     async with http.get(url + "/metrics") as response:
         text = await response.text()
-    found = re.findall(r'^router_tokenizer_chunk_tokens_total{source="(\w+)"} (\S+)$', text, re.M)
+    pattern = r'^router_tokenizer_chunk_tokens_total{model="[^"]*",source="(\w+)"} (\S+)$'
+    found = re.findall(pattern, text, re.M)
     return {source: float(count) for source, count in found}
 
 

@@ -33,8 +33,8 @@ from conductor.runtime import LoopLagMonitor
 
 from .client_request import read_completion, read_tokenize
 from .conductor_client import ConductorClient
-from .config import RouterConfig
-from .decision import Decider, Routed
+from .config import ModelSection, RouterConfig
+from .decision import Routed
 from .embedded import EmbeddedConductor
 from .errors import ApiError
 from .forwarding import Forwarder
@@ -42,11 +42,12 @@ from .in_flight import InFlight
 from .index_client import IndexClient
 from .lookup import IndexLookup
 from .metrics import RouterMetrics
+from .models import Catalog, ServedModel
 from .notices import Notices
 from .pending import PendingPrefixes
-from .policy import RoutingParams, SloViolation
-from .pool import CostLearner, InstancePool
-from .prompt_ids import TOKENIZED_BY, PromptTokenizer
+from .policy import SloViolation
+from .pool import InstancePool
+from .prompt_ids import TOKENIZED_BY
 from .rotation import Rotation
 from .sessions import UpstreamSessions
 from .upkeep import Upkeep
@@ -66,61 +67,66 @@ class Router:
     def __init__(self, config: RouterConfig) -> None:
         self.config = config
         self.limits = config.limits
-        self.params: RoutingParams = config.routing_params()
-        self.learner = CostLearner(self.params.cost) if config.routing.learn_cost_model else None
+        sections = config.served_models()
+        decode = _decode_instances(sections)
+        models = {i.instance_id: m.modelname for m in sections for i in m.instances}
         self.pool = InstancePool.build(
-            ((i.instance_id, i.http_endpoint) for i in config.prefill.instances),
-            (
-                (i.instance_id or f"decode-{n}", i.http_endpoint)
-                for n, i in enumerate(config.decode.instances)
-            ),
+            ((i.instance_id, i.http_endpoint) for m in sections for i in m.instances),
+            ((name, url) for name, url, _ in decode),
             config.kv_stores(),
             retry_after_s=config.upstream.probe_interval_seconds,
+            models=models | {name: model for name, _, model in decode},
         )
         self.metrics = RouterMetrics()
-        self.pending = PendingPrefixes() if config.routing.in_flight_prefixes else None
+        in_flight_prefixes = any(m.routing.in_flight_prefixes for m in sections)
+        self.pending = PendingPrefixes() if in_flight_prefixes else None
         self.notices = Notices(log)
         self.lag = LoopLagMonitor(self.metrics.registry, "router")
         self.sessions = UpstreamSessions(config.upstream.connect_timeout_seconds)
         self.rotation = Rotation(self.pool, self.metrics, self.notices, self.pending)
         # raises TokenizerUnavailable (a ValueError) for a directory it cannot read
-        self.tokenizer = PromptTokenizer(
-            config, self.metrics, self.pool, self.sessions, self.rotation
-        )
-        self.decider = Decider(self.params, self.learner, self.pool, self.metrics)
+        served = [
+            ServedModel(
+                section,
+                config.limits,
+                config.upstream,
+                self.metrics,
+                self.pool,
+                self.sessions,
+                self.rotation,
+            )  # fmt: skip
+            for section in sections
+        ]
+        self.catalog = Catalog(served, self.pool)
 
     # -- lifecycle -----------------------------------------------------------------------
     async def start(self) -> None:
         self.lag.start()
         self.sessions.open(self.pool.all())
         self.rotation.start()
-        self.metrics.publish_cost_model(self.params.cost)
+        for served in self.catalog.models.values():
+            self.metrics.publish_cost_model(served.name, served.params.cost)
+            served.tokenizer.announce()
         self.index = self._connect_index()
-        self.lookup = IndexLookup(self.index, self.pending, self.metrics, self.params.block_size)
-        in_flight = InFlight(
-            self.pool,
-            self.metrics,
-            self.pending,
-            self.index,
-            self.config.routing.in_flight_grace_seconds,
-        )
+        self.lookup = IndexLookup(self.index, self.pending, self.metrics)
+        grace_s = max(m.section.routing.in_flight_grace_seconds for m in self._served())
+        in_flight = InFlight(self.pool, self.metrics, self.pending, self.index, grace_s)
         self.forwarder = Forwarder(
-            self.decider, in_flight, self.rotation, self.sessions, self.pool, self.learner,
-            self.metrics, self.config.upstream,
-        )  # fmt: skip
+            in_flight, self.rotation, self.sessions, self.pool, self.metrics, self.config.upstream
+        )
         self.upkeep = Upkeep(
-            self.config, self.index, self.pool, self.rotation, self.sessions, self.tokenizer,
-            self.learner, self.metrics,
+            self.config, self.index, self.pool, self.rotation, self.sessions,
+            self.catalog.models, self.metrics,
         )  # fmt: skip
-        self.tokenizer.publish()
         self.upkeep.start()
+
+    def _served(self) -> list[ServedModel]:
+        return list(self.catalog.models.values())
 
     def _connect_index(self) -> IndexClient:
         if self.config.conductor.embedded:
-            return EmbeddedConductor(self.config.prefill.config)
-        return ConductorClient.connect(
-            self.config.conductor, self.config.prefill.config, self.notices
-        )
+            return EmbeddedConductor()
+        return ConductorClient.connect(self.config.conductor, self.notices)
 
     async def stop(self) -> None:
         await asyncio.gather(self.upkeep.stop(), self.lag.stop())
@@ -132,24 +138,23 @@ class Router:
         """``/v1/completions`` and ``/v1/chat/completions``, through every stage."""
         started = time.perf_counter()
         client = await read_completion(request, self.limits)
-        self._refuse_unserved(client.model)
-        tokenized = await self.tokenizer.tokenize(client)
-        lookup = await self.lookup.find(tokenized.tokens, client.cache_salt)
-        return await self.forwarder.forward(request, Routed(tokenized, lookup, started))
+        target = self.catalog.resolve(client.model)
+        tokenized = await target.served.tokenizer.tokenize(client)
+        lookup = await self.lookup.find(tokenized.tokens, target.context, client.cache_salt)
+        return await self.forwarder.forward(request, Routed(target, tokenized, lookup, started))
 
     async def tokenize_prompt(self, request: web.Request) -> web.Response:
         """vLLM's ``/tokenize`` (a ``prompt``, or ``messages`` for a chat): answered by the
-        router's own tokenizer on an endpoint an engine agreed on, when the engines' model
-        list gives the model's ``max_model_len``; else passed on to an engine's
-        ``/tokenize`` (its answer, errors included, as it gave it).
+        model's tokenizer in the router on an endpoint an engine agreed on, when the
+        engines' model list gives the model's ``max_model_len``; else passed on to an
+        engine's ``/tokenize`` (its answer, errors included, as it gave it).
         ``x-conductor-tokenized-by`` says which (``local`` or ``engine``)."""
         client = await read_tokenize(request, self.limits)
-        if client.model is not None:  # optional here: the configured model
-            self._refuse_unserved(client.model)
-        answer = await self.tokenizer.local_answer(client)
+        tokenizer = self.catalog.resolve(client.model).served.tokenizer
+        answer = await tokenizer.local_answer(client)
         if answer is not None:
             return web.json_response(answer, headers={TOKENIZED_BY: "local"})
-        async for upstream, status, answered in self.tokenizer.engines_tokenize(
+        async for upstream, status, answered in tokenizer.engines_tokenize(
             client.raw, client.forwarded
         ):
             if status < 500:
@@ -162,35 +167,26 @@ class Router:
                 )
         raise ApiError(503, "no prefill instance answered /tokenize", "ServiceUnavailableError")
 
-    def _refuse_unserved(self, model: Any) -> None:
-        """vLLM's own 404 for a model no upstream serves, without a round trip."""
-        if self.pool.serves_nowhere(model):
-            raise ApiError(404, f"The model `{model}` does not exist.", "NotFoundError", "model")
-
     async def models(self, request: web.Request) -> web.Response:
-        """What the upstreams serve; the configured model until any list is known."""
-        data = self.pool.served_models() or [
-            {
-                "id": self.config.prefill.config.modelname,
-                "object": "model",
-                "owned_by": "conductor-router",
-            }
-        ]
-        return web.json_response({"object": "list", "data": data})
+        """Every model and adapter the engines in rotation serve."""
+        return web.json_response({"object": "list", "data": self.catalog.cards()})
 
     async def health(self, request: web.Request) -> web.Response:
         """``degraded`` with the reasons while no prefill instance is in rotation (a 503:
         nothing can be served) or no conductor can be asked (a 200: requests are routed by
-        load meanwhile)."""
+        load meanwhile). Per model: its instances in rotation, its policy, and where its
+        prompts' ids come from (with the setting to change when an engine must say)."""
         healthy = [u.instance_id for u in self.pool.prefill.values() if u.healthy]
         reasons = [] if healthy else ["no prefill instance is in rotation"]
         reasons += self.index.degraded_reasons()
+        default = self.catalog.default
         body: dict[str, Any] = {
             "status": "degraded" if reasons else "ok",
             "reasons": reasons,
             "prefill_instances": healthy,
             "decode_instances": [u.instance_id for u in self.pool.healthy_decode()],
-            "policy": self.params.policy,
+            "policy": default.params.policy,
+            "models": {served.name: self._model_health(served) for served in self._served()},
             "event_loop_lag_worst_seconds": round(self.lag.worst, 4),
             "conductors": self.index.states(),
             "tasks": self.upkeep.health(),
@@ -199,11 +195,34 @@ class Router:
             body["kv_stores"] = self.upkeep.store_states
         return web.json_response(body, status=200 if healthy else 503)
 
+    def _model_health(self, served: ServedModel) -> dict[str, Any]:
+        instances = [
+            u.instance_id
+            for u in self.pool.prefill.values()
+            if u.healthy and u.model == served.name
+        ]
+        return {
+            "prefill_instances": instances,
+            "adapters": served.section.adapters,
+            "policy": served.params.policy,
+            "default": served is self.catalog.default,
+            "tokenizer": served.tokenizer.health(),
+        }
+
     async def prometheus(self, request: web.Request) -> web.Response:
         body = generate_latest(self.metrics.registry) + self.index.exposition()
         response = web.Response(body=body)
         response.content_type = CONTENT_TYPE_LATEST.split(";")[0]
         return response
+
+
+def _decode_instances(sections: list[ModelSection]) -> list[tuple[str, str, str]]:
+    """(instance_id, url, base model) of every decode instance, unnamed ones numbered."""
+    decode = [(i, m.modelname) for m in sections for i in m.decode]
+    return [
+        (i.instance_id or f"decode-{n}", i.http_endpoint, model)
+        for n, (i, model) in enumerate(decode)
+    ]
 
 
 def create_app(router: Router) -> web.Application:

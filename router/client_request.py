@@ -76,14 +76,13 @@ class ClientRequest:
 
 
 async def read_completion(request: web.Request, limits: LimitsSection) -> ClientRequest:
-    """A completion or chat request: a JSON object (``read_json_object``) with a ``model``,
-    and the fields the router reads of the right types (400 naming the field)."""
+    """A completion or chat request: a JSON object (``read_json_object``) with the fields
+    the router reads of the right types (400 naming the field). Without a ``model`` it is
+    the default model's, as vLLM serves it."""
     body, raw = await read_json_object(request, limits)
     _check_types(body, (("model", str), ("stream", bool), ("max_tokens", int), ("cache_salt", str)))
     if not _utf8(body.get("cache_salt") or ""):  # the salt is hashed as UTF-8
         raise ApiError(400, "`cache_salt` must be valid Unicode text", param="cache_salt")
-    if "model" not in body:
-        raise ApiError(400, "`model` is required", param="model")
     return _client_request(request, Endpoint.of_path(request.path), body, raw)
 
 

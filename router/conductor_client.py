@@ -44,8 +44,15 @@ from conductor.api import HITS_ONLY_HEADER, INDEXED_UNTIL_HEADER, PROGRESS_HEADE
 from conductor.failures import describe
 from conductor.states import StoreState
 
-from .config import ConductorSection, PrefillInstance, PrefillModelConfig
-from .index_client import MAX_TOKENS, ConductorState, ConductorUnavailable, Hits, PromptBlocks
+from .config import ConductorSection, ModelSection
+from .index_client import (
+    MAX_TOKENS,
+    ConductorState,
+    ConductorUnavailable,
+    Hits,
+    IndexContext,
+    PromptBlocks,
+)
 from .notices import Notices
 
 log = logging.getLogger(__name__)
@@ -68,12 +75,10 @@ class ConductorClient:
         self,
         session: aiohttp.ClientSession,
         section: ConductorSection,
-        model: PrefillModelConfig,
         notices: Notices,
     ) -> None:
         self._session = session
         self._section = section
-        self._model = model
         self._notices = notices
         self.urls = section.urls()
         self._current = 0  # the conductor asked first: the one that answered last
@@ -87,15 +92,13 @@ class ConductorClient:
         self._progress_turns = itertools.count()
 
     @classmethod
-    def connect(
-        cls, section: ConductorSection, model: PrefillModelConfig, notices: Notices
-    ) -> ConductorClient:
+    def connect(cls, section: ConductorSection, notices: Notices) -> ConductorClient:
         """A client with a connection pool of its own, uncapped: a query never queues behind
         other calls for a connection."""
         session = aiohttp.ClientSession(
             connector=aiohttp.TCPConnector(limit=0, keepalive_timeout=60)
         )
-        return cls(session, section, model, notices)
+        return cls(session, section, notices)
 
     async def close(self) -> None:
         await self._session.close()
@@ -197,13 +200,13 @@ class ConductorClient:
         self._notices.recovered(url, "conductor %s answers again", url)
 
     # -- registrations -------------------------------------------------------------------
-    async def register(self, instances: Sequence[PrefillInstance]) -> bool:
+    async def register(self, models: Sequence[ModelSection]) -> bool:
         """Register every stream with every conductor (idempotent: a repeat answers 200),
         each retrying with backoff until it is up or the registration timeout ends. Logged
         at INFO when it changed something (a conductor registered anew), else at DEBUG; a
         conductor that cannot be reached at its first failure (once, then as a reminder).
         True when every conductor has every stream."""
-        bodies = registration_bodies(self._model, instances)
+        bodies = [body for model in models for body in registration_bodies(model)]
         results = await asyncio.gather(*(self._register_all(url, bodies) for url in self.urls))
         return all(results)
 
@@ -251,12 +254,12 @@ class ConductorClient:
 
     # -- dead engines ----------------------------------------------------------------------
     async def report_instance(
-        self, instance_id: str, down: bool, ttl_s: float, reason: str
+        self, instance_id: str, tenant_id: str, down: bool, ttl_s: float, reason: str
     ) -> None:
         """``/instance_down`` (for ``ttl_s``) or ``/instance_up`` to every conductor. Never
         raises: a failure is logged once per conductor and state, and the caller re-sends."""
         path = "/instance_down" if down else "/instance_up"
-        body: dict[str, Any] = {"instance_id": instance_id, "tenant_id": self._model.tenant_id}
+        body: dict[str, Any] = {"instance_id": instance_id, "tenant_id": tenant_id}
         if down:
             body.update(reason=reason, ttl_s=ttl_s)
         await asyncio.gather(*(self._report(url, path, body) for url in self.urls))
@@ -328,20 +331,24 @@ class ConductorClient:
 
     async def hits(self, prompt: PromptBlocks, progress_of: Collection[str]) -> Hits:
         """``query`` with the prompt's packed ids: the conductor hashes them itself."""
-        return await self.query(prompt.packed, prompt.cache_salt, progress_of)
+        return await self.query(prompt.packed, prompt.context, prompt.cache_salt, progress_of)
 
     async def query(
-        self, packed: bytes, cache_salt: str | None = None, progress_of: Collection[str] = ()
+        self,
+        packed: bytes,
+        context: IndexContext,
+        cache_salt: str | None = None,
+        progress_of: Collection[str] = (),
     ) -> Hits:
-        """Cumulative (GPU, CPU, DISK) hit in tokens per instance of the model's context;
+        """Cumulative (GPU, CPU, DISK) hit in tokens per instance of ``context``;
         ``packed``: the prompt as ``token_bytes`` gives it (int32, wrapped as the conductor
         hashes them); ``progress_of``: instances whose indexing progress to learn too."""
         body: dict[str, Any] = {
-            "model": self._model.modelname,
-            "block_size": self._model.block_size,
+            "model": context.model,
+            "block_size": context.block_size,
             "token_ids": packed,
-            "tenant_id": self._model.tenant_id,
-            "lora_name": self._model.lora_name,
+            "tenant_id": context.tenant_id,
+            "lora_name": context.lora_name,
         }
         if cache_salt:
             body["cache_salt"] = cache_salt
@@ -358,7 +365,7 @@ class ConductorClient:
                 raise ConductorUnavailable(f"query failed: {describe(error)}") from None
             if status != 200 or not isinstance(answer, dict):
                 raise ConductorUnavailable(f"query answered {status}: {answer_text(answer)}")
-            return parse_hits(answer, self._model.tenant_id)
+            return parse_hits(answer, context.tenant_id)
 
         return await self._ask("query", ask)
 
@@ -372,12 +379,11 @@ def answer_text(answer: Any) -> str:
     return str(answer)[:300]
 
 
-def registration_bodies(
-    model: PrefillModelConfig, instances: Sequence[PrefillInstance]
-) -> list[dict[str, Any]]:
-    """The ``/register`` body of every event stream of the prefill instances."""
+def registration_bodies(model: ModelSection) -> list[dict[str, Any]]:
+    """The ``/register`` body of every event stream of the model's prefill instances (their
+    events name the adapter of each block: the index keeps adapters apart itself)."""
     bodies = []
-    for instance in instances:
+    for instance in model.instances:
         for stream in instance.registrations:
             body = {
                 "endpoint": stream.endpoint,

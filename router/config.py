@@ -31,6 +31,7 @@ from pydantic import (
 from conductor.config import master_address, one_line
 from conductor.runtime import port_number
 from tokenization.prompt_encoder import CHUNK_CACHE_TOKENS
+from tokenization.tokenizer import hub_cache_directory
 
 from .pending import GRACE_S, MAX_PENDING_S
 from .policy import REGISTRY, PrefillCostModel, RoutingParams
@@ -131,7 +132,9 @@ class TokenizerSection(_Section):
     tokenizer_config.json's chat template) instead of asking an engine's ``/tokenize``."""
 
     # the model directory; absent: the served model's name when it is a local directory
-    # holding a tokenizer.json, else every prompt goes to an engine's /tokenize
+    # holding a tokenizer.json, else its snapshot in the Hugging Face cache, else the
+    # directory the model's engines name (/v1/models ``root``) when this host can read it;
+    # till then every prompt goes to an engine's /tokenize
     path: Path | None = None
     # compare with an engine's /tokenize (a few probe prompts) before trusting it
     verify: bool = True
@@ -143,11 +146,14 @@ class TokenizerSection(_Section):
     forward_token_ids: bool = True
 
     def directory(self, modelname: str) -> Path | None:
-        """The directory to load: ``path``, else ``modelname`` when it names one."""
+        """The directory to load: ``path``, else ``modelname`` when it names one holding a
+        tokenizer.json, else the model's snapshot in the local Hugging Face cache."""
         if self.path is not None:
             return self.path.expanduser()
         candidate = Path(modelname).expanduser()
-        return candidate if (candidate / "tokenizer.json").is_file() else None
+        if (candidate / "tokenizer.json").is_file():
+            return candidate
+        return hub_cache_directory(modelname)
 
 
 class StreamRegistration(_Section):
@@ -165,6 +171,8 @@ class PrefillModelConfig(_Section):
     modelname: str = Field(min_length=1)
     block_size: int = Field(gt=0)
     tenant_id: str = "default"
+    # the LoRA the model name's own requests are indexed under (upstream's one-adapter
+    # proxy); the adapters a request names are in ``ModelSection.adapters``
     lora_name: str = ""
 
 
@@ -185,13 +193,6 @@ class DecodeInstance(_Section):
 class PrefillSection(_Section):
     config: PrefillModelConfig
     instances: list[PrefillInstance] = Field(min_length=1)
-
-    @model_validator(mode="after")
-    def _unique_ids(self) -> PrefillSection:
-        ids = [i.instance_id for i in self.instances]
-        if len(ids) != len(set(ids)):
-            raise ValueError("prefill instance_id values must be unique")
-        return self
 
 
 class DecodeSection(_Section):
@@ -232,37 +233,31 @@ class RoutingSection(_Section):
         return cost
 
 
-class RouterConfig(_Section):
-    conductor: ConductorSection = ConductorSection()
-    prefill: PrefillSection
-    decode: DecodeSection = DecodeSection()
-    routing: RoutingSection = RoutingSection()
-    upstream: UpstreamSection = UpstreamSection()
-    limits: LimitsSection = LimitsSection()
-    tokenizer: TokenizerSection = TokenizerSection()
+class ModelSection(PrefillModelConfig):
+    """Ours: one served model, its engines, LoRA adapters and settings. The upstream layout's
+    ``prefill`` (and ``decode``) sections are the one-model case of a ``models`` list."""
 
-    @model_validator(mode="after")
-    def _balancing_needs_a_store(self) -> RouterConfig:
-        """KV balancing pulls a peer's prefix through a shared store: without one no engine
-        can load it, and the router would promise hits that are recomputed."""
-        threshold = self.routing.balance_threshold
-        if threshold is not None and math.isfinite(threshold) and not self.kv_stores():
-            raise ValueError(
-                "routing.balance_threshold needs a KV transfer path: set kv_store (the "
-                "Mooncake store master host:port the engines save to) on the prefill "
-                "instances, or drop balance_threshold"
-            )
-        return self
+    # the LoRA adapters its engines serve, by the names requests give (vLLM's
+    # ``--lora-modules NAME=PATH``); adapters the engines list in /v1/models count too
+    adapters: list[Annotated[str, Field(min_length=1)]] = Field(default_factory=list)
+    default: bool = False  # requests without a model go here (else to the first model)
+    instances: list[PrefillInstance] = Field(min_length=1)
+    decode: list[DecodeInstance] = Field(default_factory=list)
+    # the top-level sections' keys, overridden key by key (the tokenizer's path is per model)
+    routing: RoutingSection = RoutingSection()
+    tokenizer: TokenizerSection = TokenizerSection()
+    max_concurrent_requests: int = Field(default=0, ge=0)  # at the engines at once; 0: any
+    max_queued_requests: int = Field(default=1024, ge=0)  # waiting for one of those
 
     def kv_stores(self) -> dict[str, str]:
         """instance_id → the store it shares, for the instances that have one."""
-        return {i.instance_id: i.kv_store for i in self.prefill.instances if i.kv_store}
+        return {i.instance_id: i.kv_store for i in self.instances if i.kv_store}
 
     def routing_params(self) -> RoutingParams:
         routing = self.routing
         return RoutingParams(
             policy=routing.policy,
-            block_size=self.prefill.config.block_size,
+            block_size=self.block_size,
             overlap_weight=routing.overlap_weight,
             temperature=routing.temperature,
             balance_threshold=routing.balance_threshold,
@@ -270,6 +265,104 @@ class RouterConfig(_Section):
             ttft_slack=routing.ttft_slack,
             cost=routing.cost,
         )
+
+    @model_validator(mode="after")
+    def _balancing_needs_a_store(self) -> ModelSection:
+        _check_balancing(self)
+        return self
+
+
+def _check_balancing(model: ModelSection) -> None:
+    """KV balancing pulls a peer's prefix through a shared store: without one no engine can
+    load it, and the router would promise hits that are recomputed."""
+    threshold = model.routing.balance_threshold
+    if threshold is not None and math.isfinite(threshold) and not model.kv_stores():
+        raise ValueError(
+            "routing.balance_threshold needs a KV transfer path: set kv_store (the Mooncake "
+            "store master host:port the engines save to) on the prefill instances, or drop "
+            "balance_threshold"
+        )
+
+
+def _inherit(section: Any, defaults: Any, skip: tuple[str, ...] = ()) -> Any:
+    """A model's section over the top-level one's keys (both as written in the file)."""
+    if not isinstance(section, dict | None) or not isinstance(defaults, dict):
+        return section
+    return {**{k: v for k, v in defaults.items() if k not in skip}, **(section or {})}
+
+
+class RouterConfig(_Section):
+    conductor: ConductorSection = ConductorSection()
+    # the upstream layout's one model, or ours: several (one of the two)
+    prefill: PrefillSection | None = None
+    decode: DecodeSection = DecodeSection()
+    models: list[ModelSection] = Field(default_factory=list)
+    routing: RoutingSection = RoutingSection()
+    upstream: UpstreamSection = UpstreamSection()
+    limits: LimitsSection = LimitsSection()
+    tokenizer: TokenizerSection = TokenizerSection()
+
+    @model_validator(mode="before")
+    @classmethod
+    def _models_inherit(cls, data: Any) -> Any:
+        """Each listed model's routing and tokenizer: the top-level keys, then its own."""
+        if not isinstance(data, dict) or not isinstance(data.get("models"), list):
+            return data
+        routing, tokenizer = data.get("routing"), data.get("tokenizer")
+        models = [
+            {
+                **model,
+                "routing": _inherit(model.get("routing"), routing),
+                "tokenizer": _inherit(model.get("tokenizer"), tokenizer, skip=("path",)),
+            }
+            if isinstance(model, dict)
+            else model
+            for model in data["models"]
+        ]
+        return {**data, "models": models}
+
+    @model_validator(mode="after")
+    def _one_layout(self) -> RouterConfig:
+        if self.prefill is None and not self.models:
+            raise ValueError("give the served models: `models`, or `prefill` for one model")
+        if self.prefill is not None and self.models:
+            raise ValueError("give `prefill` (one model) or `models`, not both")
+        if self.models and self.decode.instances:
+            raise ValueError("with `models`, each model lists its own `decode` instances")
+        if self.prefill is not None:  # the upstream layout is checked as one model too
+            _check_balancing(self.served_models()[0])
+        _check_unique(self.served_models())
+        return self
+
+    def served_models(self) -> list[ModelSection]:
+        """The served models: ``models``, or the one model the upstream layout describes."""
+        if self.models or self.prefill is None:
+            return self.models
+        return [
+            ModelSection.model_construct(  # of validated parts
+                **self.prefill.config.model_dump(),
+                instances=self.prefill.instances,
+                decode=self.decode.instances,
+                routing=self.routing,
+                tokenizer=self.tokenizer,
+            )
+        ]
+
+    def kv_stores(self) -> dict[str, str]:
+        """instance_id → the store it shares, for the instances that have one."""
+        return {k: v for model in self.served_models() for k, v in model.kv_stores().items()}
+
+
+def _check_unique(models: list[ModelSection]) -> None:
+    """Names a request or the index tells apart: model and adapter names, instance ids."""
+    names = [m.modelname for m in models] + [a for m in models for a in m.adapters]
+    instances = [i.instance_id for m in models for i in m.instances]
+    instances += [i.instance_id for m in models for i in m.decode if i.instance_id]
+    for what, values in (("model and adapter names", names), ("instance_id values", instances)):
+        if repeated := sorted({v for v in values if values.count(v) > 1}):
+            raise ValueError(f"{what} must be unique: {', '.join(repeated)} repeated")
+    if sum(m.default for m in models) > 1:
+        raise ValueError("at most one model can be the default")
 
 
 # flag (argparse dest) → where its value goes in the layout

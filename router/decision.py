@@ -14,6 +14,7 @@ import logging
 import random
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING
 
 from .errors import ApiError
 from .index_client import Hits
@@ -23,6 +24,9 @@ from .policy import Candidate, Decision, RoutingParams, choose
 from .pool import CostLearner, InstancePool, Upstream
 from .prompt_ids import Tokenized
 
+if TYPE_CHECKING:
+    from .models import Target
+
 log = logging.getLogger("router.app")  # the router's lines keep their logger (docs/router.md)
 
 MAX_LOGGED_CANDIDATES = 16  # a routing decision's DEBUG line lists at most this many
@@ -30,9 +34,11 @@ MAX_LOGGED_CANDIDATES = 16  # a routing decision's DEBUG line lists at most this
 
 @dataclass(frozen=True, slots=True)
 class Routed:
-    """One request on its way: what every attempt at it shares (its prompt, the request as
-    the engine gets it, the index's answer) and when the router received it."""
+    """One request on its way: what every attempt at it shares (the model and adapter it
+    asks for, its prompt, the request as the engine gets it, the index's answer) and when
+    the router received it."""
 
+    target: Target
     tokenized: Tokenized
     lookup: Lookup
     started: float
@@ -56,24 +62,28 @@ class NoCandidates(ApiError):
 
 
 class Decider:
+    """One model's decisions: among its instances, with its routing settings."""
+
     def __init__(
         self,
         params: RoutingParams,
         learner: CostLearner | None,
         pool: InstancePool,
         metrics: RouterMetrics,
+        base: str | None = None,
     ) -> None:
         self._params = params
         self._learner = learner
         self._pool = pool
         self._metrics = metrics
+        self._base = base  # the model whose instances are candidates (None: every one)
         self._turn = itertools.count()  # rotates ties between equally good instances
         self._rng = random.Random()
 
     def choose(self, routed: Routed, exclude: set[str]) -> Choice:
         """The next attempt's instances, ``exclude`` (the instances tried) left out."""
         fallback = routed.lookup.fallback
-        candidates = self.candidates(routed.lookup.hits, exclude, routed.tokenized.request.model)
+        candidates = self.candidates(routed.lookup.hits, exclude, routed.target.name)
         decision = self.decide(routed.tokenized.count, candidates, fallback)
         decode = self.decode_instance()
         if log.isEnabledFor(logging.DEBUG):
@@ -81,13 +91,14 @@ class Decider:
         return Choice(decision, self._pool.prefill[decision.instance_id], decode)
 
     def candidates(self, hits: Hits, exclude: set[str], model: object = None) -> list[Candidate]:
-        """The healthy instances not yet tried that may serve ``model``, with their hits and
-        load. When every one is out of rotation they are tried anyway: one may be back
-        before its next probe says so; a 503 when none is left."""
+        """The model's healthy instances not yet tried that may serve ``model`` (the name
+        asked for: the model's or an adapter's), with their hits and load. When every one is
+        out of rotation they are tried anyway: one may be back before its next probe says
+        so; a 503 when none is left."""
         for out_of_rotation in (False, True):
             candidates = [
                 c
-                for c in self._pool.candidates(hits, model, out_of_rotation)
+                for c in self._pool.candidates(hits, model, out_of_rotation, self._base)
                 if c.instance_id not in exclude
             ]
             if candidates:
@@ -115,7 +126,7 @@ class Decider:
         when every decode instance is out of rotation)."""
         if not self._pool.decode:
             return None
-        decode_upstreams = self._pool.healthy_decode()
+        decode_upstreams = self._pool.healthy_decode(self._base)
         if not decode_upstreams:
             raise ApiError(503, "no healthy decode instance", "ServiceUnavailableError")
         return min(decode_upstreams, key=lambda u: (u.load, u.requests))

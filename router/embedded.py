@@ -24,19 +24,16 @@ from conductor.states import StoreState
 from conductor.stream_limits import StreamLimits
 
 from .conductor_client import registration_bodies
-from .config import PrefillInstance, PrefillModelConfig
-from .index_client import ConductorState, Hits, PromptBlocks
+from .config import ModelSection
+from .index_client import ConductorState, Hits, IndexContext, PromptBlocks
 
 log = logging.getLogger(__name__)
 EMBEDDED = "embedded"  # its name where the router lists its conductors
 
 
 class EmbeddedConductor:
-    def __init__(self, model: PrefillModelConfig) -> None:
-        self._model = model
-        self._context = ContextKey(
-            model.tenant_id or "default", model.modelname, model.lora_name, model.block_size
-        )
+    def __init__(self) -> None:
+        self._tenants: dict[str, str] = {}  # instance -> the tenant its streams are under
         # the conductor's defaults: each store's admin server on its master's host
         self.manager = index_manager(ConductorConfig(), StreamLimits())
         self.table, self.metrics = self.manager.table, self.manager.metrics
@@ -48,10 +45,11 @@ class EmbeddedConductor:
         """None: the index is in this process (a stream it cannot subscribe to is logged)."""
         return []
 
-    async def register(self, instances: Sequence[PrefillInstance]) -> bool:
+    async def register(self, models: Sequence[ModelSection]) -> bool:
         """Subscribe to every stream once (a repeat changes nothing); True when all are."""
         ok = True
-        for body in registration_bodies(self._model, instances):
+        for body in (body for model in models for body in registration_bodies(model)):
+            self._tenants[body["instance_id"]] = body["tenant_id"] or "default"
             try:
                 await self.manager.register(Registration.model_validate(body))
             except (RegistrationConflict, RegistrationFailed) as error:
@@ -60,9 +58,9 @@ class EmbeddedConductor:
         return ok
 
     async def report_instance(
-        self, instance_id: str, down: bool, ttl_s: float, reason: str
+        self, instance_id: str, tenant_id: str, down: bool, ttl_s: float, reason: str
     ) -> None:
-        tenant = self._context.tenant_id
+        tenant = tenant_id or "default"
         if down:
             await self.manager.instance_down(instance_id, tenant, reason, ttl_s)
         else:
@@ -74,13 +72,14 @@ class EmbeddedConductor:
     async def hits(self, prompt: PromptBlocks, progress_of: Collection[str]) -> Hits:
         """The prompt's hits by its block hashes, which the router's prompts in flight read
         too (hashed once); the progress of every instance is known here anyway."""
-        matches = self.table.match_prefix_hashes(self._context, prompt.hashes)
+        matches = self.table.match_prefix_hashes(_context_key(prompt.context), prompt.hashes)
         return {name: (m.gpu, m.cpu, m.disk) for name, m in (matches or {}).items()}
 
     def indexed_until(self, instance_id: str) -> float | None:
         """The index holds every event the instance published up to this time (its clock;
         None: not known yet)."""
-        return self.manager.indexed_until(instance_id, self._context.tenant_id)
+        tenant = self._tenants.get(instance_id)
+        return None if tenant is None else self.manager.indexed_until(instance_id, tenant)
 
     def exposition(self) -> bytes:
         """The index's series (``conductor_*``), served on the router's ``/metrics``."""
@@ -88,3 +87,9 @@ class EmbeddedConductor:
 
     async def close(self) -> None:
         await self.manager.close()
+
+
+def _context_key(context: IndexContext) -> ContextKey:
+    return ContextKey(
+        context.tenant_id or "default", context.model, context.lora_name, context.block_size
+    )

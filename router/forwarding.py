@@ -26,13 +26,13 @@ from conductor.failures import describe
 
 from . import disagg
 from .config import UpstreamSection
-from .decision import Choice, Decider, NoCandidates, Routed
+from .decision import Choice, NoCandidates, Routed
 from .engine_metrics import in_range
 from .errors import ApiError, upstream_message
 from .in_flight import Claim, InFlight
 from .index_client import MAX_TOKENS
 from .metrics import RouterMetrics
-from .pool import CostLearner, InstancePool, Ticket, Upstream
+from .pool import InstancePool, Ticket, Upstream
 from .prompt_ids import TOKENIZED_BY
 from .rotation import Rotation
 from .sessions import UpstreamSessions
@@ -55,21 +55,17 @@ class UpstreamTimeout(UpstreamFailed):
 class Forwarder:
     def __init__(
         self,
-        decider: Decider,
         in_flight: InFlight,
         rotation: Rotation,
         sessions: UpstreamSessions,
         pool: InstancePool,
-        learner: CostLearner | None,
         metrics: RouterMetrics,
         timeouts: UpstreamSection,
     ) -> None:
-        self._decider = decider
         self._in_flight = in_flight
         self._rotation = rotation
         self._sessions = sessions
         self._pool = pool
-        self._learner = learner
         self._metrics = metrics
         self._timeouts = timeouts
 
@@ -80,7 +76,7 @@ class Forwarder:
         last: UpstreamFailed | None = None
         while True:  # each failed instance is excluded, so this ends
             try:
-                choice = self._decider.choose(routed, failed)
+                choice = routed.target.served.decider.choose(routed, failed)
             except NoCandidates:
                 if isinstance(last, UpstreamTimeout):
                     raise ApiError(504, f"no upstream answered in time: {last}") from None
@@ -142,7 +138,7 @@ class Forwarder:
             self._metrics.record_cache_use(prefill.instance_id, predicted, realized)
         params = disagg.transfer_params(answer)
         claim.ticket.first_token()
-        self._observe(claim, time.perf_counter() - routed.started)
+        self._observe(routed, claim, time.perf_counter() - routed.started)
         payload = json.dumps(disagg.decode_request(body, params)).encode()
         decode_ticket = self._pool.claim(decode, 0)
         try:
@@ -156,13 +152,14 @@ class Forwarder:
         finally:
             decode_ticket.release()
 
-    def _observe(self, claim: Claim, ttft_s: float | None) -> None:
+    def _observe(self, routed: Routed, claim: Claim, ttft_s: float | None) -> None:
         if ttft_s is None:
             return
         self._metrics.ttft_seconds.observe(ttft_s)
-        if self._learner is not None:
-            self._learner.observe(claim.new_tokens, claim.queued_before, ttft_s)
-            self._metrics.publish_cost_model(self._learner.model)
+        served = routed.target.served
+        if served.learner is not None:
+            served.learner.observe(claim.new_tokens, claim.queued_before, ttft_s)
+            self._metrics.publish_cost_model(served.name, served.learner.model)
 
     async def _prefill_only(
         self, path: str, body: dict[str, Any], prefill: Upstream, headers: dict[str, str]
@@ -235,7 +232,7 @@ class Forwarder:
                         first = False
                         ticket.first_token()
                         if learn is not None:
-                            self._observe(learn, self._ttft(upstream_response, routed))
+                            self._observe(routed, learn, self._ttft(upstream_response, routed))
                         await response.prepare(request)
                     await response.write(chunk)
                     if tap is not None:

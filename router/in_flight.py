@@ -62,7 +62,7 @@ class InFlight:
             self._metrics.in_flight_hit_tokens.inc(min(added, decision.cached_tokens))
         prompt = routed.lookup.prompt
         pending = (
-            self._pending.add(prefill.instance_id, prompt.hashes)
+            self._pending.add(prefill.instance_id, prompt.hashes, prompt.context.lora_name)
             if self._pending is not None and prompt is not None
             else None
         )

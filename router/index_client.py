@@ -11,13 +11,14 @@ know which one it has.
 from __future__ import annotations
 
 from collections.abc import Collection, Sequence
+from dataclasses import dataclass
 from enum import StrEnum
 from typing import Protocol
 
 from conductor.hashing import PrefixHash, prefix_hashes
 from conductor.states import StoreState
 
-from .config import PrefillInstance
+from .config import ModelSection
 
 Hits = dict[str, tuple[int, int, int]]  # instance -> cumulative (GPU, CPU, DISK) hit, tokens
 MAX_TOKENS = 2**31 - 1  # the Go API's int32: a larger count is no count this router believes
@@ -34,17 +35,29 @@ class ConductorUnavailable(Exception):
     """No usable answer in time: the caller falls back to a load-only policy."""
 
 
+@dataclass(frozen=True, slots=True)
+class IndexContext:
+    """What the index keys a prompt's blocks by, besides its salt: the tenant the engines
+    registered under, the model, the LoRA adapter ("": none) and the block size."""
+
+    tenant_id: str
+    model: str
+    lora_name: str
+    block_size: int
+
+
 class PromptBlocks:
     """A prompt as an index reads it: its ids packed as int32 (what a conductor is sent, and
-    hashes itself) and its block hashes, salted with its ``cache_salt`` (what the embedded
-    index and the prompts in flight compare), hashed once, when first read."""
+    hashes itself), the context it is asked in, and its block hashes, salted with its
+    ``cache_salt`` (what the embedded index and the prompts in flight compare), hashed
+    once, when first read."""
 
-    __slots__ = ("packed", "cache_salt", "_block_size", "_hashes")
+    __slots__ = ("packed", "context", "cache_salt", "_hashes")
 
-    def __init__(self, packed: bytes, block_size: int, cache_salt: str) -> None:
+    def __init__(self, packed: bytes, context: IndexContext, cache_salt: str) -> None:
         self.packed = packed
+        self.context = context
         self.cache_salt = cache_salt
-        self._block_size = block_size
         self._hashes: list[PrefixHash] | None = None
 
     @property
@@ -55,7 +68,7 @@ class PromptBlocks:
     def hashes(self) -> Sequence[PrefixHash]:
         """One chained hash per complete block, as the conductor computes them."""
         if self._hashes is None:
-            self._hashes = prefix_hashes(self.packed, self._block_size, self.cache_salt)
+            self._hashes = prefix_hashes(self.packed, self.context.block_size, self.cache_salt)
         return self._hashes
 
 
@@ -63,9 +76,9 @@ class IndexClient(Protocol):
     """The index the router asks for hits and tells what it sees."""
 
     async def hits(self, prompt: PromptBlocks, progress_of: Collection[str]) -> Hits:
-        """Each instance's cumulative (GPU, CPU, DISK) hit on ``prompt``; ``progress_of``:
-        instances whose indexing progress (``indexed_until``) to learn too. Raises
-        ConductorUnavailable without an answer in time."""
+        """Each instance's cumulative (GPU, CPU, DISK) hit on ``prompt`` in its context;
+        ``progress_of``: instances whose indexing progress (``indexed_until``) to learn
+        too. Raises ConductorUnavailable without an answer in time."""
         ...
 
     def indexed_until(self, instance_id: str) -> float | None:
@@ -73,13 +86,13 @@ class IndexClient(Protocol):
         clock); None: not known."""
         ...
 
-    async def register(self, instances: Sequence[PrefillInstance]) -> bool:
-        """Have the index follow every event stream of ``instances`` (idempotent); True
-        when it follows all of them."""
+    async def register(self, models: Sequence[ModelSection]) -> bool:
+        """Have the index follow every event stream of the models' instances (idempotent);
+        True when it follows all of them."""
         ...
 
     async def report_instance(
-        self, instance_id: str, down: bool, ttl_s: float, reason: str
+        self, instance_id: str, tenant_id: str, down: bool, ttl_s: float, reason: str
     ) -> None:
         """An instance is out of rotation (``down``, for ``ttl_s``) or back: its blocks stop
         counting, or count again. Never raises."""

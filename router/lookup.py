@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 from conductor.hashing import token_bytes
 
-from .index_client import ConductorUnavailable, Hits, IndexClient, PromptBlocks
+from .index_client import ConductorUnavailable, Hits, IndexClient, IndexContext, PromptBlocks
 from .metrics import RouterMetrics
 from .pending import PendingPrefixes
 from .policy import reusable_hits
@@ -38,24 +38,20 @@ class IndexLookup:
         index: IndexClient,
         pending: PendingPrefixes | None,
         metrics: RouterMetrics,
-        block_size: int,
     ) -> None:
         self._index = index
         self._pending = pending
         self._metrics = metrics
-        self._block_size = block_size
 
-    def blocks(self, tokens: list[int], cache_salt: str) -> PromptBlocks:
-        """The prompt as the index and the prompts in flight read it."""
-        return PromptBlocks(token_bytes(tokens), self._block_size, cache_salt)
-
-    async def find(self, tokens: list[int] | None, cache_salt: str) -> Lookup:
-        """The index's answer for the prompt with the prompts in flight counted, or no hits
-        and why (``router_fallbacks_total``)."""
+    async def find(
+        self, tokens: list[int] | None, context: IndexContext, cache_salt: str
+    ) -> Lookup:
+        """The index's answer for the prompt in ``context`` with the prompts in flight
+        counted, or no hits and why (``router_fallbacks_total``)."""
         if tokens is None:
             lookup = Lookup({}, "tokenize_failed", {}, None)
         else:
-            prompt = self.blocks(tokens, cache_salt)
+            prompt = PromptBlocks(token_bytes(tokens), context, cache_salt)
             hits = await self._ask(prompt)
             if hits is None:
                 lookup = Lookup({}, "conductor_unavailable", {}, prompt)
@@ -77,19 +73,17 @@ class IndexLookup:
             return None
         finally:
             self._metrics.conductor_query_seconds.observe(time.perf_counter() - asked)
-        return reusable_hits(hits, prompt.tokens, self._block_size)
+        return reusable_hits(hits, prompt.tokens, prompt.context.block_size)
 
     def _add_in_flight(self, hits: Hits, prompt: PromptBlocks) -> dict[str, int]:
         """Raise each instance's GPU hit in ``hits`` to the longest prefix of the prompt
         sent there and still pending; returns the tokens this added, per instance."""
         if self._pending is None:
             return {}
-        block_size = self._block_size
+        block_size = prompt.context.block_size
         added: dict[str, int] = {}
-        pending_hits = {
-            name: (blocks * block_size,) * 3
-            for name, blocks in self._pending.match(prompt.hashes).items()
-        }
+        matches = self._pending.match(prompt.hashes, prompt.context.lora_name)
+        pending_hits = {name: (blocks * block_size,) * 3 for name, blocks in matches.items()}
         for name, (pending, _, _) in reusable_hits(pending_hits, prompt.tokens, block_size).items():
             gpu, cpu, disk = hits.get(name, (0, 0, 0))
             if pending > gpu:

@@ -19,47 +19,52 @@ PREDICTION_ERROR_BUCKETS = (-4096, -1024, -256, -64, -16, -1, 0, 16, 64, 256, 10
 
 
 class _EncoderCollector(Collector):
-    """The prompt encoder's counters, read at scrape time (it runs in worker threads)."""
+    """The prompt encoders' counters, per model, read at scrape time (they run in worker
+    threads)."""
 
-    def __init__(self, encoder: PromptEncoder) -> None:
-        self._encoder = encoder
+    def __init__(self) -> None:
+        self.encoders: dict[str, PromptEncoder] = {}
 
     def collect(self) -> Iterable[Metric]:
-        encoder = self._encoder
-        stats = encoder.stats
+        labels = ["model"]
         active = GaugeMetricFamily(
             "router_tokenizer_chunks_active",
             "1 while long prompts are encoded in chunks whose ids are reused, 0 when the "
             "tokenizer rules chunks out or once an audit found the router's ids differing "
             "from HF's whole ones (then HF encodes every prompt whole)",
-            value=int(encoder.active and encoder.chunking),
+            labels=labels,
         )
         fast = GaugeMetricFamily(
             "router_tokenizer_fast_bpe_active",
             "1 while prompts are encoded through tiktoken (a byte-level BPE tokenizer on "
             "which it gives HF's ids), 0 otherwise",
-            value=int(encoder.active and encoder.fast is not None),
+            labels=labels,
         )
         tokens = CounterMetricFamily(
             "router_tokenizer_chunk_tokens",
             "Token ids of chunked prompts: reused (a chunk seen before) or encoded",
-            labels=["source"],
+            labels=[*labels, "source"],
         )
-        tokens.add_metric(["reused"], stats.reused_tokens)
-        tokens.add_metric(["encoded"], stats.encoded_tokens)
         audits = CounterMetricFamily(
             "router_tokenizer_chunk_audits",
             "The router's encodes (tiktoken or chunked) checked against HF's whole encode, "
             "by result",
-            labels=["result"],
+            labels=[*labels, "result"],
         )
-        audits.add_metric(["agreed"], stats.audits - stats.disagreements)
-        audits.add_metric(["differed"], stats.disagreements)
         cached = GaugeMetricFamily(
             "router_tokenizer_chunk_cache_tokens",
             "Token ids the chunk cache holds (at most tokenizer.chunk_cache_tokens)",
-            value=stats.cached_tokens,
+            labels=labels,
         )
+        for model, encoder in self.encoders.items():
+            stats = encoder.stats
+            active.add_metric([model], int(encoder.active and encoder.chunking))
+            fast.add_metric([model], int(encoder.active and encoder.fast is not None))
+            tokens.add_metric([model, "reused"], stats.reused_tokens)
+            tokens.add_metric([model, "encoded"], stats.encoded_tokens)
+            audits.add_metric([model, "agreed"], stats.audits - stats.disagreements)
+            audits.add_metric([model, "differed"], stats.disagreements)
+            cached.add_metric([model], stats.cached_tokens)
         yield from (active, fast, tokens, audits, cached)
 
 
@@ -67,6 +72,8 @@ class RouterMetrics:
     def __init__(self) -> None:
         self.registry = CollectorRegistry(auto_describe=True)
         registry = self.registry
+        self._encoders = _EncoderCollector()
+        registry.register(self._encoders)
         self.requests = Counter(
             "router_requests_total",
             "Requests answered, by route and HTTP status",
@@ -137,9 +144,9 @@ class RouterMetrics:
         )
         self.local_tokenizer = Gauge(
             "router_local_tokenizer_active",
-            "1 while the router tokenizes this path itself (after an engine's /tokenize "
-            "agreed with it on the probe prompts)",
-            ["path"],
+            "1 while the router tokenizes this path of the model's prompts itself (after an "
+            "engine's /tokenize agreed with it on the probe prompts)",
+            ["path", "model"],
             registry=registry,
         )
         self.conductor_query_seconds = Histogram(
@@ -195,8 +202,9 @@ class RouterMetrics:
         )
         self.cost_model = Gauge(
             "router_cost_model",
-            "The cost model the ttft policy prices with (configured, then learned)",
-            ["parameter"],
+            "The cost model the ttft policy prices a model's requests with (configured, then "
+            "learned)",
+            ["parameter", "model"],
             registry=registry,
         )
         self.cache_unverified = Counter(
@@ -228,17 +236,18 @@ class RouterMetrics:
             registry=registry,
         )
 
-    def watch_encoder(self, encoder: PromptEncoder) -> None:
-        self.registry.register(_EncoderCollector(encoder))
+    def watch_encoder(self, model: str, encoder: PromptEncoder) -> None:
+        """Export ``model``'s prompt encoder's counters."""
+        self._encoders.encoders[model] = encoder
 
     def rejected(self, value: str, count: int = 1) -> None:
         """``count`` numbers or answers of kind ``value`` an engine sent were ignored."""
         if count:
             self.rejected_values.labels(value).inc(count)
 
-    def publish_cost_model(self, model: PrefillCostModel) -> None:
+    def publish_cost_model(self, model: str, cost: PrefillCostModel) -> None:
         for name in ("per_token_s", "store_bytes_per_token", "store_bandwidth_bytes_s"):
-            self.cost_model.labels(name).set(getattr(model, name))
+            self.cost_model.labels(name, model).set(getattr(cost, name))
 
     def record_cache_use(self, instance: str, predicted: int, realized: int | None) -> None:
         """One answered request: the conductor's prediction against the engine's report."""

@@ -11,9 +11,11 @@ the index in the router) has applied the events the instance published after the
 which may take seconds on a loaded machine; a grace period where the conductor cannot say
 (the Go service). It counts the longest such prompt prefix as a GPU hit on that instance.
 
-Prompts are compared by the conductor's chained block hashes (salted with the model and
-the request's ``cache_salt``, so neither crosses), one list per request: nothing is stored
-per block, and a match looks only at requests sharing the prompt's first block.
+Prompts are compared by the conductor's chained block hashes (salted with the request's
+``cache_salt``) within their LoRA adapter (an engine serving a base model and adapters
+keeps their caches apart), one list per request: nothing is stored per block, and a match
+looks only at requests sharing the prompt's adapter and first block. Instances serve one
+base model each, so models never cross.
 """
 
 from __future__ import annotations
@@ -33,11 +35,12 @@ MAX_PER_FIRST_BLOCK = 64  # requests compared per first block: the most recent o
 class PendingPrompt:
     """One routed request's prompt: its instance, its block hashes, when it ended."""
 
-    __slots__ = ("instance_id", "hashes", "ended_at")
+    __slots__ = ("instance_id", "hashes", "first", "ended_at")
 
-    def __init__(self, instance_id: str, hashes: Sequence[int]) -> None:
+    def __init__(self, instance_id: str, hashes: Sequence[int], adapter: str) -> None:
         self.instance_id = instance_id
         self.hashes = hashes
+        self.first = (adapter, hashes[0])  # what it is found by
         self.ended_at = 0.0
 
 
@@ -45,7 +48,7 @@ class PendingPrefixes:
     """The prompts of requests in flight (and just finished), by their first block."""
 
     def __init__(self) -> None:
-        self._by_first_block: dict[int, list[PendingPrompt]] = {}
+        self._by_first_block: dict[tuple[str, int], list[PendingPrompt]] = {}
         # per instance, the finished prompts still held, in the order they ended
         self._ended: dict[str, deque[PendingPrompt]] = {}
 
@@ -56,25 +59,28 @@ class PendingPrefixes:
     def __len__(self) -> int:
         return sum(len(prompts) for prompts in self._by_first_block.values())
 
-    def add(self, instance_id: str, hashes: Sequence[int]) -> PendingPrompt | None:
-        """Remember a prompt sent to ``instance_id`` (None: no complete block to share)."""
+    def add(
+        self, instance_id: str, hashes: Sequence[int], adapter: str = ""
+    ) -> PendingPrompt | None:
+        """Remember a prompt (of LoRA ``adapter``, "" for none) sent to ``instance_id``
+        (None: no complete block to share)."""
         if not hashes:
             return None
-        prompt = PendingPrompt(instance_id, hashes)
-        prompts = self._by_first_block.setdefault(hashes[0], [])
+        prompt = PendingPrompt(instance_id, hashes, adapter)
+        prompts = self._by_first_block.setdefault(prompt.first, [])
         prompts.append(prompt)
         if len(prompts) > MAX_PER_FIRST_BLOCK:
             del prompts[0]
         return prompt
 
     def remove(self, prompt: PendingPrompt) -> None:
-        prompts = self._by_first_block.get(prompt.hashes[0], [])
+        prompts = self._by_first_block.get(prompt.first, [])
         for position, held in enumerate(prompts):
             if held is prompt:
                 del prompts[position]
                 break
         if not prompts:
-            self._by_first_block.pop(prompt.hashes[0], None)
+            self._by_first_block.pop(prompt.first, None)
 
     def forget(self, instance_id: str) -> None:
         """``instance_id``'s cache is gone or unknown (it was taken out of rotation: its
@@ -118,12 +124,13 @@ class PendingPrefixes:
             if not ended:
                 del self._ended[instance]
 
-    def match(self, hashes: Sequence[int]) -> dict[str, int]:
-        """Per instance, how many leading blocks of ``hashes`` a pending prompt there has."""
+    def match(self, hashes: Sequence[int], adapter: str = "") -> dict[str, int]:
+        """Per instance, how many leading blocks of ``hashes`` a pending prompt of the same
+        ``adapter`` there has."""
         matches: dict[str, int] = {}
         if not hashes:
             return matches
-        for prompt in self._by_first_block.get(hashes[0], ()):
+        for prompt in self._by_first_block.get((adapter, hashes[0]), ()):
             shared = common_prefix(prompt.hashes, hashes)
             if shared > matches.get(prompt.instance_id, 0):
                 matches[prompt.instance_id] = shared

@@ -26,6 +26,7 @@ class Upstream:
 
     instance_id: str
     url: str
+    model: str = ""  # the base model it serves, as configured ("": any, in unit tests)
     in_flight: int = 0
     queued_prefill_tokens: int = 0
     engine_in_flight: int = 0  # running + waiting, as the engine's /metrics last said
@@ -137,15 +138,19 @@ class InstancePool:
         decode: Iterable[tuple[str, str]] = (),
         kv_stores: Mapping[str, str] | None = None,
         retry_after_s: float = RETRY_AFTER_FAILURE_S,
+        models: Mapping[str, str] | None = None,
     ) -> InstancePool:
-        """``kv_stores``: instance_id → the store master it shares (prefill instances)."""
-        stores = kv_stores or {}
+        """``kv_stores``: instance_id → the store master it shares (prefill instances);
+        ``models``: instance_id → the base model it serves."""
+        stores, bases = kv_stores or {}, models or {}
         return cls(
             {
-                name: Upstream(name, url.rstrip("/"), kv_store=stores.get(name, ""))
+                name: Upstream(
+                    name, url.rstrip("/"), bases.get(name, ""), kv_store=stores.get(name, "")
+                )
                 for name, url in prefill
             },
-            {name: Upstream(name, url.rstrip("/")) for name, url in decode},
+            {name: Upstream(name, url.rstrip("/"), bases.get(name, "")) for name, url in decode},
             retry_after_s=retry_after_s,
         )
 
@@ -157,14 +162,20 @@ class InstancePool:
         hits: Mapping[str, tuple[int, int, int]],
         model: Any = None,
         out_of_rotation: bool = False,
+        base: str | None = None,
     ) -> list[Candidate]:
         """Healthy prefill instances (``out_of_rotation``: the others) with their (GPU, CPU,
-        DISK) hit and load; with a ``model``, only those that may serve it (an unknown list
-        may). While an instance's store is down its hit is its GPU hit alone: the engine
-        recomputes the rest."""
+        DISK) hit and load; with a ``base`` model, only its instances, and with a ``model``
+        (the name requested: the base's or an adapter's), only those that may serve it (an
+        unknown list may). While an instance's store is down its hit is its GPU hit alone:
+        the engine recomputes the rest."""
         candidates = []
         for up in self.prefill.values():
-            if up.healthy == out_of_rotation or (model is not None and not up.may_serve(model)):
+            if (
+                up.healthy == out_of_rotation
+                or (base is not None and up.model != base)
+                or (model is not None and not up.may_serve(model))
+            ):
                 continue
             gpu, cpu, disk = hits.get(up.instance_id, (0, 0, 0))
             store = bool(up.kv_store)
@@ -184,22 +195,37 @@ class InstancePool:
             )
         return candidates
 
-    def serves_nowhere(self, model: Any) -> bool:
-        """True only when no upstream serves ``model`` and every upstream that could take
-        the request has said what it serves: an unknown list never rejects a request."""
-        upstreams = self.all()
+    def served_models(self) -> list[dict[str, Any]]:
+        """Every model and adapter some upstream in rotation serves, each once (the first
+        upstream's entry)."""
+        cards: dict[str, dict[str, Any]] = {}
+        for up in self.all():
+            for card in up.models or () if up.healthy else ():
+                cards.setdefault(card["id"], card)
+        return list(cards.values())
+
+    def serves_nowhere(self, model: Any, base: str | None = None) -> bool:
+        """True only when no upstream (of the ``base`` model's, when given) serves ``model``
+        and every one that could take the request has said what it serves: an unknown list
+        never rejects a request."""
+        upstreams = [up for up in self.all() if base in (None, up.model)]
         if any(up.healthy and up.models is None for up in upstreams):
             return False
         known = [up for up in upstreams if up.models is not None]
         return bool(known) and not any(up.may_serve(model) for up in known)
 
-    def served_models(self) -> list[dict[str, Any]]:
-        """Every model some upstream serves, each once (the first upstream's entry)."""
-        cards: dict[str, dict[str, Any]] = {}
+    def base_of(self, name: str) -> tuple[str, bool] | None:
+        """The base model of the upstreams whose list names ``name``, and whether it is an
+        adapter there (its card names a ``parent``); None when no known list names it."""
         for up in self.all():
             for card in up.models or ():
-                cards.setdefault(card["id"], card)
-        return list(cards.values())
+                if card["id"] == name:
+                    return up.model, card.get("parent") is not None
+        return None
+
+    def lists_unknown(self, base: str) -> bool:
+        """Some upstream of ``base`` in rotation has not said what it serves yet."""
+        return any(up.healthy and up.models is None and up.model == base for up in self.all())
 
     def max_model_len(self, model: str) -> int | None:
         """``model``'s context length as an upstream's ``/v1/models`` entry gives it (vLLM's
@@ -211,8 +237,21 @@ class InstancePool:
                     return length
         return None
 
-    def healthy_decode(self) -> list[Upstream]:
-        return [up for up in self.decode.values() if up.healthy]
+    def roots(self, model: str) -> list[str]:
+        """The model directories ``model``'s upstreams name for it (vLLM's card ``root``)."""
+        return list(
+            dict.fromkeys(
+                card["root"]
+                for up in self.all()
+                if up.model == model
+                for card in up.models or ()
+                if card["id"] == model and isinstance(card.get("root"), str)
+            )
+        )
+
+    def healthy_decode(self, base: str | None = None) -> list[Upstream]:
+        """The decode instances in rotation (of the ``base`` model's, when given)."""
+        return [up for up in self.decode.values() if up.healthy and base in (None, up.model)]
 
     def claim(self, upstream: Upstream, prefill_tokens: int) -> Ticket:
         upstream.in_flight += 1

@@ -17,16 +17,23 @@ import json
 import logging
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Annotated, Any
 
 import aiohttp
 import msgspec
 
 from conductor.failures import describe
-from tokenization.tokenizer import InvalidPrompt, LocalTokenizer, Unsupported, probes
+from tokenization.tokenizer import (
+    InvalidPrompt,
+    LocalTokenizer,
+    TokenizerUnavailable,
+    Unsupported,
+    probes,
+)
 
 from .client_request import ClientRequest, Endpoint
-from .config import RouterConfig
+from .config import LimitsSection, ModelSection, UpstreamSection
 from .errors import ApiError, upstream_message
 from .index_client import MAX_TOKENS
 from .metrics import RouterMetrics
@@ -43,6 +50,10 @@ TOKENIZE_ATTEMPTS = 3  # engines asked for a prompt's tokens before routing with
 # is the only request being routed (no thread hop); in a burst every one goes to a thread,
 # so the encodings run on every core and the loop keeps reading the conductor's answers
 INLINE_TOKENIZE_BYTES = 16 * 1024
+TOKENIZER_HINT = (
+    "set the model's tokenizer.path (models[].tokenizer.path, or --tokenizer) to a directory "
+    "holding its tokenizer.json"
+)
 
 
 class _TokenizeAnswer(msgspec.Struct):
@@ -69,51 +80,103 @@ class Tokenized:
 
 
 class PromptTokenizer:
+    """One model's prompts' ids, from its engines (``base``'s instances in the pool)."""
+
     def __init__(
         self,
-        config: RouterConfig,
+        model: ModelSection,
+        limits: LimitsSection,
+        timeouts: UpstreamSection,
         metrics: RouterMetrics,
         pool: InstancePool,
         sessions: UpstreamSessions,
         rotation: Rotation,
     ) -> None:
-        self._settings = config.tokenizer
-        self._modelname = config.prefill.config.modelname
-        self._max_tokens = config.limits.max_json_items
-        self._timeout_s = config.upstream.tokenize_timeout_seconds
+        self._settings = model.tokenizer
+        self._modelname = model.modelname
+        self._max_tokens = limits.max_json_items
+        self._timeout_s = timeouts.tokenize_timeout_seconds
         self._metrics = metrics
         self._pool = pool
         self._sessions = sessions
         self._rotation = rotation
         self._tokenizing = 0  # prompts being tokenized by the local tokenizer
         self._turn = itertools.count()  # spreads /tokenize calls over the engines
-        directory = self._settings.directory(self._modelname)
-        # raises TokenizerUnavailable (a ValueError) for a directory it cannot read
-        self.local = (
-            LocalTokenizer.load(directory, self._settings.chunk_cache_tokens)
-            if directory is not None
-            else None
-        )
-        if self.local is not None and self.local.encoder is not None:
-            metrics.watch_encoder(self.local.encoder)
+        self.local: LocalTokenizer | None = None
+        self.directory = self._settings.directory(self._modelname)
         # the endpoints whose prompts the local tokenizer encodes: once an engine agreed
-        self.trusted: set[Endpoint] = set() if self._settings.verify else set(Endpoint)
+        self.trusted: set[Endpoint] = set()
+        self._unverified: set[Endpoint] = set()
+        if self.directory is not None:
+            # raises TokenizerUnavailable (a ValueError) for a directory it cannot read
+            self._adopt(LocalTokenizer.load(self.directory, self._settings.chunk_cache_tokens))
+
+    def _adopt(self, local: LocalTokenizer) -> None:
+        """Tokenize with ``local``: on every endpoint it can render, once verified."""
+        self.local = local
+        if local.encoder is not None:
+            self._metrics.watch_encoder(self._modelname, local.encoder)
+        if local.chat_unsupported:
+            log.info("chat prompts go to the engines' /tokenize: %s", local.chat_unsupported)
+        if not self._settings.verify:
+            self.trusted, self._unverified = set(Endpoint), set()
+            return
         self._unverified = {Endpoint.COMPLETIONS}
-        if self.local is not None and self.local.chat_unsupported:
-            log.info("chat prompts go to the engines' /tokenize: %s", self.local.chat_unsupported)
-        else:
+        if not local.chat_unsupported:
             self._unverified.add(Endpoint.CHAT)
 
-    @property
-    def verifies(self) -> bool:
-        """Whether the local tokenizer waits for an engine's word (``verify``)."""
-        return self.local is not None and self._settings.verify
+    async def find_local(self) -> bool:
+        """Without a tokenizer yet: load the one in the model directory an engine of the
+        model names (vLLM's ``/v1/models`` card ``root``) when this host can read it. True
+        once there is a local tokenizer."""
+        if self.local is not None:
+            return True
+        for root in self._pool.roots(self._modelname):
+            directory = Path(root).expanduser()
+            if not (directory / "tokenizer.json").is_file():
+                continue
+            try:
+                local = await asyncio.to_thread(
+                    LocalTokenizer.load, directory, self._settings.chunk_cache_tokens
+                )
+            except TokenizerUnavailable as error:
+                log.warning("model=%s: cannot load the tokenizer in %s", self._modelname, error)
+                continue
+            self.directory = directory
+            self._adopt(local)
+            log.info("model=%s: tokenizer loaded from %s (its engines' model directory)",
+                     self._modelname, directory)  # fmt: skip
+            self.publish()
+            return True
+        return False
+
+    def health(self) -> dict[str, Any]:
+        """Where this model's prompts' ids come from, for ``/health``; with the setting to
+        change when every prompt costs an engine's round trip."""
+        answer: dict[str, Any] = {
+            "directory": None if self.directory is None else str(self.directory),
+            "local": sorted(e.value for e in self.trusted) if self.local is not None else [],
+        }
+        if self.local is None:
+            answer["note"] = f"every prompt is tokenized by an engine; {TOKENIZER_HINT}"
+        return answer
+
+    def announce(self) -> None:
+        """At start: a model without a tokenizer of its own costs a round trip per prompt."""
+        if self.local is None:
+            log.warning(
+                "model=%s: no tokenizer files found, so every prompt is tokenized by an "
+                "engine's /tokenize (a round trip per request) until the engines name a "
+                "model directory this host can read; %s",
+                self._modelname, TOKENIZER_HINT,
+            )  # fmt: skip
+        self.publish()
 
     def publish(self) -> None:
         """``router_local_tokenizer_active``: which endpoints the router tokenizes itself."""
         for endpoint in Endpoint:
             active = self.local is not None and endpoint in self.trusted
-            self._metrics.local_tokenizer.labels(endpoint.value).set(int(active))
+            self._metrics.local_tokenizer.labels(endpoint.value, self._modelname).set(active)
 
     # -- a request's prompt --------------------------------------------------------------
     async def tokenize(self, request: ClientRequest) -> Tokenized:
@@ -190,7 +253,9 @@ class PromptTokenizer:
         """vLLM's ``/tokenize`` answer from the local tokenizer; None when it cannot give
         the engines' answer (not trusted on this endpoint, a request it leaves to them, the
         model's ``max_model_len`` unknown)."""
-        max_model_len = self._pool.max_model_len(request.model or self._modelname)
+        max_model_len = self._pool.max_model_len(
+            request.model or self._modelname
+        ) or self._pool.max_model_len(self._modelname)  # an adapter's card may not say
         want_strs = request.body.get("return_token_strs")
         if (
             self.local is None
@@ -258,8 +323,9 @@ class PromptTokenizer:
             return None
 
     def _in_turn(self) -> list[Upstream]:
-        """The healthy prefill instances, starting at the next one in turn."""
-        healthy = [u for u in self._pool.prefill.values() if u.healthy]
+        """The model's prefill instances in rotation, starting at the next one in turn."""
+        base = self._modelname
+        healthy = [u for u in self._pool.prefill.values() if u.healthy and u.model == base]
         if not healthy:
             return []
         start = next(self._turn) % len(healthy)

@@ -2,7 +2,7 @@
 together.
 
 - ``learn_models``: what each upstream serves (``/v1/models``), at once and again for every
-  healthy upstream whose list is unknown; one that does not serve the configured model is
+  healthy upstream whose list is unknown; one that does not serve its configured model is
   a warning.
 - ``probe_unhealthy``: each upstream out of rotation, until its ``/health`` answers 200.
 - ``refresh_engine_load``: each engine's ``/metrics``: its own running and waiting requests
@@ -12,7 +12,8 @@ together.
 - ``report_dead_upstreams``: the instances out of rotation, told to the index.
 - ``watch_stores``: each Mooncake store's state as the index knows it (while one is down
   its loads are not priced).
-- ``verify_tokenizer``: an engine's ``/tokenize`` against the router's own tokenizer.
+- ``tokenizers``: each model's own tokenizer: loaded from the model directory its engines
+  name when none was found at start, then checked against an engine's ``/tokenize``.
 
 Each is supervised: a failure is logged with its traceback, counted
 (``router_task_failures_total``) and the task restarted with backoff; ``/health`` shows
@@ -38,8 +39,8 @@ from .config import RouterConfig
 from .engine_metrics import IN_FLIGHT, Sample, engine_in_flight, parse_metrics
 from .index_client import ConductorUnavailable, IndexClient
 from .metrics import RouterMetrics
+from .models import ServedModel
 from .pool import CostLearner, InstancePool, Upstream
-from .prompt_ids import PromptTokenizer
 from .rotation import Rotation
 from .sessions import UpstreamSessions
 from .store_loads import STORE_METRICS, loads_in
@@ -60,8 +61,7 @@ class Upkeep:
         pool: InstancePool,
         rotation: Rotation,
         sessions: UpstreamSessions,
-        tokenizer: PromptTokenizer,
-        learner: CostLearner | None,
+        models: dict[str, ServedModel],
         metrics: RouterMetrics,
     ) -> None:
         self._config = config
@@ -70,8 +70,7 @@ class Upkeep:
         self._pool = pool
         self._rotation = rotation
         self._sessions = sessions
-        self._tokenizer = tokenizer
-        self._learner = learner
+        self._models = models
         self._metrics = metrics
         self.tasks: dict[str, SupervisedTask] = {}
         # each configured store's state as the index last reported it
@@ -88,11 +87,10 @@ class Upkeep:
             "refresh_engine_load": self._refresh_engine_load,
             "keep_registered": self._keep_registered,
             "report_dead_upstreams": self._report_dead_upstreams,
+            "tokenizers": self._settle_tokenizers,
         }
         if self.store_states:  # no store, nothing to watch
             background["watch_stores"] = self._watch_stores
-        if self._tokenizer.verifies:
-            background["verify_tokenizer"] = self._verify_tokenizer
         for name, factory in background.items():
             self.tasks[name] = SupervisedTask(name, factory, self._metrics.task_failures)
             self.tasks[name].start()
@@ -129,16 +127,15 @@ class Upkeep:
                 upstream.models = served_models(await response.json(content_type=None))
         except (aiohttp.ClientError, TimeoutError, ValueError):
             return
-        configured = self._config.prefill.config.modelname
         names = upstream.model_names()
-        if configured not in names:
+        if upstream.model not in names:
             log.warning(
                 "upstream instance=%s url=%s serves %s, not the configured modelname %r "
                 "(registered with the conductor): requests for it cannot be served there",
                 upstream.instance_id,
                 upstream.url,
                 names,
-                configured,
+                upstream.model,
             )
 
     async def _probe_unhealthy(self) -> None:
@@ -185,11 +182,12 @@ class Upkeep:
         upstream.engine_in_flight, rejected = engine_in_flight(samples)
         self._metrics.rejected("metrics_line", skipped)
         self._metrics.rejected("metrics_value", rejected)
-        if upstream.kv_store and self._learner is not None:
-            self._learn_store_loads(self._learner, upstream, samples)
+        served = self._models.get(upstream.model)
+        if upstream.kv_store and served is not None and served.learner is not None:
+            self._learn_store_loads(served.name, served.learner, upstream, samples)
 
     def _learn_store_loads(
-        self, learner: CostLearner, upstream: Upstream, samples: list[Sample]
+        self, model: str, learner: CostLearner, upstream: Upstream, samples: list[Sample]
     ) -> None:
         loads = loads_in(samples)
         if loads is None:
@@ -198,11 +196,17 @@ class Upkeep:
         upstream.store_loads = loads
         if delta is not None:
             learner.observe_store_loads(delta)
-            self._metrics.publish_cost_model(learner.model)
+            self._metrics.publish_cost_model(model, learner.model)
 
-    async def _verify_tokenizer(self) -> None:
-        """Until an engine's word settled each endpoint of the router's own tokenizer."""
-        while not await self._tokenizer.verify():
+    async def _settle_tokenizers(self) -> None:
+        """Each model's own tokenizer: found (in the directory its engines name) and
+        checked against an engine's word on each endpoint. Models whose tokenizer is settled
+        are not looked at again; those without one are, as their engines come and go."""
+        unsettled = dict(self._models)
+        while unsettled:
+            for name, model in list(unsettled.items()):
+                if await model.tokenizer.find_local() and await model.tokenizer.verify():
+                    del unsettled[name]
             await asyncio.sleep(MODELS_RETRY_S)
 
     # -- the index -------------------------------------------------------------------------
@@ -214,7 +218,7 @@ class Upkeep:
         interval = self._config.conductor.reregister_interval_seconds
         retry = REGISTER_RETRY_S
         while True:
-            if await self._index.register(self._config.prefill.instances):
+            if await self._index.register(self._config.served_models()):
                 retry, wait = REGISTER_RETRY_S, interval
             else:
                 retry, wait = min(retry * 2, interval), min(retry, interval)
@@ -226,21 +230,27 @@ class Upkeep:
         re-sent every interval while it stays out, and ``/instance_up`` once it is back
         (were that lost, the mark expires)."""
         interval = self._timeouts.probe_interval_seconds
-        registered = [i.instance_id for i in self._config.prefill.instances if i.registrations]
+        registered = {
+            i.instance_id: model.tenant_id
+            for model in self._config.served_models()
+            for i in model.instances
+            if i.registrations
+        }
         sent: dict[str, float] = {}  # instance → when its down mark was last sent
         changed = self._rotation.changed
         while True:
             changed.clear()
-            for instance_id in registered:
+            for instance_id, tenant in registered.items():
                 upstream = self._pool.prefill[instance_id]
                 now = time.monotonic()
                 if not upstream.healthy and now - sent.get(instance_id, -interval) >= interval:
                     sent[instance_id] = now
                     await self._index.report_instance(
-                        instance_id, True, DOWN_TTL_PROBES * interval, "router: out of rotation"
-                    )
+                        instance_id, tenant, True, DOWN_TTL_PROBES * interval,
+                        "router: out of rotation",
+                    )  # fmt: skip
                 elif upstream.healthy and sent.pop(instance_id, None) is not None:
-                    await self._index.report_instance(instance_id, False, 0.0, "")
+                    await self._index.report_instance(instance_id, tenant, False, 0.0, "")
             with contextlib.suppress(TimeoutError):
                 async with asyncio.timeout(interval):
                     await changed.wait()

@@ -25,6 +25,7 @@ result against an engine's ``/tokenize`` before trusting it (``router.prompt_ids
 from __future__ import annotations
 
 import json
+import os
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from datetime import datetime
@@ -65,6 +66,28 @@ ENGINE_COMPLETION_FIELDS = ("truncate_prompt_tokens", "prompt_embeds", "suffix")
 PROCESSOR_FILES = ("chat_template.json", "processor_config.json", "preprocessor_config.json")
 BILLING_HEADER = "x-anthropic-billing-header"  # vLLM strips this line from system messages
 CONTINUE_TAG = "CONTINUE_FINAL_MESSAGE_TAG "  # transformers' marker for continue_final_message
+
+
+def hub_cache_directory(model: str, environ: Mapping[str, str] | None = None) -> Path | None:
+    """``model``'s snapshot in the local Hugging Face hub cache (where vLLM and transformers
+    download it: ``$HF_HUB_CACHE``, else ``$HF_HOME/hub``, else ~/.cache/huggingface/hub)
+    when it holds a tokenizer.json: the revision ``refs/main`` names, else any."""
+    env = os.environ if environ is None else environ
+    if model.count("/") > 1 or not model.strip("/"):
+        return None
+    hub = env.get("HF_HUB_CACHE") or str(
+        Path(env.get("HF_HOME") or Path.home() / ".cache/huggingface") / "hub"
+    )
+    repo = Path(hub).expanduser() / ("models--" + model.replace("/", "--"))
+    ref = repo / "refs" / "main"
+    revisions = [ref.read_text().strip()] if ref.is_file() else []
+    snapshots = repo / "snapshots"
+    if snapshots.is_dir():
+        revisions += sorted(p.name for p in snapshots.iterdir())
+    for revision in revisions:
+        if (snapshots / revision / "tokenizer.json").is_file():
+            return snapshots / revision
+    return None
 
 
 class TokenizerUnavailable(ValueError):

@@ -27,7 +27,7 @@ from conductor.api import (
 from conductor.dialect import TIERS_HEADER
 from conductor.hash_profile import HashProfile, root_digest
 from router.conductor_client import registration_bodies
-from router.config import PrefillInstance, PrefillModelConfig, StreamRegistration
+from router.config import ModelSection, PrefillInstance, StreamRegistration
 from tests.support.api import eventually, get, post
 from tests.support.processes import ConductorProcess
 from tests.support.wire_publisher import WirePublisher, stored
@@ -261,14 +261,14 @@ async def test_our_extension_fields_and_the_routers_bodies_stay_accepted(conduct
     """Upstream refuses any field it does not know; ours (``kv_store``, ``additionalsalt``,
     the Go ``lora_id`` of a query) are accepted in msgpack too, and so is every body our
     router sends (without a hash profile: upstream requires one, we do not)."""
-    model = PrefillModelConfig(modelname="m", block_size=4)
     instance = PrefillInstance(
         instance_id="routed",
         http_endpoint="http://127.0.0.1:1",
         registrations=[StreamRegistration(endpoint="tcp://127.0.0.1:5605")],
         kv_store="127.0.0.1:50051",
     )
-    for body in registration_bodies(model, [instance]):
+    model = ModelSection(modelname="m", block_size=4, instances=[instance])
+    for body in registration_bodies(model):
         assert (await mp_post(http, f"{conductor.url}/register", body))[0] == 200
     extended = upstream_registration(
         "tcp://127.0.0.1:5606", "salted", modelname="m2", additionalsalt="s", kv_store=""

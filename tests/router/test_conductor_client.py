@@ -19,7 +19,8 @@ from aiohttp.test_utils import TestServer
 from conductor.hashing import token_bytes
 from router import conductor_client
 from router.conductor_client import ConductorClient, ConductorUnavailable
-from router.config import ConductorSection, PrefillModelConfig
+from router.config import ConductorSection
+from router.index_client import IndexContext
 from router.notices import Notices
 
 ANSWER = {"default": {"e0": {"GPU": 32, "CPU": 32, "DISK": 32}}}
@@ -57,10 +58,12 @@ async def slow() -> AsyncIterator[tuple[SlowConductor, str]]:
     await server.close()
 
 
+CONTEXT = IndexContext("default", "m", "", 16)
+
+
 def client(session: aiohttp.ClientSession, url: str) -> ConductorClient:
     section = ConductorSection(address=url, query_timeout_seconds=0.1)
-    model = PrefillModelConfig(modelname="m", block_size=16)
-    return ConductorClient(session, section, model, Notices(logging.getLogger("test")))
+    return ConductorClient(session, section, Notices(logging.getLogger("test")))
 
 
 async def test_a_late_answer_keeps_its_connection_for_the_next_query(slow):
@@ -69,10 +72,10 @@ async def test_a_late_answer_keeps_its_connection_for_the_next_query(slow):
         queries = client(session, url)
         conductor.delay_s = 0.3
         with pytest.raises(ConductorUnavailable):
-            await queries.query(token_bytes(list(range(64))))
+            await queries.query(token_bytes(list(range(64))), CONTEXT)
         await asyncio.sleep(0.4)  # the late answer arrives and is read
         conductor.delay_s = 0.0
-        assert await queries.query(token_bytes(list(range(64)))) == {"e0": (32, 32, 32)}
+        assert await queries.query(token_bytes(list(range(64))), CONTEXT) == {"e0": (32, 32, 32)}
     assert len(conductor.connections) == 1
 
 
@@ -84,7 +87,7 @@ async def test_late_calls_are_bounded(slow, monkeypatch):
         queries = client(session, url)
         for _ in range(4):
             with pytest.raises(ConductorUnavailable):
-                await queries.query(token_bytes(list(range(64))))
+                await queries.query(token_bytes(list(range(64))), CONTEXT)
         await asyncio.sleep(0)
         assert len(queries._late) == 2  # the later ones were cut
 
@@ -98,15 +101,15 @@ async def test_progress_is_asked_in_turns_and_odd_answers_are_ignored(slow, monk
     prompt = token_bytes(list(range(64)))
     async with aiohttp.ClientSession() as session:
         queries = client(session, url)
-        await queries.query(prompt)  # nothing in flight: no header
+        await queries.query(prompt, CONTEXT)  # nothing in flight: no header
         for _ in range(3):
-            await queries.query(prompt, progress_of=["a", "b", "c"])
+            await queries.query(prompt, CONTEXT, progress_of=["a", "b", "c"])
         assert conductor.progress_asked == [["a", "b"], ["c", "a"], ["b", "c"]]
         assert set(conductor.hits_only) == {"1"}  # the router needs the hits alone
         conductor.indexed_until = '{"a": 12.5, "b": null, "c": "soon", "d": true, "e": 3}'
-        await queries.query(prompt, progress_of=["a"])
+        await queries.query(prompt, CONTEXT, progress_of=["a"])
         assert [queries.indexed_until(i) for i in "abcde"] == [12.5, None, None, None, 3.0]
         for odd in ("not json", "[1, 2]", '{"a": [1]}'):
             conductor.indexed_until = odd
-            await queries.query(prompt, progress_of=["a"])
+            await queries.query(prompt, CONTEXT, progress_of=["a"])
             assert queries.indexed_until("a") == 12.5

@@ -21,9 +21,13 @@ from aiohttp import web
 from aiohttp.test_utils import TestServer
 from multidict import CIMultiDict
 
+from conductor.hashing import token_bytes
 from publishers.local import LocalService
+from router.index_client import PromptBlocks
 from router.pending import GRACE_S
+from router.prompt_ids import TOKENIZER_HINT
 from tests.router.inprocess import ServedRouter, layout
+from tests.support import api
 from tests.support.api import eventually, matched
 from tests.support.processes import ConductorProcess, EngineSim, RouterProcess, free_port
 
@@ -162,11 +166,7 @@ async def indexed_everywhere(http: aiohttp.ClientSession, fleet: Fleet, names: l
 async def metric(
     http: aiohttp.ClientSession, service: LocalService | ServedRouter, name: str
 ) -> float:
-    """Sum of every sample of a Prometheus metric (0 when absent)."""
-    async with http.get(f"{service.url}/metrics") as response:
-        text = await response.text()
-    pattern = re.compile(rf"^{re.escape(name)}(?:{{[^}}]*}})? (\S+)$", re.MULTILINE)
-    return sum(float(value) for value in pattern.findall(text))
+    return await api.metric(http, service.url, name)
 
 
 async def cache_metrics(http: aiohttp.ClientSession, router: AnyRouter, instance: str):
@@ -299,7 +299,8 @@ async def test_a_finished_prompt_counts_as_in_flight_until_the_index_has_it(
         request = {"model": MODEL, "prompt": prompt}
         async with http.post(f"{fleet.engines['a'].url}/tokenize", json=request) as response:
             ids = (await response.json())["tokens"]
-        return pending.match(router.lookup.blocks(ids, "").hashes)
+        context = router.catalog.default.context("")
+        return pending.match(PromptBlocks(token_bytes(ids), context, "").hashes)
 
     async def after_another_request() -> dict[str, int]:
         assert (await complete(http, served, "Another, unrelated " * 20))[0] == 200
@@ -568,7 +569,6 @@ BAD_REQUESTS = [
     (b"null", 400, "JSON object"),
     (json.dumps({"model": "other", "prompt": "x"}).encode(), 404, "does not exist"),
     (json.dumps({"model": MODEL, "prompt": "x", "stream": "yes"}).encode(), 400, "stream"),
-    (json.dumps({"prompt": "x"}).encode(), 400, "model"),
     (json.dumps({"model": MODEL, "prompt": ""}).encode(), 400, "cannot be empty"),
     (json.dumps({"model": MODEL, "prompt": [2**40, 1, 2]}).encode(), 400, "out of vocabulary"),
     (json.dumps({"model": MODEL, "prompt": "x", "cache_salt": 5}).encode(), 400, "cache_salt"),
@@ -624,6 +624,19 @@ async def test_models_health_and_metrics(fleet, serve, http):
         "prefill_instances": ["a"],
         "decode_instances": [],
         "policy": "ttft",
+        "models": {
+            MODEL: {
+                "prefill_instances": ["a"],
+                "adapters": [],
+                "policy": "ttft",
+                "default": True,
+                "tokenizer": {
+                    "directory": None,
+                    "local": [],
+                    "note": "every prompt is tokenized by an engine; " + TOKENIZER_HINT,
+                },
+            }
+        },
     }
     assert conductors == {fleet.conductor.url: "up"}
     assert {task["state"] for task in tasks.values()} == {"running"}

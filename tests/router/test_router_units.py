@@ -31,8 +31,9 @@ def parse(argv: list[str]) -> argparse.Namespace:
 
 def test_example_config_loads():
     config = router_config.load(parse(["--config", str(REPO / "config" / "router.json")]))
+    assert config.prefill is not None
     assert [i.instance_id for i in config.prefill.instances] == ["engine-0", "engine-1"]
-    params = config.routing_params()
+    params = config.served_models()[0].routing_params()
     assert params.policy == "ttft" and params.ttft_slo_s == 30.0
     assert params.balance_threshold is None and params.block_size == 16
     assert config.kv_stores() == {}  # no store: balancing is off whatever the default
@@ -307,10 +308,13 @@ def test_balancing_without_a_store_is_rejected_naming_kv_store(tmp_path):
         store_config(tmp_path, {"balance_threshold": 2})
     assert store_config(tmp_path, {"balance_threshold": "inf"}).kv_stores() == {}  # off is fine
     config = store_config(tmp_path, {"balance_threshold": 2}, kv_store="127.0.0.1:50051")
-    assert config.routing_params().balance_threshold == 2
+    assert config.served_models()[0].routing_params().balance_threshold == 2
     assert config.kv_stores() == {"a": "127.0.0.1:50051"}
     assert (
-        store_config(tmp_path, {}, kv_store="127.0.0.1:50051").routing_params().balance_threshold
+        store_config(tmp_path, {}, kv_store="127.0.0.1:50051")
+        .served_models()[0]
+        .routing_params()
+        .balance_threshold
         is None
     )
     with pytest.raises(router_config.ConfigError, match="kv_store"):
@@ -390,8 +394,9 @@ def test_a_longer_prefix_left_elsewhere_is_counted_as_forgone(policy, forgone):
     config = layout(["http://127.0.0.1:9", "http://127.0.0.1:10"], routing={"policy": policy})
     router = Router(router_config.RouterConfig.model_validate(config))
     hits = {"e0": (32, 64, 64), "e1": (0, 0, 0)}
-    candidates = router.decider.candidates(hits, set())
-    chosen = [router.decider.decide(100, candidates, None).instance_id for _ in range(3)]
+    decider = router.catalog.default.decider
+    candidates = decider.candidates(hits, set())
+    chosen = [decider.decide(100, candidates, None).instance_id for _ in range(3)]
     assert chosen == (["e0"] * 3 if policy == "max_prefix" else ["e0", "e1", "e0"])
     # round robin takes e0's GPU hit alone (32 of its 64), and e1's nothing
     registry = router.metrics.registry

@@ -271,7 +271,7 @@ async def test_a_completion_goes_on_as_the_routers_ids(serve, engine, model_dir,
 async def test_an_engine_that_disagrees_keeps_tokenizing(serve, engine, model_dir, http, caplog):
     engine.disagree = True
     router, url = await serve(layout([engine.url], tokenizer={"path": str(model_dir)}))
-    await eventually(lambda: asyncio.sleep(0, router.upkeep.tasks["verify_tokenizer"].state),
+    await eventually(lambda: asyncio.sleep(0, router.upkeep.tasks["tokenizers"].state),
                      lambda state: state != "running")  # fmt: skip
     assert await _route(http, url, "/v1/completions", {"prompt": "Hello, world!"}) == "engine"
     assert "disagrees with instance=e0" in caplog.text
@@ -302,7 +302,7 @@ async def test_a_conversation_reuses_its_earlier_turns_ids(serve, engine, model_
 async def test_chunk_cache_tokens_zero_keeps_no_chunks(serve, engine, model_dir, http):
     tokenizer = {"path": str(model_dir), "verify": False, "chunk_cache_tokens": 0}
     router, url = await serve(layout([engine.url], tokenizer=tokenizer))
-    local = router.tokenizer.local
+    local = router.catalog.default.tokenizer.local
     encoder = local.encoder if local is not None else None
     assert encoder is not None and not encoder.chunking and encoder.fast is not None
     assert await _route(http, url, "/v1/completions", {"prompt": "x " * 5000}) == "local"

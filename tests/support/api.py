@@ -92,8 +92,15 @@ async def matched(
 
 
 async def metric(http: aiohttp.ClientSession, base: str, name: str) -> float:
-    """Sum of every sample of a Prometheus metric (0 when absent)."""
+    """Sum of every sample of a Prometheus metric (0 when absent). ``name`` may name some
+    of its labels (``m{a="x"}``): the samples that have those, whatever their others."""
     async with http.get(f"{base}/metrics") as response:
         text = await response.text()
-    pattern = re.compile(rf"^{re.escape(name)}(?:{{[^}}]*}})? (\S+)$", re.MULTILINE)
-    return sum(float(value) for value in pattern.findall(text))
+    family, _, wanted = name.partition("{")
+    labels = set(re.findall(r'\w+="[^"]*"', wanted))
+    pattern = re.compile(rf"^{re.escape(family)}(?:{{([^}}]*)}})? (\S+)$", re.MULTILINE)
+    return sum(
+        float(value)
+        for found, value in pattern.findall(text)
+        if labels <= set(re.findall(r'\w+="[^"]*"', found))
+    )
