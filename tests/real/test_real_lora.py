@@ -19,12 +19,14 @@ from tests.real.checks import (
     assert_hits_match_engine,
     complete_tokens,
     conductor_hit,
+    indexed,
+    served,
     sharing_prompts,
     tokenizer,
 )
 from tests.real.conftest import RealEngine
 from tests.support.api import get, post
-from tests.support.processes import ConductorProcess
+from tests.support.processes import ConductorProcess, RouterProcess
 
 pytestmark = pytest.mark.needs("vllm")
 
@@ -32,15 +34,20 @@ BLOCK = 32
 INSTANCE = "lora"
 
 
+def lora_engine(run_dir: Path, model_dir: Path, name: str) -> RealEngine:
+    """A vLLM engine serving the tiny model and its adapter, started."""
+    adapter = lora_adapter_dir(model_dir)
+    lora_args = ["--enable-lora", "--lora-modules", f"{LORA_NAME}={adapter}"]
+    args = [*lora_args, "--max-lora-rank", str(LORA_RANK)]
+    engine = RealEngine(run_dir, model_dir, BLOCK, name, args=args)
+    engine.start()
+    return engine
+
+
 @pytest.fixture(scope="module")
 def stack(tmp_path_factory: pytest.TempPathFactory, model_dir: Path):
     run_dir = tmp_path_factory.mktemp("lora")
-    adapter = lora_adapter_dir(model_dir)
-    lora_args = ["--enable-lora", "--lora-modules", f"{LORA_NAME}={adapter}"]
-    engine = RealEngine(
-        run_dir, model_dir, BLOCK, INSTANCE, args=[*lora_args, "--max-lora-rank", str(LORA_RANK)]
-    )
-    engine.start()
+    engine = lora_engine(run_dir, model_dir, INSTANCE)
     # the engine publishes on a unix socket in run_dir: allowed next to loopback
     conductor = ConductorProcess(
         run_dir, config={"register_allow": [f"ipc://{run_dir}/", "127.0.0.1"]}
@@ -111,6 +118,81 @@ async def test_the_adapters_context_equals_vllms_hits_and_the_base_model_shares_
         http, conductor, engine, INSTANCE, [prompts[0], *base_only], BLOCK, kind="vllm"
     )
     assert base_hits > 200  # the second base-only prompt shares its document with the first
-    assert await complete_tokens(http, engine, base_only[0], lora=LORA_NAME) == 0
-    hit = await conductor_hit(http, conductor, INSTANCE, base_only[1], BLOCK, lora=LORA_NAME)
+    hit = await conductor_hit(http, conductor, INSTANCE, base_only[0], BLOCK, lora=LORA_NAME)
     assert hit["GPU"] == 0
+    assert await complete_tokens(http, engine, base_only[0], lora=LORA_NAME) == 0
+
+
+# -- the router in front of two engines --------------------------------------------------------
+# ONE-MODEL LAYOUT: written against the router's ``prefill`` section with
+# ``config.lora_name`` (upstream's one-adapter proxy: every request, whatever its ``model``,
+# is indexed under that adapter, and the streams are registered for it). Once the
+# multi-model router lands, its ``models[].adapters`` routes the base model and its adapters
+# side by side, with the streams registered for the base model; this test moves there.
+@pytest.fixture
+async def routed_pair(
+    stack, registered, tmp_path_factory: pytest.TempPathFactory, model_dir: Path, http
+):
+    """The module's engine and a second one, both serving the adapter, behind a router
+    (with a conductor of its own) whose one model is indexed under the adapter. Two
+    engines at once, the most the real suite runs."""
+    first, _ = stack
+    run_dir = tmp_path_factory.mktemp("pair")  # short: vLLM's unix sockets live under it
+    second = lora_engine(run_dir, model_dir, f"{INSTANCE}-b")
+    engines = (first, second)
+    allow = [*(engine.plan.events_endpoint for engine in engines), "127.0.0.1"]
+    conductor = ConductorProcess(run_dir, config={"register_allow": allow})
+    router = None
+    try:
+        conductor.wait_ready()
+        await second.wait_healthy(http)
+        config = {
+            "conductor": {"address": conductor.url},
+            "prefill": {
+                "config": {"modelname": MODEL, "block_size": BLOCK, "lora_name": LORA_NAME},
+                "instances": [instance_entry(engine) for engine in engines],
+            },
+        }
+        router = RouterProcess(run_dir, config)
+        router.wait_ready()
+        yield router.url, conductor.url, {engine.name: engine.url for engine in engines}
+    finally:
+        if router is not None:
+            router.stop()
+        second.stop()
+        conductor.stop()
+
+
+def instance_entry(engine: RealEngine) -> dict[str, Any]:
+    registration = {
+        "endpoint": engine.plan.events_endpoint,
+        "replay_endpoint": engine.plan.replay_endpoint,
+    }
+    return {
+        "instance_id": engine.name,
+        "http_endpoint": engine.url,
+        "registrations": [registration],
+    }
+
+
+async def test_the_router_sends_a_repeated_adapter_prompt_to_the_engine_holding_it(
+    routed_pair, http, model_dir
+):
+    """An adapter prompt computed on the second engine: a follow-up sharing its document,
+    sent through the router, goes there, and the router's cached tokens equal vLLM's."""
+    router, conductor, engines = routed_pair
+    holder = f"{INSTANCE}-b"
+    # seed 31: both prompts ask about one document (no other test sends its prompts)
+    first, follow_up = sharing_prompts(tokenizer(model_dir), 2, seed=31)
+    await complete_tokens(http, engines[holder], first, lora=LORA_NAME)
+    await indexed(http, conductor, holder, first, BLOCK, lora=LORA_NAME)
+    body = {"model": LORA_NAME, "prompt": follow_up, "max_tokens": 1}
+    holders = {holder}
+    for _ in range(3):  # two real engines share the CPU: a query may miss its timeout
+        headers, cached = await served(http, router, "/v1/completions", body)
+        if "x-conductor-fallback" not in headers:
+            break
+        holders.add(headers["x-conductor-prefill-instance"])  # it computed the prompt too
+    decision = {k: v for k, v in headers.items() if k.lower().startswith("x-conductor-")}
+    assert headers["x-conductor-prefill-instance"] in holders, decision
+    assert int(headers["x-conductor-cached-tokens"]) == cached > 200
