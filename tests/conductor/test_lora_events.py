@@ -13,6 +13,7 @@ reported for the same requests."""
 
 from __future__ import annotations
 
+import hashlib
 import json
 from pathlib import Path
 from typing import Any
@@ -20,6 +21,7 @@ from typing import Any
 import aiohttp
 import pytest
 
+from conductor.vllm_hash import block_keys, low64_be, none_hash, pickled
 from tests.conductor.test_cpp_dialect import mp_post, tokens
 from tests.support.api import eventually, matched, register_and_connect
 from tests.support.wire_publisher import WirePublisher, removed
@@ -94,6 +96,25 @@ def test_the_fixture_says_what_vllm_does_with_an_adapter() -> None:
     assert {(e["lora_name"], e["lora_id"]) for e in base_events} == {(None, None)}
     assert not set(stored_hashes(ADAPTER_FIRST)) & set(stored_hashes(BASE_FIRST))
     assert cached(ADAPTER_REPEAT) == cached(BASE_REPEAT) == 96 and cached(BASE_FIRST) == 0
+
+
+def test_an_adapters_hashes_chain_its_name_and_path() -> None:
+    """vLLM 0.31+ hashes ``("lora", name, path)`` into every adapter block: the fixture's
+    hashes are that chain (sha256 over pickle, PYTHONHASHSEED "0"). The name alone, which is
+    all a query carries (upstream's untagged key, what a profiled context hashes a query
+    with), gives other hashes: an adapter's blocks in a profiled context answer no query."""
+    algorithm, seed = FIXTURE["hash_algorithm"], FIXTURE["python_hash_seed"]
+    extras = (("lora", ADAPTER, FIXTURE["lora"]["path"]),)
+    parent, chained = none_hash(algorithm, seed), []
+    for start in range(0, len(EXTENDED) // BLOCK_SIZE * BLOCK_SIZE, BLOCK_SIZE):
+        block = tuple(EXTENDED[start : start + BLOCK_SIZE])
+        parent = hashlib.sha256(pickled((parent, block, extras))).digest()
+        chained.append(low64_be(parent))
+    assert chained == stored_hashes(ADAPTER_FIRST) + stored_hashes(ADAPTER_EXTENDED)
+    by_name = block_keys(algorithm, seed, EXTENDED, BLOCK_SIZE, ADAPTER)
+    assert not set(by_name) & set(chained)
+    base = block_keys(algorithm, seed, PROMPT, BLOCK_SIZE)
+    assert list(base) == stored_hashes(BASE_FIRST)
 
 
 async def test_adapter_and_base_blocks_stay_in_their_own_contexts(
