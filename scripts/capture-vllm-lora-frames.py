@@ -7,7 +7,8 @@ for it (``fleet/plan.py``: block size 32, PYTHONHASHSEED=0, ZMQ KV events) plus
 the tiny model and its adapter (``fleet/tiny_model.py``). It subscribes before vLLM
 starts and sends token-id prompts one at a time (max_tokens 1, temperature 0): a prompt
 on the adapter, its repeat, its extension by a block and a half, the same prompt on the
-base model and its repeat, then the prompt on the adapter with a cache salt. It writes ``tests/fixtures/vllm_lora_frames.json``:
+base model and its repeat, then the prompt on the adapter with a cache salt. It writes
+``tests/fixtures/vllm_lora_frames.json``:
 
 - ``vllm_version`` and ``flags`` (the model directory written ``MODEL_DIR``, the work
   directory vLLM runs in ``WORK_DIR``);
@@ -23,9 +24,10 @@ base model and its repeat, then the prompt on the adapter with a cache salt. It 
 - ``models``: ``/v1/models``'s ``data``, each model's ``id``, ``root`` and ``parent``;
 - ``started``: the frames published before the first request (none so far);
 - ``steps``: for each request, ``model`` (the base model's or the adapter's name),
-  ``prompt`` (the token ids sent), ``cache_salt`` if it had one, ``usage`` (vLLM's answer's) and ``frames``: every
-  KV-event message published for it, as ``{"topic": str, "seq": int, "payload": hex of the
-  msgpack payload, "decoded": the payload decoded}``, in arrival order.
+  ``prompt`` (the token ids sent), ``cache_salt`` if it had one, ``usage`` (vLLM's
+  answer's) and ``frames``: every KV-event message published for it, as ``{"topic": str,
+  "seq": int, "payload": hex of the msgpack payload, "decoded": the payload decoded}``, in
+  arrival order.
 
 Run it with the project's venv (it imports ``fleet``); vLLM runs in its own:
 
