@@ -191,14 +191,13 @@ class Fleet:
 
 
 def model_directory(spec: fleet_spec.FleetSpec) -> Path | None:
-    """The directory real engines load (and simulators and the router tokenize with); the
-    tiny model is written there on first use. Says which, and when it writes."""
-    if not spec.needs_model:
+    """The tiny model's directory, written on first use, when a model without a ``path`` has
+    its directory read (by real engines, or simulators and the router tokenizing with it).
+    Says which directories are read, and when it writes."""
+    for path in spec.model_paths():
+        print(f"model: {path}", flush=True)
+    if not spec.needs_tiny_model:
         return None
-    if spec.model.path is not None:
-        directory = spec.model.path.expanduser()
-        print(f"model: {directory}", flush=True)
-        return directory
     directory = Path(fleet_spec.DEFAULT_TINY_MODEL_DIR).expanduser()
     if directory.exists():
         print(f"model: {directory} (the tiny model, written by an earlier run)", flush=True)

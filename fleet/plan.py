@@ -8,6 +8,11 @@ endpoint it is given (``"bind": true``), so its events get a loopback TCP port. 
 sockets are ROUTERs, which bind any endpoint, so they get a loopback TCP port too. A fleet
 with a ``kv_store`` also starts a Mooncake store (``fleet/store_services.py``) and points every vLLM
 or simulated engine at it.
+
+Each engine serves its model under the model's name, with the model's block size and LoRA
+adapters (vLLM's ``--enable-lora --lora-modules NAME=PATH``, which the simulator takes too).
+The router's config lists each model with its engines (``models``); a fleet file of the
+one-model form (``model``) gets the upstream layout instead (``prefill``).
 """
 
 from __future__ import annotations
@@ -22,7 +27,7 @@ from typing import Any
 from publishers.local import free_port
 
 from .service import ServicePlan
-from .spec import REAL_KINDS, EngineSpec, FleetSpec
+from .spec import DEFAULT_TINY_MODEL_DIR, REAL_KINDS, EngineSpec, FleetModel, FleetSpec
 from .store_services import StorePlan, plan_store
 from .tiny_model import write_json
 
@@ -86,10 +91,38 @@ def _kv_events_config(endpoint: str, replay: str, **engine_keys: bool) -> str:
     )
 
 
+def model_directory(model: FleetModel, tiny_model_dir: Path | None) -> Path:
+    """The directory the model's engines load: its ``path``, else the tiny model's (where
+    ``mooncake-fleet`` writes it, unless the caller names another)."""
+    return (model.path or tiny_model_dir or Path(DEFAULT_TINY_MODEL_DIR)).expanduser()
+
+
+def _lora_args(model: FleetModel, directory: Path) -> list[str]:
+    """vLLM's flags serving the model's adapters (the simulator takes the same)."""
+    if not model.adapters:
+        return []
+    modules = [
+        f"{name}={directory / Path(path).expanduser()}" for name, path in model.adapters.items()
+    ]
+    return [
+        "--enable-lora",
+        "--lora-modules",
+        *modules,
+        "--max-lora-rank",
+        str(model.max_lora_rank),
+    ]
+
+
 def _sglang_command(
-    spec: FleetSpec, model_dir: Path, port: int, events: str, replay: str, tmp_dir: Path
+    spec: FleetSpec,
+    model: FleetModel,
+    model_dir: Path,
+    port: int,
+    events: str,
+    replay: str,
+    tmp_dir: Path,
 ) -> tuple[list[str], dict[str, str | None]]:
-    """SGLang's server on the CPU: page size = the fleet's block size, cache report on,
+    """SGLang's server on the CPU: page size = the model's block size, cache report on,
     its KV events bound on loopback (SGLang's publisher binds when told to, on any address)."""
     argv = [
         str(spec.sglang_interpreter()),
@@ -98,14 +131,14 @@ def _sglang_command(
         "--model-path",
         str(model_dir),
         "--served-model-name",
-        spec.model.name,
+        model.name,
         "--device",
         "cpu",
         "--attention-backend",
         "torch_native",
         "--disable-cuda-graph",
         "--page-size",
-        str(spec.block_size),
+        str(spec.block_size_of(model)),
         "--mem-fraction-static",
         "0.05",  # with --max-total-tokens, the KV pool is that many tokens
         "--max-total-tokens",
@@ -132,18 +165,19 @@ def _engine_plan(
     spec: FleetSpec,
     engine: EngineSpec,
     run_dir: Path,
-    model_dir: Path | None,
+    tiny_model_dir: Path | None,
     cpus: list[int],
     store: StorePlan | None,
 ) -> ServicePlan:
+    model = spec.model_of(engine)
+    model_dir = model_directory(model, tiny_model_dir)
     port = engine.port or free_port()
     replay = f"tcp://127.0.0.1:{engine.replay_port or free_port()}"
     tmp_dir = run_dir / "tmp" / engine.name
     env: dict[str, str | None] = {"PYTHONHASHSEED": "0", "TMPDIR": str(tmp_dir)}
     if engine.kind == "sglang":
-        assert model_dir is not None
         events = f"tcp://127.0.0.1:{free_port()}"
-        argv, engine_env = _sglang_command(spec, model_dir, port, events, replay, tmp_dir)
+        argv, engine_env = _sglang_command(spec, model, model_dir, port, events, replay, tmp_dir)
         return ServicePlan(
             name=engine.name,
             kind=engine.kind,
@@ -156,13 +190,15 @@ def _engine_plan(
             cpus=tuple(cpus),
             stop_main_only=True,
             shm_prefixes=SGLANG_SHM_PREFIXES,
+            details={"model": model.name},
         )
     events = f"ipc://{run_dir / f'{engine.name}.events'}"
     common = [
         "--served-model-name",
-        spec.model.name,
+        model.name,
         "--block-size",
-        str(spec.block_size),
+        str(spec.block_size_of(model)),
+        *_lora_args(model, model_dir),
         *_http_args(spec.host, port),
         "--kv-events-config",
         _kv_events_config(events, replay, enable_kv_cache_events=True),
@@ -171,7 +207,6 @@ def _engine_plan(
         common += store.engine_args()
         env |= store.engine_env()
     if engine.kind == "vllm":
-        assert model_dir is not None
         argv = [
             str(spec.vllm_interpreter()),
             "-m",
@@ -205,8 +240,7 @@ def _engine_plan(
             "--sim-instance-id",
             engine.name,
         ]
-        if spec.model.sim_tokenizer == "model":
-            assert model_dir is not None
+        if model.sim_tokenizer == "model":
             argv += ["--tokenizer", str(model_dir)]
     return ServicePlan(
         name=engine.name,
@@ -218,7 +252,46 @@ def _engine_plan(
         replay_endpoint=replay,
         tmp_dir=tmp_dir,
         shm_prefixes=VLLM_SHM_PREFIXES if engine.kind == "vllm" else (),
+        details={"model": model.name},
     )
+
+
+def _instance(engine: ServicePlan, kv_store: str) -> dict[str, Any]:
+    """An engine as the router's instance under its one name, with the store it saves to
+    (``kv_store``, the master's address; empty: none)."""
+    store = {"kv_store": kv_store} if kv_store else {}
+    registration = {
+        "endpoint": engine.events_endpoint,
+        "replay_endpoint": engine.replay_endpoint,
+        "type": REGISTRATION_TYPES[engine.kind],
+    }
+    return {
+        "instance_id": engine.name,
+        "http_endpoint": engine.url,
+        "registrations": [registration],
+        **store,
+    }
+
+
+def _model_entry(
+    spec: FleetSpec, model: FleetModel, instances: list[dict[str, Any]], tokenizer: dict[str, Any]
+) -> dict[str, Any]:
+    """One model of the router's ``models``: the router's defaults for what the file omits."""
+    limits = {
+        key: value
+        for key in ("max_concurrent_requests", "max_queued_requests")
+        if (value := getattr(model, key)) is not None
+    }
+    return {
+        "modelname": model.name,
+        "block_size": spec.block_size_of(model),
+        "adapters": list(model.adapters),
+        "default": model.default,
+        "instances": instances,
+        "routing": model.routing.model_dump(mode="json", exclude_unset=True),
+        **tokenizer,
+        **limits,
+    }
 
 
 def router_config(
@@ -228,38 +301,42 @@ def router_config(
     kv_store: str,
     model_dir: Path | None = None,
 ) -> dict[str, Any]:
-    """The router's config (the upstream proxy's layout): each engine under its one name,
-    with the store it saves to (``kv_store``, the master's address; absent: none), and the
-    model directory the engines tokenize with, for the router to tokenize in-process."""
-    store = {"kv_store": kv_store} if kv_store else {}
-    tokenizer = {"tokenizer": {"path": str(model_dir)}} if model_dir is not None else {}
-    return {
+    """The router's config: each model with its engines (the one-model form: the upstream
+    proxy's ``prefill`` layout), and the directory a model's engines read, for the router
+    to tokenize in-process (``model_dir``: the tiny model's, for models without a path)."""
+    plans = {engine.name: engine for engine in engines}
+
+    def instances(model: FleetModel) -> list[dict[str, Any]]:
+        return [_instance(plans[engine.name], kv_store) for engine in spec.engines_of(model)]
+
+    def tokenizer(model: FleetModel) -> dict[str, Any]:
+        if not spec.reads_directory(model):
+            return {}
+        return {"tokenizer": {"path": str(model_directory(model, model_dir))}}
+
+    keys = {"keys": {"file": str(spec.keys)}} if spec.keys is not None else {}
+    common = {
         "conductor": {"address": conductor_url},
-        "prefill": {
-            "config": {"modelname": spec.model.name, "block_size": spec.block_size},
-            "instances": [
-                {
-                    "instance_id": engine.name,
-                    "http_endpoint": engine.url,
-                    "registrations": [
-                        {
-                            "endpoint": engine.events_endpoint,
-                            "replay_endpoint": engine.replay_endpoint,
-                            "type": REGISTRATION_TYPES[engine.kind],
-                        }
-                    ],
-                    **store,
-                }
-                for engine in engines
-            ],
-        },
         "routing": {"policy": spec.router.policy},
-        **tokenizer,
+        **keys,
     }
+    if not spec.models:
+        [model] = spec.served_models
+        config = {"modelname": model.name, "block_size": spec.block_size_of(model)}
+        return {
+            **common,
+            "prefill": {"config": config, "instances": instances(model)},
+            **tokenizer(model),
+        }
+    entries = [
+        _model_entry(spec, model, instances(model), tokenizer(model)) for model in spec.models
+    ]
+    return {**common, "models": entries}
 
 
 def make_plan(spec: FleetSpec, run_dir: Path, model_dir: Path | None) -> FleetPlan:
-    """Chooses ports and writes the conductor's and the router's config into ``run_dir``."""
+    """Chooses ports and writes the conductor's and the router's config into ``run_dir``;
+    ``model_dir`` is the directory of the models without a ``path`` (the tiny model's)."""
     run_dir.mkdir(parents=True, exist_ok=True)
     store = plan_store(spec.kv_store, run_dir) if spec.kv_store is not None else None
     available = sorted(os.sched_getaffinity(0))
