@@ -22,6 +22,8 @@ from tokenization.tokenizer import TokenizerUnavailable
 
 from . import config as router_config
 from .app import Router, create_app
+from .keys import KeysFileError
+from .tracing import TracingUnavailable
 
 log = logging.getLogger("router")
 ACCESS_LOG_FORMAT = 'remote=%a request="%r" status=%s bytes=%b seconds=%Tf'
@@ -63,6 +65,10 @@ def main(argv: list[str] | None = None) -> None:
         pass
     except TokenizerUnavailable as error:
         sys.exit(f"mooncake-router: tokenizer: {error}")
+    except KeysFileError as error:
+        sys.exit(f"mooncake-router: keys: {error}")
+    except TracingUnavailable as error:
+        sys.exit(f"mooncake-router: tracing: {error}")
     except CannotListen as error:
         sys.exit(f"mooncake-router: {error}")
     finally:
@@ -104,6 +110,8 @@ async def serve(router: Router, sockets: list[socket.socket], access_log: bool) 
     loop = asyncio.get_running_loop()
     for signum in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(signum, stop.set)
+    if router.keys.enabled:  # reread the keys file now, as well as when it changes
+        loop.add_signal_handler(signal.SIGHUP, router.keys.reload)
     runner = web.AppRunner(
         create_app(router),
         access_log=logging.getLogger("router.access") if access_log else None,

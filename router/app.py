@@ -31,6 +31,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from conductor.runtime import LoopLagMonitor
 
+from .admission import Admission
 from .client_request import read_completion, read_tokenize
 from .conductor_client import ConductorClient
 from .config import ModelSection, RouterConfig
@@ -40,9 +41,10 @@ from .errors import ApiError
 from .forwarding import Forwarder
 from .in_flight import InFlight
 from .index_client import IndexClient
+from .keys import PRIORITY_HEADER, ClientKey, KeyRing, effective_cache_salt
 from .lookup import IndexLookup
 from .metrics import RouterMetrics
-from .models import Catalog, ServedModel
+from .models import Catalog, ServedModel, Target
 from .notices import Notices
 from .pending import PendingPrefixes
 from .policy import SloViolation
@@ -50,9 +52,11 @@ from .pool import InstancePool
 from .prompt_ids import TOKENIZED_BY
 from .rotation import Rotation
 from .sessions import UpstreamSessions
+from .tracing import RequestTrace, make_tracer
 from .upkeep import Upkeep
 
 log = logging.getLogger(__name__)
+TRACE = web.RequestKey("trace", RequestTrace)  # a completion's, for the error middleware
 
 
 class Router:
@@ -98,6 +102,20 @@ class Router:
             for section in sections
         ]
         self.catalog = Catalog(served, self.pool)
+        # raises KeysFileError (a ValueError) for a keys file it cannot use
+        self.keys = KeyRing(
+            config.keys.file, self.metrics.registry, config.keys.reload_interval_seconds
+        )
+        self.admission = Admission(self.metrics.registry)
+        for section in sections:
+            self.admission.register_model(
+                section.modelname,
+                section.max_concurrent_requests or None,
+                section.max_queued_requests,
+            )
+        # raises TracingUnavailable (a ValueError) when its packages are missing
+        self.tracer = make_tracer(config.tracing)
+        self.tracer.register_metrics(self.metrics.registry)
 
     # -- lifecycle -----------------------------------------------------------------------
     async def start(self) -> None:
@@ -118,7 +136,7 @@ class Router:
             self.config, self.index, self.pool, self.rotation, self.sessions,
             self.catalog.models, self.metrics,
         )  # fmt: skip
-        self.upkeep.start()
+        self.upkeep.start(self.keys if self.keys.enabled else None)
 
     def _served(self) -> list[ServedModel]:
         return list(self.catalog.models.values())
@@ -132,16 +150,49 @@ class Router:
         await asyncio.gather(self.upkeep.stop(), self.lag.stop())
         await self.index.close()
         await self.sessions.close()
+        await self.tracer.shutdown()
 
     # -- endpoints -----------------------------------------------------------------------
     async def completions(self, request: web.Request) -> web.StreamResponse:
-        """``/v1/completions`` and ``/v1/chat/completions``, through every stage."""
+        """``/v1/completions`` and ``/v1/chat/completions``: the client's key and limits,
+        then every stage, each a span of the request's trace."""
         started = time.perf_counter()
-        client = await read_completion(request, self.limits)
-        target = self.catalog.resolve(client.model)
-        tokenized = await target.served.tokenizer.tokenize(client)
-        lookup = await self.lookup.find(tokenized.tokens, target.context, client.cache_salt)
-        return await self.forwarder.forward(request, Routed(target, tokenized, lookup, started))
+        trace = request[TRACE] = self.tracer.begin(
+            request.headers, method=request.method, route=request.path
+        )
+        key = self.keys.authenticate(request.headers.get("Authorization"))
+        client = await read_completion(request, self.limits, self._engine_authorization(request))
+        target = self._target(key, client.model)
+        trace.set(model=target.name, key_id=key.id, tenant_id=key.tenant)
+        if target.lora_name:
+            trace.set(lora_name=target.lora_name)
+        priority = self.keys.priority_of(key, request.headers.get(PRIORITY_HEADER))
+        async with self.admission.admit(key, target.served.name, priority) as admitted:
+            if key.isolated:
+                client = client.with_cache_salt(effective_cache_salt(key, client.cache_salt))
+            with trace.span("tokenize") as span:
+                tokenized = await target.served.tokenizer.tokenize(client)
+                span.set(tokenized_by=tokenized.by, prompt_tokens=tokenized.count)
+            await admitted.charge_tokens(tokenized.count)
+            with trace.span("index.query") as span:
+                lookup = await self.lookup.find(tokenized.tokens, target.context, client.cache_salt)
+                if lookup.fallback:
+                    span.set(fallback=lookup.fallback)
+            # the router's own time: what it waited for the key's or the model's turn is not
+            # the engine's time to first token (the cost model learns from that)
+            routed = Routed(target, tokenized, lookup, started + admitted.queued_seconds, trace)
+            return await self.forwarder.forward(request, routed)
+
+    def _target(self, key: ClientKey, model: Any) -> Target:
+        """The model the request names, if the key may use it (else the same 404)."""
+        return self.catalog.resolve(model, key.allows)
+
+    def _engine_authorization(self, request: web.Request) -> str | None:
+        """The ``Authorization`` an engine gets: the engines' own key when configured; the
+        client's, unless it was a key of the router's."""
+        if self.config.upstream.api_key:
+            return f"Bearer {self.config.upstream.api_key}"
+        return None if self.keys.enabled else request.headers.get("Authorization")
 
     async def tokenize_prompt(self, request: web.Request) -> web.Response:
         """vLLM's ``/tokenize`` (a ``prompt``, or ``messages`` for a chat): answered by the
@@ -149,8 +200,9 @@ class Router:
         engines' model list gives the model's ``max_model_len``; else passed on to an
         engine's ``/tokenize`` (its answer, errors included, as it gave it).
         ``x-conductor-tokenized-by`` says which (``local`` or ``engine``)."""
-        client = await read_tokenize(request, self.limits)
-        tokenizer = self.catalog.resolve(client.model).served.tokenizer
+        key = self.keys.authenticate(request.headers.get("Authorization"))
+        client = await read_tokenize(request, self.limits, self._engine_authorization(request))
+        tokenizer = self._target(key, client.model).served.tokenizer
         answer = await tokenizer.local_answer(client)
         if answer is not None:
             return web.json_response(answer, headers={TOKENIZED_BY: "local"})
@@ -168,8 +220,10 @@ class Router:
         raise ApiError(503, "no prefill instance answered /tokenize", "ServiceUnavailableError")
 
     async def models(self, request: web.Request) -> web.Response:
-        """Every model and adapter the engines in rotation serve."""
-        return web.json_response({"object": "list", "data": self.catalog.cards()})
+        """Every model and adapter the engines in rotation serve (that the key may use)."""
+        key = self.keys.authenticate(request.headers.get("Authorization"))
+        cards = [card for card in self.catalog.cards() if key.allows(card["id"])]
+        return web.json_response({"object": "list", "data": cards})
 
     async def health(self, request: web.Request) -> web.Response:
         """``degraded`` with the reasons while no prefill instance is in rotation (a 503:
@@ -244,6 +298,10 @@ def create_app(router: Router) -> web.Application:
         except Exception:
             log.exception("unhandled error on %s %s", request.method, request.path)
             response = ApiError(500, "internal error").response()
+        if (trace := request.get(TRACE)) is not None:
+            if not response.prepared:  # an error: a streamed answer carries it already
+                response.headers.update(trace.response_headers())
+            trace.end(response.status)
         resource = request.match_info.route.resource
         route = resource.canonical if resource is not None else "unmatched"
         router.metrics.requests.labels(route, str(response.status)).inc()

@@ -21,7 +21,7 @@ from aiohttp import web
 from .config import LimitsSection
 from .errors import ApiError
 
-FORWARDED_HEADERS = ("Authorization", "X-Request-Id")  # the client's, passed to the engine
+FORWARDED_HEADERS = ("X-Request-Id",)  # the client's, passed to the engine
 
 
 class Endpoint(StrEnum):
@@ -62,6 +62,12 @@ class ClientRequest:
     def streams(self) -> bool:
         return self.body.get("stream") is True
 
+    def with_cache_salt(self, salt: str) -> ClientRequest:
+        """This request with ``cache_salt`` set: the engine then keys its cache blocks by it
+        (vLLM hashes it into the first block), as the index's chain root does."""
+        body = {**self.body, "cache_salt": salt}
+        return replace(self, body=body, raw=json.dumps(body, separators=(",", ":")).encode())
+
     def with_prompt_ids(self, tokens: list[int]) -> ClientRequest:
         """This request with ``prompt`` replaced by ``tokens``: the ids through msgspec (far
         faster than json on a long prompt's ids; bench.router_overhead times the router), the
@@ -75,20 +81,25 @@ class ClientRequest:
         return replace(self, body={**self.body, "prompt": tokens}, raw=raw)
 
 
-async def read_completion(request: web.Request, limits: LimitsSection) -> ClientRequest:
+async def read_completion(
+    request: web.Request, limits: LimitsSection, authorization: str | None
+) -> ClientRequest:
     """A completion or chat request: a JSON object (``read_json_object``) with the fields
     the router reads of the right types (400 naming the field). Without a ``model`` it is
-    the default model's, as vLLM serves it."""
+    the default model's, as vLLM serves it. ``authorization``: the header the engine gets
+    (None: none)."""
     body, raw = await read_json_object(request, limits)
     _check_types(body, (("model", str), ("stream", bool), ("max_tokens", int), ("cache_salt", str)))
     if not _utf8(body.get("cache_salt") or ""):  # the salt is hashed as UTF-8
         raise ApiError(400, "`cache_salt` must be valid Unicode text", param="cache_salt")
-    return _client_request(request, Endpoint.of_path(request.path), body, raw)
+    return _client_request(request, Endpoint.of_path(request.path), body, raw, authorization)
 
 
-async def read_tokenize(request: web.Request, limits: LimitsSection) -> ClientRequest:
+async def read_tokenize(
+    request: web.Request, limits: LimitsSection, authorization: str | None
+) -> ClientRequest:
     """vLLM's ``/tokenize`` request: a chat's (``messages``) or a ``prompt``; a 400 unless it
-    gives exactly one of them."""
+    gives exactly one of them. ``authorization``: the header the engine gets."""
     body, raw = await read_json_object(request, limits)
     _check_types(body, (("model", str),))
     has_prompt, has_messages = body.get("prompt") is not None, body.get("messages") is not None
@@ -96,13 +107,19 @@ async def read_tokenize(request: web.Request, limits: LimitsSection) -> ClientRe
         param = "messages" if has_prompt else "prompt"
         raise ApiError(400, "give exactly one of `prompt` and `messages`", param=param)
     endpoint = Endpoint.CHAT if has_messages else Endpoint.COMPLETIONS
-    return _client_request(request, endpoint, body, raw)
+    return _client_request(request, endpoint, body, raw, authorization)
 
 
 def _client_request(
-    request: web.Request, endpoint: Endpoint, body: dict[str, Any], raw: bytes
+    request: web.Request,
+    endpoint: Endpoint,
+    body: dict[str, Any],
+    raw: bytes,
+    authorization: str | None,
 ) -> ClientRequest:
     forwarded = {k: v for k in FORWARDED_HEADERS if (v := request.headers.get(k))}
+    if authorization:
+        forwarded["Authorization"] = authorization
     return ClientRequest(endpoint, body, raw, forwarded)
 
 

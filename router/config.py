@@ -35,6 +35,7 @@ from tokenization.tokenizer import hub_cache_directory
 
 from .pending import GRACE_S, MAX_PENDING_S
 from .policy import REGISTRY, PrefillCostModel, RoutingParams
+from .tracing import TracingSection
 
 
 class ConfigError(ValueError):
@@ -115,6 +116,9 @@ class UpstreamSection(_Section):
     probe_interval_seconds: float = Field(default=1.0, gt=0)
     # how often each engine's /metrics is read (its own load, its store loads)
     metrics_interval_seconds: float = Field(default=2.0, gt=0)
+    # the engines' own API key (their --api-key), sent as ``Authorization: Bearer``; "": the
+    # client's Authorization is passed on, unless the router checks keys itself (then none)
+    api_key: str = Field(default="", repr=False)
 
 
 class LimitsSection(_Section):
@@ -154,6 +158,15 @@ class TokenizerSection(_Section):
         if (candidate / "tokenizer.json").is_file():
             return candidate
         return hub_cache_directory(modelname)
+
+
+class KeysSection(_Section):
+    """Ours: client API keys (docs/keys.md). Without a file every request is served as the
+    shared default tenant's, with no limits but the models' own."""
+
+    file: Path | None = None
+    # how often the file is looked at for changes (also reread on SIGHUP)
+    reload_interval_seconds: float = Field(default=5.0, gt=0)
 
 
 class StreamRegistration(_Section):
@@ -286,9 +299,11 @@ def _check_balancing(model: ModelSection) -> None:
 
 def _inherit(section: Any, defaults: Any, skip: tuple[str, ...] = ()) -> Any:
     """A model's section over the top-level one's keys (both as written in the file)."""
-    if not isinstance(section, dict | None) or not isinstance(defaults, dict):
+    if section is None:
+        section = {}
+    if not isinstance(section, dict) or not isinstance(defaults, dict):
         return section
-    return {**{k: v for k, v in defaults.items() if k not in skip}, **(section or {})}
+    return {**{k: v for k, v in defaults.items() if k not in skip}, **section}
 
 
 class RouterConfig(_Section):
@@ -301,6 +316,8 @@ class RouterConfig(_Section):
     upstream: UpstreamSection = UpstreamSection()
     limits: LimitsSection = LimitsSection()
     tokenizer: TokenizerSection = TokenizerSection()
+    keys: KeysSection = KeysSection()
+    tracing: TracingSection = TracingSection()
 
     @model_validator(mode="before")
     @classmethod
@@ -379,11 +396,16 @@ FLAG_KEYS: dict[str, tuple[str, ...]] = {
     "ttft_slo_ms": ("routing", "ttft_slo_ms"),
     "max_body_bytes": ("limits", "max_body_bytes"),
     "tokenizer": ("tokenizer", "path"),
+    "keys_file": ("keys", "file"),
+    "otlp_endpoint": ("tracing", "otlp_endpoint"),
 }
 # environment variable → where its value goes (below flags, above the file)
 ENV_KEYS: dict[str, tuple[str, ...]] = {
     "ROUTER_CONDUCTOR_ADDRESS": ("conductor", "address"),  # comma-separated for several
     "ROUTER_CONDUCTOR_TOKEN": ("conductor", "auth_token"),
+    "ROUTER_KEYS_FILE": ("keys", "file"),
+    "ROUTER_UPSTREAM_API_KEY": ("upstream", "api_key"),
+    "ROUTER_OTLP_ENDPOINT": ("tracing", "otlp_endpoint"),
 }
 CLI_ONLY_DEFAULTS = {"prefill": {"config": {"block_size": 16}}}  # without a config file
 
@@ -574,6 +596,16 @@ def add_cli_flags(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--max-body-bytes", type=int, help="largest request body accepted (default 8 MiB)"
+    )
+    parser.add_argument(
+        "--keys-file",
+        help="client API keys, tenants and limits (docs/keys.md); reread when it changes "
+        "(env ROUTER_KEYS_FILE). Without it every request is served, unauthenticated",
+    )
+    parser.add_argument(
+        "--otlp-endpoint",
+        help="export request traces to this OTLP/HTTP collector (docs/tracing.md; env "
+        "ROUTER_OTLP_ENDPOINT; needs the tracing extra)",
     )
     parser.add_argument(
         "--tokenizer",

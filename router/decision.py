@@ -23,6 +23,7 @@ from .metrics import RouterMetrics
 from .policy import Candidate, Decision, RoutingParams, choose
 from .pool import CostLearner, InstancePool, Upstream
 from .prompt_ids import Tokenized
+from .tracing import RequestTrace
 
 if TYPE_CHECKING:
     from .models import Target
@@ -42,6 +43,7 @@ class Routed:
     tokenized: Tokenized
     lookup: Lookup
     started: float
+    trace: RequestTrace
 
 
 @dataclass(frozen=True, slots=True)

@@ -74,9 +74,16 @@ class Forwarder:
         one fails retryably (a 504 when the last one timed out and none is left)."""
         failed: set[str] = set()
         last: UpstreamFailed | None = None
+        trace = routed.trace
         while True:  # each failed instance is excluded, so this ends
             try:
-                choice = routed.target.served.decider.choose(routed, failed)
+                with trace.span("decision") as span:
+                    choice = routed.target.served.decider.choose(routed, failed)
+                    span.set(
+                        instance_id=choice.prefill.instance_id,
+                        cached_tokens=choice.decision.cached_tokens,
+                        policy=choice.decision.policy,
+                    )
             except NoCandidates:
                 if isinstance(last, UpstreamTimeout):
                     raise ApiError(504, f"no upstream answered in time: {last}") from None
@@ -84,7 +91,14 @@ class Forwarder:
             if not failed:
                 self._metrics.proxy_seconds.observe(time.perf_counter() - routed.started)
             try:
-                return await self._serve(request, routed, choice)
+                attempt = len(failed) + 1
+                instance = choice.prefill.instance_id
+                with trace.span("upstream", attempt=attempt, instance_id=instance) as call:
+                    if choice.decode is not None:
+                        call.set(decode_instance_id=choice.decode.instance_id)
+                    response = await self._serve(request, routed, choice, call.upstream_headers())
+                    call.set(status_code=response.status)
+                return response
             except UpstreamFailed as error:
                 last = error
                 failed.add(choice.prefill.instance_id)
@@ -92,10 +106,11 @@ class Forwarder:
                 self._metrics.retries.labels(choice.prefill.instance_id).inc()
 
     async def _serve(
-        self, request: web.Request, routed: Routed, choice: Choice
+        self, request: web.Request, routed: Routed, choice: Choice, trace_headers: dict[str, str]
     ) -> web.StreamResponse:
         decision, prefill, decode = choice.decision, choice.prefill, choice.decode
         headers = {
+            **routed.trace.response_headers(),
             "x-conductor-prefill-instance": prefill.instance_id,
             "x-conductor-cached-tokens": str(decision.cached_tokens),
             "x-conductor-policy": decision.policy,
@@ -104,7 +119,11 @@ class Forwarder:
         }
         if routed.lookup.fallback:
             headers["x-conductor-fallback"] = routed.lookup.fallback
-        forwarded = {**routed.tokenized.request.forwarded, "Content-Type": "application/json"}
+        forwarded = {
+            **routed.tokenized.request.forwarded,
+            **trace_headers,
+            "Content-Type": "application/json",
+        }
         # without the index's answer there is no prediction to compare the engine's with
         predicted = None if routed.lookup.fallback else decision.cached_tokens
         with self._in_flight.claim(routed, choice) as claim:

@@ -85,12 +85,6 @@ class ClientKey:
         """Whether the key may use ``model`` (the request's ``model``: a model or an adapter)."""
         return self.models is None or model in self.models
 
-    def check_model(self, model: str) -> None:
-        """A model outside the allow-list is answered as OpenAI answers a model a key cannot
-        see: 404 "does not exist", which tells nothing about what else is served."""
-        if not self.allows(model):
-            raise ApiError(404, f"The model `{model}` does not exist.", "NotFoundError", "model")
-
 
 ANONYMOUS = ClientKey(id="anonymous")
 

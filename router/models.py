@@ -12,6 +12,7 @@ serve the adapter are candidates.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -24,6 +25,10 @@ from .pool import CostLearner, InstancePool
 from .prompt_ids import PromptTokenizer
 from .rotation import Rotation
 from .sessions import UpstreamSessions
+
+
+def _any_name(name: str) -> bool:
+    return True
 
 
 class ServedModel:
@@ -84,20 +89,30 @@ class Catalog:
         self._adapters = {name: model for model in models for name in model.section.adapters}
         self._pool = pool
 
-    def resolve(self, requested: Any) -> Target:
-        """The model and adapter a request's ``model`` names; vLLM's 404 for a name no
-        engine serves, as soon as every engine that could serve it has said what it
-        serves (an unknown list never rejects a request)."""
-        target = self._find(requested)
-        if target is None or self._pool.serves_nowhere(target.name, target.served.name):
-            raise ApiError(
-                404, f"The model `{requested}` does not exist.", "NotFoundError", "model"
+    def resolve(self, requested: Any, may_use: Callable[[str], bool] = _any_name) -> Target:
+        """The model and adapter a request's ``model`` names, among those ``may_use`` allows
+        (a key's models); vLLM's 404 for a name no engine serves, as soon as every engine
+        that could serve it has said what it serves (an unknown list never rejects)."""
+        target = self._find(requested, may_use)
+        if (
+            target is None
+            or not may_use(target.name)
+            or self._pool.serves_nowhere(target.name, target.served.name)
+        ):
+            names = ", ".join(
+                name
+                for name in self.models
+                if may_use(name) and not self._pool.serves_nowhere(name, name)
             )
+            message = f"The model `{requested}` does not exist. Valid aliases: {names}."
+            raise ApiError(404, message, "NotFoundError", "model")
         return target
 
-    def _find(self, requested: Any) -> Target | None:
-        if requested is None:
-            return Target(self.default, self.default.name, self.default.section.lora_name)
+    def _find(self, requested: Any, may_use: Callable[[str], bool]) -> Target | None:
+        if requested is None:  # the default model, or the first the key may use
+            usable = [m for m in self.models.values() if may_use(m.name)]
+            served = self.default if self.default in usable else next(iter(usable), None)
+            return None if served is None else Target(served, served.name, served.section.lora_name)
         if (model := self.models.get(requested)) is not None:
             return Target(model, requested, model.section.lora_name)
         if (adapted := self._adapters.get(requested)) is not None:

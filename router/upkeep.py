@@ -12,6 +12,7 @@ together.
 - ``report_dead_upstreams``: the instances out of rotation, told to the index.
 - ``watch_stores``: each Mooncake store's state as the index knows it (while one is down
   its loads are not priced).
+- ``watch_keys``: the keys file, reread when it changes.
 - ``tokenizers``: each model's own tokenizer: loaded from the model directory its engines
   name when none was found at start, then checked against an engine's ``/tokenize``.
 
@@ -38,6 +39,7 @@ from conductor.states import StoreState
 from .config import RouterConfig
 from .engine_metrics import IN_FLIGHT, Sample, engine_in_flight, parse_metrics
 from .index_client import ConductorUnavailable, IndexClient
+from .keys import KeyRing
 from .metrics import RouterMetrics
 from .models import ServedModel
 from .pool import CostLearner, InstancePool, Upstream
@@ -78,7 +80,8 @@ class Upkeep:
             sorted(set(config.kv_stores().values())), StoreState.UNCHECKED
         )
 
-    def start(self) -> None:
+    def start(self, keys: KeyRing | None = None) -> None:
+        """Every task; ``keys``: a keys file to watch for changes."""
         for store in self.store_states:
             self._metrics.store_up.labels(store).set(1)
         background: dict[str, Callable[[], Awaitable[None]]] = {
@@ -91,6 +94,8 @@ class Upkeep:
         }
         if self.store_states:  # no store, nothing to watch
             background["watch_stores"] = self._watch_stores
+        if keys is not None:
+            background["watch_keys"] = keys.watch
         for name, factory in background.items():
             self.tasks[name] = SupervisedTask(name, factory, self._metrics.task_failures)
             self.tasks[name].start()

@@ -11,7 +11,8 @@ from aiohttp.test_utils import TestServer
 
 from fleet.tiny_model import write_tiny_model
 from tests.router.inprocess import ServedRouter, serve_router
-from tests.support.processes import RouterProcess
+from tests.router.sim_fleet import Fleet
+from tests.support.processes import EngineSim, RouterProcess
 
 
 @pytest.fixture(scope="module")
@@ -45,3 +46,25 @@ def routers(tmp_path: Path) -> Iterator[Callable[..., RouterProcess]]:
     yield start
     for router in started:
         router.stop()
+
+
+@pytest.fixture
+def fleet(tmp_path: Path) -> Iterator[Fleet]:
+    fleet = Fleet(tmp_path)
+    yield fleet
+    fleet.stop()
+
+
+@pytest.fixture
+def engine_sims(tmp_path: Path) -> Iterator[Callable[..., EngineSim]]:
+    """Engine simulators without KV events or a conductor, for an in-process router."""
+    started: list[EngineSim] = []
+
+    def start(name: str, *args: str, port: int | None = None) -> EngineSim:
+        started.append(EngineSim(tmp_path, name, *args, port=port))
+        started[-1].wait_ready()
+        return started[-1]
+
+    yield start
+    for engine in started:
+        engine.stop()

@@ -9,8 +9,7 @@ import logging
 import re
 import signal
 import time
-from collections.abc import AsyncIterator, Callable, Iterator
-from pathlib import Path
+from collections.abc import AsyncIterator
 from typing import Any
 
 import aiohttp
@@ -26,125 +25,13 @@ from publishers.local import LocalService
 from router.index_client import PromptBlocks
 from router.pending import GRACE_S
 from router.prompt_ids import TOKENIZER_HINT
-from tests.router.inprocess import ServedRouter, layout
+from tests.router.inprocess import MODEL, ServedRouter, layout
+from tests.router.sim_fleet import AnyRouter, Fleet, complete
 from tests.support import api
 from tests.support.api import eventually, matched
-from tests.support.processes import ConductorProcess, EngineSim, RouterProcess, free_port
+from tests.support.processes import ConductorProcess, free_port
 
-MODEL = "m"
-AnyRouter = RouterProcess | ServedRouter  # a router process, or one in this process
-BLOCK_SIZE = 4
 SHARED = "Answer as a careful assistant who explains every step in plain words. " * 3
-
-
-class Fleet:
-    """A conductor, engine simulators whose event streams the router registers, a router."""
-
-    def __init__(self, tmp_path: Path, conductor_config: dict[str, Any] | None = None) -> None:
-        self.tmp_path = tmp_path
-        self.conductor = ConductorProcess(tmp_path, config=conductor_config)
-        self.conductor.wait_ready()  # its URL is final once it listens
-        self.engines: dict[str, EngineSim] = {}
-        self.kv_ports: dict[str, tuple[int, int]] = {}
-        self.router: RouterProcess | None = None
-
-    def engine(
-        self, name: str, *args: str, time_scale: float = 0.05, env: dict[str, str] | None = None
-    ) -> EngineSim:
-        pub, replay = self.kv_ports.setdefault(name, (free_port(), free_port()))
-        events = {
-            "enable_kv_cache_events": True,
-            "endpoint": f"tcp://127.0.0.1:{pub}",
-            "replay_endpoint": f"tcp://127.0.0.1:{replay}",
-        }
-        engine = EngineSim(
-            self.tmp_path,
-            name,
-            "--kv-events-config",
-            json.dumps(events),
-            "--sim-kv-bind",
-            "--num-gpu-blocks-override",
-            "512",
-            *args,
-            time_scale=time_scale,
-            port=self.engines[name].port if name in self.engines else None,
-            env=env,
-        )
-        engine.wait_ready()  # its URL is final once it listens
-        self.engines[name] = engine
-        return engine
-
-    def config(self, prefill: list[str], decode: list[str] = (), **routing: Any) -> dict:
-        def registration(name: str) -> dict[str, Any]:
-            pub, replay = self.kv_ports[name]
-            endpoint, replay_endpoint = f"tcp://127.0.0.1:{pub}", f"tcp://127.0.0.1:{replay}"
-            return {"endpoint": endpoint, "replay_endpoint": replay_endpoint, "dp_rank": 0}
-
-        return {
-            "conductor": {
-                "address": self.conductor.url,
-                "query_timeout_seconds": 0.5,
-                "reregister_interval_seconds": 0.5,
-            },
-            "prefill": {
-                "config": {"modelname": MODEL, "block_size": BLOCK_SIZE},
-                "instances": [
-                    {
-                        "instance_id": name,
-                        "http_endpoint": self.engines[name].url,
-                        "registrations": [registration(name)],
-                    }
-                    for name in prefill
-                ],
-            },
-            "decode": {
-                "instances": [
-                    {"instance_id": name, "http_endpoint": self.engines[name].url}
-                    for name in decode
-                ]
-            },
-            "routing": routing,
-        }
-
-    def start_router(self, config: dict[str, Any], *args: str) -> RouterProcess:
-        self.router = RouterProcess(self.tmp_path, config, *args)
-        self.router.wait_ready()
-        return self.router
-
-    def stop(self) -> None:
-        for process in (self.router, *self.engines.values(), self.conductor):
-            if process is not None:
-                process.stop()
-
-
-@pytest.fixture
-def fleet(tmp_path: Path) -> Iterator[Fleet]:
-    fleet = Fleet(tmp_path)
-    yield fleet
-    fleet.stop()
-
-
-@pytest.fixture
-def engine_sims(tmp_path: Path) -> Iterator[Callable[..., EngineSim]]:
-    """Engine simulators without KV events or a conductor, for an in-process router."""
-    started: list[EngineSim] = []
-
-    def start(name: str, *args: str, port: int | None = None) -> EngineSim:
-        started.append(EngineSim(tmp_path, name, *args, port=port))
-        started[-1].wait_ready()
-        return started[-1]
-
-    yield start
-    for engine in started:
-        engine.stop()
-
-
-async def complete(
-    http: aiohttp.ClientSession, router: AnyRouter, prompt: str | list[int], **body: Any
-) -> tuple[int, dict[str, str], Any]:
-    request = {"model": MODEL, "prompt": prompt, "max_tokens": 4, **body}
-    async with http.post(f"{router.url}/v1/completions", json=request) as response:
-        return response.status, dict(response.headers), await response.json(content_type=None)
 
 
 async def indexed_everywhere(http: aiohttp.ClientSession, fleet: Fleet, names: list[str]) -> None:
@@ -731,7 +618,7 @@ async def test_a_model_no_upstream_serves_is_answered_by_the_router(
             404,
             {
                 "error": {
-                    "message": f"The model `{model}` does not exist.",
+                    "message": f"The model `{model}` does not exist. Valid aliases: .",
                     "type": "NotFoundError",
                     "param": "model",
                     "code": 404,

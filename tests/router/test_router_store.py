@@ -18,7 +18,8 @@ import pytest
 from aiohttp import web
 
 from router.store_loads import store_loads
-from tests.router.test_router_service import Fleet, complete, indexed_everywhere, metric
+from tests.router.sim_fleet import Fleet, complete
+from tests.router.test_router_service import indexed_everywhere, metric
 from tests.router.vllm_metrics import VllmStoreMetrics
 from tests.support.api import eventually
 from tests.support.processes import RouterProcess, free_port
