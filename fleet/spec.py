@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import json
 import os
-from functools import cached_property
 from pathlib import Path
 from typing import Annotated, Literal
 
@@ -196,7 +195,7 @@ class FleetSpec(_Section):
                 f"adapters of `{model.name}`: the fleet runs LoRA on vllm and sim engines only"
             )
 
-    @cached_property
+    @property
     def served_models(self) -> list[FleetModel]:
         """``models``, or the one model of ``model``."""
         return self.models or [FleetModel.model_validate(self.model.model_dump())]

@@ -344,7 +344,7 @@ async def test_an_unknown_model_is_not_found(
     router = sim_models_fleet["router"]["url"]
     status, _, body = await _chat(http, router, "tiny-nope", LLAMA_KEY)
     assert status == 404, body
-    assert body["error"]["message"] == "The model `tiny-nope` does not exist."
+    assert body["error"]["message"].startswith("The model `tiny-nope` does not exist.")
 
 
 async def test_the_keys_file_holds_the_router_to_its_keys(
