@@ -124,18 +124,13 @@ async def test_the_adapters_context_equals_vllms_hits_and_the_base_model_shares_
 
 
 # -- the router in front of two engines --------------------------------------------------------
-# ONE-MODEL LAYOUT: written against the router's ``prefill`` section with
-# ``config.lora_name`` (upstream's one-adapter proxy: every request, whatever its ``model``,
-# is indexed under that adapter, and the streams are registered for it). Once the
-# multi-model router lands, its ``models[].adapters`` routes the base model and its adapters
-# side by side, with the streams registered for the base model; this test moves there.
 @pytest.fixture
 async def routed_pair(
     stack, registered, tmp_path_factory: pytest.TempPathFactory, model_dir: Path, http
 ):
     """The module's engine and a second one, both serving the adapter, behind a router
-    (with a conductor of its own) whose one model is indexed under the adapter. Two
-    engines at once, the most the real suite runs."""
+    (with a conductor of its own) serving the base model and the adapter, the streams
+    registered for the base model. Two engines at once, the most the real suite runs."""
     first, _ = stack
     run_dir = tmp_path_factory.mktemp("pair")  # short: vLLM's unix sockets live under it
     second = lora_engine(run_dir, model_dir, f"{INSTANCE}-b")
@@ -148,10 +143,14 @@ async def routed_pair(
         await second.wait_healthy(http)
         config = {
             "conductor": {"address": conductor.url},
-            "prefill": {
-                "config": {"modelname": MODEL, "block_size": BLOCK, "lora_name": LORA_NAME},
-                "instances": [instance_entry(engine) for engine in engines],
-            },
+            "models": [
+                {
+                    "modelname": MODEL,
+                    "block_size": BLOCK,
+                    "adapters": [LORA_NAME],
+                    "instances": [instance_entry(engine) for engine in engines],
+                }
+            ],
         }
         router = RouterProcess(run_dir, config)
         router.wait_ready()
@@ -196,3 +195,6 @@ async def test_the_router_sends_a_repeated_adapter_prompt_to_the_engine_holding_
     decision = {k: v for k, v in headers.items() if k.lower().startswith("x-conductor-")}
     assert headers["x-conductor-prefill-instance"] in holders, decision
     assert int(headers["x-conductor-cached-tokens"]) == cached > 200
+    # the base model's same prompt: the adapter's blocks count for nothing, here or in vLLM
+    headers, cached = await served(http, router, "/v1/completions", {**body, "model": MODEL})
+    assert (int(headers["x-conductor-cached-tokens"]), cached) == (0, 0)
