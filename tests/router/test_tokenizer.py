@@ -22,7 +22,12 @@ from publishers.engine.tokenizer import ModelTokenizer
 from router.__main__ import main as router_main
 from tests.router.inprocess import MODEL, layout
 from tests.support.api import eventually, metric
-from tokenization.tokenizer import LocalTokenizer, TokenizerUnavailable, Unsupported
+from tokenization.tokenizer import (
+    LocalTokenizer,
+    TokenizerUnavailable,
+    Unsupported,
+    hub_cache_directory,
+)
 from tokenization.tokenizer import reads_content_as_string as string_format
 
 # real vLLM 0.32's /tokenize for the tiny model (BOS 0, <|start_header_id|> 2,
@@ -186,6 +191,7 @@ class Engine:
     local: LocalTokenizer
     url: str = ""
     disagree: bool = False
+    root: str | None = None  # the model directory its /v1/models card names, as vLLM's
     tokenized: int = 0  # /tokenize calls
     received: list[dict] = field(default_factory=list)  # completion bodies, as they came
 
@@ -203,7 +209,7 @@ class Engine:
         return web.Response(text="")
 
     async def _models(self, request: web.Request) -> web.Response:
-        return web.json_response({"object": "list", "data": [{"id": MODEL}]})
+        return web.json_response({"object": "list", "data": [{"id": MODEL, "root": self.root}]})
 
     def app(self) -> web.Application:
         app = web.Application()
@@ -335,3 +341,40 @@ def _config_file(tmp_path: Path, tokenizer: dict) -> Path:
     path = tmp_path / "router.json"
     path.write_text(json.dumps(layout(["http://127.0.0.1:9"], tokenizer=tokenizer)))
     return path
+
+
+async def test_a_router_without_a_tokenizer_loads_the_one_its_engines_name(
+    serve, engine, model_dir, http, caplog
+):
+    """No tokenizer configured and none found at start: the router says so, with the
+    setting, then loads the model directory the engine's /v1/models names (vLLM's card
+    ``root``), as this host can read it, and tokenizes itself once the engine agreed."""
+    engine.root = str(model_dir)
+    _, url = await serve(layout([engine.url]))
+    assert "model=m: no tokenizer files found" in caplog.text
+    assert "tokenizer.path" in caplog.text
+    gauge = 'router_local_tokenizer_active{path="completions"}'
+    await eventually(lambda: metric(http, url, gauge), lambda value: value == 1, timeout=15.0)
+    tokenizer = (await (await http.get(f"{url}/health")).json())["models"][MODEL]["tokenizer"]
+    assert tokenizer["directory"] == str(model_dir) and "note" not in tokenizer
+    assert await _route(http, url, "/v1/completions", {"prompt": "Hello, world!"}) == "local"
+
+
+async def test_health_names_the_setting_while_engines_tokenize(serve, engine, http):
+    _, url = await serve(layout([engine.url]))
+    tokenizer = (await (await http.get(f"{url}/health")).json())["models"][MODEL]["tokenizer"]
+    assert tokenizer["local"] == [] and "tokenizer.path" in tokenizer["note"]
+
+
+def test_a_models_snapshot_in_the_hugging_face_cache_is_found(model_dir, tmp_path):
+    """Where vLLM and transformers download a model: the revision refs/main names."""
+    repo = tmp_path / "hub" / "models--org--tiny"
+    snapshot = repo / "snapshots" / "abc123"
+    snapshot.parent.mkdir(parents=True)
+    shutil.copytree(model_dir, snapshot)
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_text("abc123")
+    environ = {"HF_HUB_CACHE": str(tmp_path / "hub")}
+    assert hub_cache_directory("org/tiny", environ) == snapshot
+    assert hub_cache_directory("org/other", environ) is None
+    assert hub_cache_directory("org/tiny", {"HF_HOME": str(tmp_path)}) == snapshot
