@@ -20,6 +20,10 @@ With vLLM's ``--kv-transfer-config '{"kv_connector": "MooncakeStoreConnector", "
 blocks to and loads them from a real Mooncake store as vLLM's connector does
 (``store_tier.py``; block shape ``--sim-store-*``, the tiny model's by default), and its
 registration carries the store's master address (``kv_store``).
+
+With vLLM's ``--enable-lora --lora-modules NAME=PATH ...`` it serves LoRA adapters as vLLM
+does where the cache and the API can tell (``models.py``): no weights are read, only the
+adapters' names and paths, which key their blocks and their KV events.
 """
 
 from __future__ import annotations
@@ -50,6 +54,7 @@ from .block_hash import ENGINES, HASH_ALGORITHMS, BlockHasher, PageHasher, SGLan
 from .block_manager import BlockManager
 from .loop import EngineLoop
 from .metrics import EngineMetrics, cache_config_info
+from .models import MAX_LORA_RANKS, LoraModule, ServedModels, parse_lora_module
 from .scheduler import DEFAULT_MAX_NUM_BATCHED_TOKENS, DEFAULT_MAX_NUM_SEQS, Scheduler
 from .server import ServerSettings, create_app
 from .store_tier import KVTransferConfig, StoreTier, connect
@@ -198,6 +203,35 @@ def build_parser() -> argparse.ArgumentParser:
         "blocks to and load them from the Mooncake store MOONCAKE_CONFIG_PATH describes",
     )
     vllm.add_argument(
+        "--enable-lora",
+        action=argparse.BooleanOptionalAction,
+        default=False,
+        help="serve the --lora-modules adapters (vLLM's flag)",
+    )
+    vllm.add_argument(
+        "--lora-modules",
+        nargs="+",
+        type=_lora_module,
+        default=[],
+        metavar="NAME=PATH",
+        help='LoRA adapters, as NAME=PATH or vLLM\'s JSON {"name", "path", '
+        '"base_model_name"}; a request naming one runs with it. No weights are read: the '
+        "simulator only needs each adapter's name and path, which key its blocks as in vLLM",
+    )
+    vllm.add_argument(
+        "--max-loras",
+        type=int,
+        default=1,
+        help="most adapters one engine step runs (default 1, vLLM's)",
+    )
+    vllm.add_argument(
+        "--max-lora-rank",
+        type=int,
+        choices=MAX_LORA_RANKS,
+        default=16,
+        help="accepted for vLLM's command lines; nothing to size without weights (default 16)",
+    )
+    vllm.add_argument(
         "--data-parallel-rank",
         type=int,
         default=0,
@@ -294,6 +328,20 @@ def kv_events_config(engine: str, text: str | None) -> KVEventsConfig | SGLangKV
     """The engine's own ``KVEventsConfig`` from its JSON (None: events off)."""
     model = SGLangKVEventsConfig if engine == "sglang" else KVEventsConfig
     return model() if text is None else model.model_validate_json(text)
+
+
+def _lora_module(text: str) -> LoraModule:
+    try:
+        return parse_lora_module(text)
+    except ValueError as error:
+        raise argparse.ArgumentTypeError(str(error)) from None
+
+
+def served_models(args: argparse.Namespace) -> ServedModels:
+    """The base model's names (vLLM's ``--served-model-name``, default the model) and the
+    adapters; ``check`` has vetted them."""
+    names = args.served_model_name or [args.model]
+    return ServedModels(names, args.model, args.lora_modules)
 
 
 def _kv_transfer_config(text: str) -> KVTransferConfig:
@@ -508,16 +556,17 @@ async def serve(args: argparse.Namespace) -> None:
         max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=max_num_batched_tokens(args),
         enable_chunked_prefill=args.enable_chunked_prefill,
+        max_loras=args.max_loras if args.enable_lora else None,
     )
     host = args.sim_advertise_host or (
         "127.0.0.1" if args.host in (None, *WILDCARD_HOSTS) else args.host
     )
-    names = tuple(args.served_model_name or [args.model])
-    labels = {"model_name": names[0], "engine": str(args.data_parallel_rank)}
+    models = served_models(args)
+    labels = {"model_name": models.names[0], "engine": str(args.data_parallel_rank)}
     store = open_store(args, labels)
     publisher = create_publisher(args)
     settings = ServerSettings(
-        served_model_names=names,
+        models=models,
         max_model_len=args.max_model_len,
         instance_id=args.sim_instance_id or f"{host}:{args.port}",
         remote_host=host,
@@ -541,6 +590,7 @@ async def serve(args: argparse.Namespace) -> None:
             kv_bytes_per_token=timing.kv_bytes_per_token,
             max_model_len=args.max_model_len,
         ),
+        max_loras=args.max_loras if args.enable_lora else None,
     )
     if store is not None:
         metrics.registry.register(store.collector)
@@ -611,7 +661,7 @@ def registration_body(
         "endpoint": connectable(publisher.endpoint, host),
         "replay_endpoint": connectable(replay, host) if replay else "",
         "type": "SGLang" if args.sim_engine == "sglang" else "vLLM",
-        "modelname": settings.served_model_names[0],
+        "modelname": settings.models.names[0],
         "instance_id": settings.instance_id,
         "block_size": args.block_size,
         "dp_rank": args.data_parallel_rank,
@@ -641,6 +691,23 @@ def check(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
             "--max-num-batched-tokens must be >= --max-model-len without chunked prefill"
         )
     check_store(args, parser)
+    check_lora(args, parser)
+
+
+def check_lora(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
+    """What vLLM refuses at start-up: adapters without --enable-lora, clashing names."""
+    if args.max_loras < 1:
+        parser.error("--max-loras must be >= 1")
+    if not args.lora_modules:
+        return
+    if not args.enable_lora:
+        parser.error("--lora-modules needs --enable-lora (vLLM loads no adapter without it)")
+    if args.sim_engine == "sglang":
+        parser.error("--lora-modules is simulated for vLLM only, not with --sim-engine sglang")
+    try:
+        served_models(args)
+    except ValueError as error:
+        parser.error(f"argument --lora-modules: {error}")
 
 
 def check_engine(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:

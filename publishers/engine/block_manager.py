@@ -201,11 +201,14 @@ class BlockManager:
         token_budget: int | None = None,
         chunked: bool = True,
         external: range | None = None,
+        read_cache: bool = True,
     ) -> Allocation | None:
         """Admit a prompt: reuse its cached prefix, take blocks for the rest, cache it.
 
         ``external``: the prompt's blocks (by index) already loaded from the external tier;
         None when the engine has no such tier (nothing is counted as queried).
+        ``read_cache`` False: nothing is reused, nor counted in ``stats`` (vLLM's
+        ``skip_reading_prefix_cache``); the prompt's blocks are cached all the same.
 
         With a ``token_budget`` only that many uncached tokens are scheduled now (a chunked
         prefill's first chunk; ``append_tokens`` schedules the rest), or, with ``chunked``
@@ -226,7 +229,7 @@ class BlockManager:
         else:
             request.blocks = self._complete_blocks(request, 0)
 
-        hit_limit = (len(token_ids) - 1) // self.block_size
+        hit_limit = (len(token_ids) - 1) // self.block_size if read_cache else 0
         gpu_hits: list[int] = []
         for block in request.blocks[:hit_limit]:
             cached = self._gpu_cache.get(block.digest)
@@ -275,15 +278,16 @@ class BlockManager:
         cpu_hit_tokens = num_cpu_hits * self.block_size
         external_hit_tokens = num_external_hits * self.block_size
         stats = self._stats
-        self._stats = CacheStats(
-            stats.requests + 1,
-            stats.query_tokens + len(token_ids),
-            stats.gpu_hit_tokens + gpu_hit_tokens,
-            stats.cpu_hit_tokens + cpu_hit_tokens,
-            stats.external_query_tokens
-            + (0 if external is None else len(token_ids) - gpu_hit_tokens),
-            stats.external_hit_tokens + external_hit_tokens,
-        )
+        if read_cache:
+            self._stats = CacheStats(
+                stats.requests + 1,
+                stats.query_tokens + len(token_ids),
+                stats.gpu_hit_tokens + gpu_hit_tokens,
+                stats.cpu_hit_tokens + cpu_hit_tokens,
+                stats.external_query_tokens
+                + (0 if external is None else len(token_ids) - gpu_hit_tokens),
+                stats.external_hit_tokens + external_hit_tokens,
+            )
         return Allocation(
             num_prompt_tokens=len(token_ids),
             num_cached_tokens=num_cached_tokens,
@@ -294,10 +298,15 @@ class BlockManager:
         )
 
     def prompt_digests(
-        self, token_ids: Sequence[int], cache_salt: str | None = None
+        self,
+        token_ids: Sequence[int],
+        cache_salt: str | None = None,
+        lora: LoraAdapter | None = None,
     ) -> list[bytes]:
         """The digests of a prompt's complete blocks, as ``allocate`` will hash them."""
-        return self._hasher.block_digests(token_ids, self.block_size, cache_salt=cache_salt)
+        return self._hasher.block_digests(
+            token_ids, self.block_size, lora=lora, cache_salt=cache_salt
+        )
 
     def num_gpu_prefix_blocks(self, digests: Sequence[bytes]) -> int:
         """How many of these leading blocks the GPU caches now (changes nothing)."""

@@ -157,11 +157,12 @@ class EngineLoop:
 
     def submit(self, request: EngineRequest) -> RequestStream:
         """Queue a request, after its store lookup when there is a connector (a remote
-        prefill's KV comes from its prefill engine instead)."""
+        prefill's KV comes from its prefill engine instead; a request that reads no cache
+        loads nothing either)."""
         stream = RequestStream(request)
         self._streams[request.request_id] = stream
         arrival = self._model_now()
-        if self.connector is None or request.remote_prefill:
+        if self.connector is None or request.remote_prefill or not request.read_cache:
             self._queue(request, arrival)
         else:
             request.arrival_time = arrival  # also for an abort before it is queued

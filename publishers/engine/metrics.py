@@ -10,10 +10,17 @@ the simulator has start with ``sim_``.
 State (queues, cache usage, cumulative counters the scheduler keeps) is read at scrape
 time; per-request observations arrive through ``EngineMetrics.step`` (each engine step)
 and ``EngineMetrics.finished`` (a request ended outside a step: abort, stop string).
+
+With LoRA (``max_loras`` given) there is vLLM's ``vllm:lora_requests_info`` too: a gauge
+whose labels name the adapters with requests in the engine (in the order they came) and
+whose value is when that set was last seen, one series per set ever seen, as vLLM's is
+(routers read the adapters an engine has loaded from it). Every other family is labelled
+with the base model's name only, adapters' requests included, as vLLM's are.
 """
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterable, Sequence
 
 from prometheus_client import CollectorRegistry, Counter, Histogram
@@ -116,9 +123,13 @@ class EngineMetrics:
         labels: dict[str, str],
         max_model_len: int,
         cache_config: dict[str, str],
+        max_loras: int | None = None,
     ) -> None:
         self.registry = CollectorRegistry(auto_describe=True)
         self.registry.register(_StateCollector(scheduler, labels, cache_config))
+        self._lora_info = None if max_loras is None else _LoraRequestsInfo(scheduler, max_loras)
+        if self._lora_info is not None:
+            self.registry.register(self._lora_info)
         self._labels = labels
         self._last_token: dict[str, float] = {}  # request id -> model time of its last token
         names = list(labels)
@@ -227,6 +238,8 @@ class EngineMetrics:
     def step(self, plan: StepPlan, changed: Iterable[EngineRequest], clock: float) -> None:
         """Observe an engine step that ended at model time ``clock``."""
         self.iteration_tokens.observe(plan.num_computed_tokens)
+        if self._lora_info is not None:
+            self._lora_info.step(plan)
         for request in changed:
             if request.output_token_ids:
                 self._token(request, clock)
@@ -240,9 +253,14 @@ class EngineMetrics:
         num_generated = len(request.output_token_ids)
         self.request_prompt_tokens.observe(len(request.prompt_token_ids))
         self.request_generation_tokens.observe(num_generated)
-        self.max_generation_tokens.observe(request.max_tokens)
         self.params_max_tokens.observe(request.max_tokens)
-        self.params_n.observe(1)
+        group = request.group
+        if group is None:
+            self.params_n.observe(1)
+            self.max_generation_tokens.observe(num_generated)
+        elif group.finish(num_generated):  # vLLM observes a prompt's n samples once
+            self.params_n.observe(group.n)
+            self.max_generation_tokens.observe(group.max_generated)
         self.num_preemptions.observe(request.num_preemptions)
         finish, first = request.finish_time, request.first_token_time
         scheduled = request.scheduled_time
@@ -367,3 +385,33 @@ class _StateCollector(Collector):
         for label, value in values.items():
             metric.add_metric([*self._labels.values(), label], value)
         return metric
+
+
+class _LoraRequestsInfo(Collector):
+    """``vllm:lora_requests_info``: vLLM sets it to the current time, at each step, for the
+    label set naming the adapters with requests in the engine (waiting and running list the
+    same adapters: those with any request), so every set seen keeps a series."""
+
+    def __init__(self, scheduler: Scheduler, max_loras: int) -> None:
+        self._scheduler = scheduler
+        self._max_lora = str(max_loras)
+        self._adapters: dict[str, None] = {}  # in flight, in the order they came
+        self._seen: dict[str, float] = {}  # adapters joined by "," -> when last seen
+
+    def step(self, plan: StepPlan) -> None:
+        """The adapters of the step's requests and of those still in the engine."""
+        scheduler = self._scheduler
+        requests = (*(chunk.request for chunk in plan.chunks), *scheduler.running,
+                    *scheduler.waiting)  # fmt: skip
+        names = dict.fromkeys(r.lora.name for r in requests if r.lora is not None)
+        self._adapters = {name: None for name in self._adapters if name in names} | names
+        self._seen[",".join(self._adapters)] = time.time()
+
+    def collect(self) -> Iterable[Metric]:
+        labels = ["max_lora", "waiting_lora_adapters", "running_lora_adapters"]
+        metric = GaugeMetricFamily(
+            "vllm:lora_requests_info", "Running stats on lora requests.", labels=labels
+        )
+        for adapters, seen in self._seen.items():
+            metric.add_metric([self._max_lora, adapters, adapters], seen)
+        yield metric

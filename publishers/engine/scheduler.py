@@ -31,6 +31,7 @@ from dataclasses import dataclass, field
 import xxhash
 
 from ..encoding import WireEvent
+from .block_hash import LoraAdapter
 from .block_manager import Allocation, BlockManager
 from .timing import TimingModel
 
@@ -44,6 +45,36 @@ def sample_token(seed: int, index: int, num_ordinary: int) -> int:
     return xxhash.xxh3_64_intdigest(index.to_bytes(8, "little"), seed=seed) % num_ordinary
 
 
+def sampling_seed(
+    prompt_token_ids: Sequence[int], lora: LoraAdapter | None, sample_index: int
+) -> int:
+    """What a request's tokens are drawn from: its prompt, its adapter (another model
+    answers differently) and which of the request's ``n`` samples it is (0: the answer a
+    request with n = 1 gets)."""
+    adapter = b"" if lora is None else lora.name.encode()
+    data = array("q", prompt_token_ids).tobytes() + adapter
+    return xxhash.xxh3_64_intdigest(data, seed=sample_index)
+
+
+@dataclass(eq=False, slots=True)
+class SampleGroup:
+    """The ``n`` samples of one prompt (vLLM's ``ParentRequest``): vLLM's ``request_params_n``
+    and ``request_max_num_generation_tokens`` are observed once, when the last one ends."""
+
+    n: int
+    remaining: int = field(init=False)
+    max_generated: int = 0
+
+    def __post_init__(self) -> None:
+        self.remaining = self.n
+
+    def finish(self, num_generated: int) -> bool:
+        """One sample ended; True when it was the last."""
+        self.remaining -= 1
+        self.max_generated = max(self.max_generated, num_generated)
+        return self.remaining == 0
+
+
 @dataclass(eq=False, slots=True)
 class EngineRequest:
     """One request's state in the scheduler; the shell only reads it.
@@ -53,7 +84,11 @@ class EngineRequest:
     ``keep_blocks``: a prefill for a remote decode (``do_remote_decode``): when finished its
     blocks stay allocated until the decode side has pulled them (``Scheduler.release``).
     ``store_blocks``: the prompt blocks (by index) loaded from a KV store before the request
-    was queued; None when the engine has no store. Times are on the model clock.
+    was queued; None when the engine has no store. ``lora``: the adapter it runs with (its
+    blocks are the adapter's, never the base model's). ``read_cache`` False: the prompt is
+    computed whole, as vLLM does for a request wanting prompt logprobs
+    (``skip_reading_prefix_cache``); its blocks are still cached. ``sample_index`` and
+    ``group``: which of a prompt's ``n`` samples it is. Times are on the model clock.
     """
 
     request_id: str
@@ -63,6 +98,10 @@ class EngineRequest:
     remote_prefill: bool = False
     keep_blocks: bool = False
     store_blocks: range | None = None
+    lora: LoraAdapter | None = None
+    read_cache: bool = True
+    sample_index: int = 0
+    group: SampleGroup | None = None
     output_token_ids: list[int] = field(default_factory=list)
     arrival_time: float = 0.0
     scheduled_time: float | None = None  # first admission: the end of its queueing
@@ -81,7 +120,7 @@ class EngineRequest:
     def __post_init__(self) -> None:
         if not self.prompt_token_ids or self.max_tokens < 1:
             raise ValueError("a request needs a prompt and max_tokens >= 1")
-        self.seed = xxhash.xxh3_64_intdigest(array("q", self.prompt_token_ids).tobytes())
+        self.seed = sampling_seed(self.prompt_token_ids, self.lora, self.sample_index)
 
     @property
     def token_ids(self) -> list[int]:
@@ -146,14 +185,16 @@ class Scheduler:
         max_num_seqs: int = DEFAULT_MAX_NUM_SEQS,
         max_num_batched_tokens: int = DEFAULT_MAX_NUM_BATCHED_TOKENS,
         enable_chunked_prefill: bool = True,
+        max_loras: int | None = None,
     ) -> None:
-        if max_num_seqs < 1 or max_num_batched_tokens < 1:
-            raise ValueError("max_num_seqs and max_num_batched_tokens must be >= 1")
+        if max_num_seqs < 1 or max_num_batched_tokens < 1 or (max_loras or 1) < 1:
+            raise ValueError("max_num_seqs, max_num_batched_tokens and max_loras must be >= 1")
         self.blocks = blocks
         self.timing = timing
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.enable_chunked_prefill = enable_chunked_prefill
+        self.max_loras = max_loras  # adapters one step may run (None: LoRA is off)
         self.num_ordinary_tokens = num_ordinary_tokens
         self.clock = 0.0
         self.waiting: deque[EngineRequest] = deque()
@@ -174,7 +215,8 @@ class Scheduler:
         the newest running request is preempted (recomputed later), and no request is
         admitted in that step — vLLM's rule. Then waiting requests are admitted in order
         until one does not fit (head-of-line blocking, as FCFS), the budget is spent or
-        ``max_num_seqs`` run.
+        ``max_num_seqs`` run; one whose adapter would make the step run more than
+        ``max_loras`` adapters is passed over, keeping its place in the queue.
         """
         budget = self.max_num_batched_tokens
         chunks: list[Chunk] = []
@@ -190,8 +232,13 @@ class Scheduler:
 
         admitted: list[EngineRequest] = []
         rejected: list[EngineRequest] = []
+        loras = {chunk.request.lora.adapter_id for chunk in chunks if chunk.request.lora}
+        passed_over: list[EngineRequest] = []
         while self.waiting and not preempted and budget and len(self.running) < self.max_num_seqs:
             request = self.waiting[0]
+            if self._exceeds_max_loras(request, loras):
+                passed_over.append(self.waiting.popleft())
+                continue
             problem = self.capacity_problem(len(request.prompt_token_ids), request.max_tokens)
             if problem is not None:  # covers the allocator's CapacityError, and growth
                 self.waiting.popleft()
@@ -202,7 +249,9 @@ class Scheduler:
             allocation = self.blocks.allocate(
                 request.request_id,
                 request.token_ids,
+                lora=request.lora,
                 cache_salt=request.cache_salt,
+                read_cache=request.read_cache,
                 token_budget=None if first_remote else budget,  # loading costs no budget
                 chunked=self.enable_chunked_prefill,
                 external=request.store_blocks if request.scheduled_time is None else None,
@@ -215,6 +264,9 @@ class Scheduler:
             chunk = self._admit(request, allocation)
             chunks.append(chunk)
             budget -= chunk.num_computed
+            if request.lora is not None:
+                loras.add(request.lora.adapter_id)
+        self.waiting.extendleft(reversed(passed_over))
 
         if not (chunks or preempted or rejected):
             return None
@@ -225,6 +277,13 @@ class Scheduler:
             rejected=tuple(rejected),
             duration=self._price(chunks),
         )
+
+    def _exceeds_max_loras(self, request: EngineRequest, loras: set[int]) -> bool:
+        """vLLM's rule: a step runs at most ``max_loras`` adapters (the base model is free)."""
+        lora = request.lora
+        if lora is None or self.max_loras is None or lora.adapter_id in loras:
+            return False
+        return len(loras) >= self.max_loras
 
     def capacity_problem(self, num_prompt_tokens: int, max_tokens: int) -> str | None:
         """Why a request could never run here, or None: its KV at the end (all its tokens but

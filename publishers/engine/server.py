@@ -5,7 +5,12 @@ vLLM works against the simulator unchanged: ``/v1/completions`` and ``/v1/chat/c
 (JSON and SSE), their scale-out ``/render`` twins (403 without ``--enable-scale-out``, as
 vLLM), ``/v1/models``, ``/tokenize``, ``/detokenize``, ``/health``, ``/ping``, ``/version``,
 ``/load``, ``/kv_event_sources``, ``/metrics`` (``metrics.py``) and the dev endpoint
-``/reset_prefix_cache``. Errors are vLLM's ``{"error": {message, type, param, code}}``; an
+``/reset_prefix_cache``. ``model`` names the base model (any served name, or none) or a
+LoRA adapter (``models.py``), whose requests are cached under the adapter's block hashes.
+Completions take a list of prompts (strings or token-id lists), ``n``, ``echo`` and
+``logprobs``, chat ``n``, ``echo``, ``logprobs`` and ``top_logprobs``, streaming or not,
+answered as vLLM answers them (``answers.py``; the log-probabilities are made up,
+``logprobs.py``). Errors are vLLM's ``{"error": {message, type, param, code}}``; an
 unknown route or a wrong method gets FastAPI's ``{"detail": ...}`` 404 or 405. Every shape
 is pinned against a real vLLM 0.32's answer to the same request. Imitating SGLang
 (``ServerSettings.engine``), the cache is flushed by SGLang's ``/flush_cache`` instead, and
@@ -31,7 +36,8 @@ import json
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable
+from abc import abstractmethod
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
@@ -39,14 +45,17 @@ import aiohttp
 import xxhash
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, ValidationError, model_validator
 
 from conductor.failures import describe
 
+from .answers import CHAT, COMPLETION, Answer, Delta, Options, Prompt, SequenceText, Shape, merged
 from .block_hash import Engine
-from .loop import EngineError, EngineLoop, RequestStream
+from .logprobs import MAX_LOGPROBS
+from .loop import EngineError, EngineLoop
 from .metrics import EngineMetrics
-from .scheduler import EngineRequest
+from .models import Served, ServedModels
+from .scheduler import EngineRequest, SampleGroup
 from .tokenizer import EngineTokenizer
 
 log = logging.getLogger(__name__)
@@ -70,11 +79,17 @@ SGLANG_NOT_FLUSHED = "Flush cache failed.\n"
 SCALE_OUT_DISABLED = (
     "Scale-out endpoints are disabled. Restart vllm serve with --enable-scale-out to enable them."
 )
+EMPTY_CONVERSATION = (
+    "Cannot apply chat template to an empty conversation. Provide at least one message."
+)
+MAX_N_SEQUENCES = 16_384  # vLLM's VLLM_MAX_N_SEQUENCES
+MAX_COMPLETION_PROMPTS = 1_024  # vLLM's VLLM_MAX_COMPLETION_PROMPTS
+SAMPLING_EPS = 1e-5  # a lower temperature is greedy sampling, as in vLLM
 
 
 @dataclass(frozen=True, slots=True)
 class ServerSettings:
-    served_model_names: tuple[str, ...]
+    models: ServedModels  # the base model's names and the LoRA adapters
     max_model_len: int
     instance_id: str  # also the ``remote_engine_id`` of prefills
     remote_host: str  # where decode simulators reach this one's HTTP API to release blocks
@@ -87,9 +102,7 @@ class ServerSettings:
 
     def __post_init__(self) -> None:
         """vLLM's ``vllm-<version>-<config hash>``: stable for one configuration."""
-        digest = xxhash.xxh32_hexdigest(
-            repr((self.served_model_names, self.max_model_len)).encode()
-        )
+        digest = xxhash.xxh32_hexdigest(repr((self.models.names, self.max_model_len)).encode())
         object.__setattr__(self, "system_fingerprint", f"vllm-{VLLM_VERSION}-{digest}")
 
 
@@ -149,14 +162,16 @@ class ChatMessage(_Body):
 
 class _GenerationBody(_Body):
     model: str | None = None
-    max_tokens: int | None = Field(default=None, ge=1)
-    n: int = Field(default=1, ge=1, le=1)  # one choice only: refuse rather than ignore n > 1
+    max_tokens: int | None = None
+    n: int = 1
     stream: bool = False
     stream_options: StreamOptions | None = None
     stop: str | list[str] | None = None
     cache_salt: str | None = None
     kv_transfer_params: KVTransferParams | None = None
-    # sampling: the simulator samples greedily whatever they say; render echoes them
+    echo: bool = False
+    prompt_logprobs: int | None = None
+    # sampling: the simulator samples its own way whatever they say; render echoes them
     temperature: float = 1.0
     top_p: float = 1.0
     min_p: float = 0.0
@@ -169,10 +184,38 @@ class _GenerationBody(_Body):
         stops = [self.stop] if isinstance(self.stop, str) else self.stop or []
         return [stop for stop in stops if stop]
 
+    @abstractmethod
+    def num_logprobs(self) -> int | None:
+        """Candidates per generated token vLLM's sampler is asked for (None: none)."""
+
+    @abstractmethod
+    def echo_logprobs(self) -> int | None:
+        """Candidates per prompt token that ``echo`` asks for (None: none)."""
+
+    def num_prompt_logprobs(self) -> int | None:
+        """Candidates per prompt token: asked for, or implied by echo; vLLM reads no cache
+        for a request that wants them."""
+        if self.prompt_logprobs is not None:
+            return self.prompt_logprobs
+        return self.echo_logprobs() if self.echo else None
+
+    def check(self) -> None:
+        """What vLLM's request model refuses before it looks at anything else."""
+        wanted = self.prompt_logprobs
+        if wanted is None:
+            return
+        if self.stream and (wanted > 0 or wanted == -1):
+            message = "`prompt_logprobs` are not available when `stream=True`."
+            raise ApiError(400, _invalid(message, "prompt_logprobs"), "prompt_logprobs")
+        if wanted < -1:
+            message = "`prompt_logprobs` must be a positive value or -1."
+            raise ApiError(400, _invalid(message, "prompt_logprobs", wanted), "prompt_logprobs")
+
     def sampling_params(self, max_tokens: int | None) -> dict[str, Any]:
         """vLLM's SamplingParams as render serializes them: greedy drops top_p and min_p,
         unset seed and max_tokens are left out, streaming asks for deltas."""
-        params: dict[str, Any] = {
+        params: dict[str, Any] = {"n": self.n} if self.n != 1 else {}
+        params |= {
             "presence_penalty": self.presence_penalty,
             "frequency_penalty": self.frequency_penalty,
             "repetition_penalty": self.repetition_penalty,
@@ -185,21 +228,101 @@ class _GenerationBody(_Body):
         params |= {"stop": self.stops(), "stop_token_ids": []}
         if max_tokens is not None:
             params["max_tokens"] = max_tokens
+        logprobs = {"logprobs": self.num_logprobs(), "prompt_logprobs": self.num_prompt_logprobs()}
+        params |= {key: value for key, value in logprobs.items() if value is not None}
         params |= {"output_kind": 1 if self.stream else 2, "skip_clone": True}
         if self.kv_transfer_params is not None:
             transfer = self.kv_transfer_params.model_dump(exclude_unset=True)
             params["extra_args"] = {"kv_transfer_params": transfer}
-        return params | {"bad_words": [], "skip_reading_prefix_cache": False}
+        skip = self.num_prompt_logprobs() is not None
+        return params | {"bad_words": [], "skip_reading_prefix_cache": skip}
 
 
 class CompletionBody(_GenerationBody):
-    prompt: str | list[int]
+    prompt: str | list[int] | list[str] | list[list[int]]
+    logprobs: int | None = None
+
+    def num_logprobs(self) -> int | None:
+        return self.logprobs
+
+    def echo_logprobs(self) -> int | None:
+        return self.logprobs
+
+    def check(self) -> None:
+        super().check()
+        if self.logprobs is not None and self.logprobs < -1:
+            raise ApiError(400, _invalid("`logprobs` must be a positive value or -1.",
+                                         "logprobs", self.logprobs), "logprobs")  # fmt: skip
+        prompt = self.prompt
+        if isinstance(prompt, list) and prompt and not isinstance(prompt[0], int):
+            if len(prompt) > MAX_COMPLETION_PROMPTS:
+                raise ApiError(
+                    400,
+                    f"prompt list length {len(prompt)} exceeds the maximum allowed count of "
+                    f"{MAX_COMPLETION_PROMPTS}. To increase this limit, set the "
+                    "VLLM_MAX_COMPLETION_PROMPTS environment variable. (parameter=prompt)",
+                    "prompt",
+                )
+
+    def prompts(self) -> list[str | list[int]]:
+        """One entry per prompt: its text or its token ids."""
+        prompt = self.prompt
+        if isinstance(prompt, str) or not prompt or isinstance(prompt[0], int):
+            return [prompt]  # type: ignore[list-item]  # a str or a list[int]
+        return list(prompt)  # a list[str] or a list[list[int]]
 
 
 class ChatCompletionBody(_GenerationBody):
-    messages: list[ChatMessage] = Field(min_length=1)
-    max_completion_tokens: int | None = Field(default=None, ge=1)
+    messages: list[ChatMessage]
+    max_completion_tokens: int | None = None
     add_generation_prompt: bool = True
+    logprobs: bool = False
+    top_logprobs: int | None = 0  # None is 0, as vLLM reads it
+
+    def num_logprobs(self) -> int | None:
+        return (self.top_logprobs or 0) if self.logprobs else None
+
+    def echo_logprobs(self) -> int | None:
+        return self.top_logprobs or 0
+
+    def check(self) -> None:
+        super().check()
+        top = self.top_logprobs or 0
+        if top < -1:
+            raise ApiError(400, _invalid("`top_logprobs` must be a positive value or -1.",
+                                         "top_logprobs", top), "top_logprobs")  # fmt: skip
+        if top != 0 and not self.logprobs:
+            message = "when using `top_logprobs`, `logprobs` must be set to true."
+            raise ApiError(400, _invalid(message, "top_logprobs"), "top_logprobs")
+
+    def role(self) -> str:
+        """vLLM's answer role: the assistant's, or without a generation prompt the last
+        message's (the answer continues it)."""
+        if self.add_generation_prompt or not self.messages:
+            return "assistant"
+        return self.messages[-1].role
+
+    def echoed(self) -> str:
+        """What echo repeats: the last message's content if it is the answer's role's."""
+        if not self.messages or self.messages[-1].role != self.role():
+            return ""
+        content = self.messages[-1].content
+        if isinstance(content, list):
+            return "\n".join(str(part.get("text", "")) for part in content)
+        return content or ""
+
+
+def _chat_max_tokens(body: ChatCompletionBody) -> int | None:
+    """``max_completion_tokens``, or the deprecated ``max_tokens`` without it."""
+    if body.max_completion_tokens is not None:
+        return body.max_completion_tokens
+    return body.max_tokens
+
+
+def _invalid(message: str, parameter: str, value: object = None) -> str:
+    """A VLLMValidationError's text: the message, then what it is about."""
+    about = f"parameter={parameter}" + ("" if value is None else f", value={value}")
+    return f"{message} ({about})"
 
 
 class TokenizeBody(_Body):
@@ -250,80 +373,7 @@ async def _parse_render(request: web.Request, settings: ServerSettings, model: t
     return await _parse(request, model)
 
 
-# -- response shapes ----------------------------------------------------------------------
-
-
-@dataclass(frozen=True, slots=True)
-class _Shape:
-    """Where completions and chat completions differ: ids, object names, the choice and the
-    fields vLLM 0.32 adds (null unless asked for: token ids, logprobs, reasoning ...)."""
-
-    id_prefix: str
-    object: str
-    chunk_object: str
-    chat: bool
-
-    def choice(self, text: str, finish: str | None, stop: str | None, chunk: bool) -> dict:
-        common = {"index": 0}
-        tail = {"logprobs": None, "finish_reason": finish, "stop_reason": stop}
-        if not self.chat:
-            extra = ("prompt_token_ids", "token_ids") if chunk else _COMPLETION_CHOICE_NULLS
-            return common | {"text": text} | tail | dict.fromkeys(extra)
-        if chunk:
-            if finish is None:  # vLLM names the stop reason in the last chunk only
-                del tail["stop_reason"]
-            return common | {"delta": {"content": text}} | tail | {"token_ids": None}
-        message = {"role": "assistant", "content": text} | dict.fromkeys(_MESSAGE_NULLS)
-        return common | {"message": message} | tail | dict.fromkeys(_CHAT_CHOICE_NULLS)
-
-    def answer_nulls(self) -> dict[str, None]:
-        """Top-level fields of a whole answer that the simulator always leaves null."""
-        return dict.fromkeys(_CHAT_ANSWER_NULLS if self.chat else ()) | dict.fromkeys(
-            ("service_tier", "ec_transfer_params", "metrics")
-        )
-
-
-_COMPLETION_CHOICE_NULLS = ("token_ids", "prompt_logprobs", "prompt_token_ids", "routed_experts")
-_CHAT_CHOICE_NULLS = ("token_ids", "routed_experts")
-_MESSAGE_NULLS = ("refusal", "annotations", "audio", "function_call", "reasoning")
-_CHAT_ANSWER_NULLS = ("prompt_logprobs", "prompt_token_ids", "prompt_text")
-COMPLETION = _Shape("cmpl-", "text_completion", "text_completion", chat=False)
-CHAT = _Shape("chatcmpl-", "chat.completion", "chat.completion.chunk", chat=True)
-
-
-def _usage(
-    request: EngineRequest, completion_tokens: int, chunk: bool, engine: Engine
-) -> dict[str, Any]:
-    """Token counts; cached tokens always, as vLLM with ``--enable-prompt-tokens-details``
-    and SGLang with ``--enable-cache-report`` (whose ``UsageInfo`` has every field)."""
-    prompt_tokens = len(request.prompt_token_ids)
-    usage: dict[str, Any] = {
-        "prompt_tokens": prompt_tokens,
-        "total_tokens": prompt_tokens + completion_tokens,
-        "completion_tokens": completion_tokens,
-        "prompt_tokens_details": {"cached_tokens": request.num_cached_tokens},
-    }
-    if engine == "sglang":
-        return usage | {"reasoning_tokens": 0, "completion_tokens_details": None}
-    return usage if chunk else usage | {"completion_tokens_details": None}
-
-
-def _model_permission(created: int) -> dict[str, Any]:
-    """vLLM's (OpenAI's legacy) permission entry of ``/v1/models``: everything but fine-tuning."""
-    return {
-        "id": f"modelperm-{uuid.uuid4().hex[:16]}",
-        "object": "model_permission",
-        "created": created,
-        "allow_create_engine": False,
-        "allow_sampling": True,
-        "allow_logprobs": True,
-        "allow_search_indices": False,
-        "allow_view": True,
-        "allow_fine_tuning": False,
-        "organization": "*",
-        "group": None,
-        "is_blocking": False,
-    }
+# -- response helpers ---------------------------------------------------------------------
 
 
 def _ttft_header(request: EngineRequest) -> dict[str, str]:
@@ -334,48 +384,6 @@ def _ttft_header(request: EngineRequest) -> dict[str, str]:
 def _sse(payload: object) -> bytes:
     data = payload if isinstance(payload, str) else json.dumps(payload, separators=(",", ":"))
     return f"data: {data}\n\n".encode()
-
-
-class _Generation:
-    """A request's text, token by token, cut at the first stop string."""
-
-    def __init__(self, stream: RequestStream, tokenizer: EngineTokenizer, stops: list[str]) -> None:
-        self.stream = stream
-        self.request = stream.request
-        self.text = ""
-        self.num_tokens = 0
-        self.finish_reason: str | None = None
-        self.stop_reason: str | None = None
-        self._tokenizer = tokenizer
-        self._stops = stops
-
-    async def deltas(self) -> AsyncIterator[str]:
-        """The text each token adds; ``finish_reason`` is set when the last one is yielded."""
-        async for token in self.stream:
-            self.num_tokens += 1
-            start = len(self.text)
-            self.text += self._tokenizer.decode([token])
-            cut = self._first_stop(start)
-            if cut is not None:
-                self.text = self.text[:cut]
-                self.finish_reason = "stop"
-                yield self.text[start:]
-                return
-            if self.stream.drained:
-                self.finish_reason = self.request.finish_reason
-            yield self.text[start:]
-
-    def _first_stop(self, start: int) -> int | None:
-        """Where the earliest stop string that ends in the new text begins."""
-        found = []
-        for stop in self._stops:
-            at = self.text.find(stop, max(0, start - len(stop) + 1))
-            if at >= 0:
-                found.append((at, stop))
-        if not found:
-            return None
-        at, self.stop_reason = min(found)
-        return at
 
 
 # -- handlers -----------------------------------------------------------------------------
@@ -397,20 +405,48 @@ class EngineApi:
         self._background: set[asyncio.Task[None]] = set()
 
     async def completions(self, request: web.Request) -> web.StreamResponse:
+        """One choice per prompt and sample; ``echo`` with ``max_tokens`` 0 answers with the
+        prompt alone (vLLM generates one token for it, and counts it)."""
         body = await _parse(request, CompletionBody)
-        prompt = body.prompt
-        token_ids = self.tokenizer.encode_prompt(prompt) if isinstance(prompt, str) else prompt
-        return await self._generate(request, body, token_ids, body.max_tokens, COMPLETION)
+        body.check()
+        served = self._served(body.model)
+        texts = body.prompts()
+        token_ids = [self._prompt_tokens(text) for text in texts]
+        echo_only = body.echo and body.max_tokens == 0
+        max_tokens = self._checked_max_tokens(body, 1 if echo_only else body.max_tokens, token_ids)
+        prompts = [
+            Prompt(ids, self._echo_text(text) if body.echo else "")
+            for ids, text in zip(token_ids, texts, strict=True)
+        ]
+        options = Options(
+            n=body.n,
+            echo=body.echo,
+            echo_only=echo_only,
+            num_logprobs=body.logprobs,
+            num_prompt_logprobs=body.num_prompt_logprobs(),
+        )
+        return await self._generate(request, body, served, prompts, max_tokens, COMPLETION, options)
 
     async def chat_completions(self, request: web.Request) -> web.StreamResponse:
+        """``n`` choices for the one prompt; ``echo`` asks vLLM for the prompt's logprobs."""
         body = await _parse(request, ChatCompletionBody)
+        body.check()
+        served = self._served(body.model)
         token_ids = self._chat_tokens(body.messages, body.add_generation_prompt)
-        max_tokens = body.max_completion_tokens or body.max_tokens
-        return await self._generate(request, body, token_ids, max_tokens, CHAT)
+        max_tokens = self._checked_max_tokens(body, _chat_max_tokens(body), [token_ids])
+        options = Options(
+            n=body.n,
+            echo=body.echo,
+            num_logprobs=body.num_logprobs(),
+            num_prompt_logprobs=body.num_prompt_logprobs(),
+            role=body.role(),
+        )
+        prompt = Prompt(token_ids, body.echoed() if body.echo else "")
+        return await self._generate(request, body, served, [prompt], max_tokens, CHAT, options)
 
     async def tokenize(self, request: web.Request) -> web.Response:
         body = await _parse(request, TokenizeBody)
-        self._check_model(body.model)
+        self._served(body.model)
         if body.messages is not None:
             tokens = self._chat_tokens(body.messages, body.add_generation_prompt)
         elif isinstance(body.prompt, str):
@@ -427,20 +463,7 @@ class EngineApi:
         )
 
     async def models(self, request: web.Request) -> web.Response:
-        created = int(time.time())
-        data = [
-            {
-                "id": name,
-                "object": "model",
-                "created": created,
-                "owned_by": "vllm",
-                "root": name,
-                "parent": None,
-                "max_model_len": self.settings.max_model_len,
-                "permission": [_model_permission(created)],
-            }
-            for name in self.settings.served_model_names
-        ]
+        data = self.settings.models.cards(self.settings.max_model_len)
         return web.json_response({"object": "list", "data": data})
 
     async def health(self, request: web.Request) -> web.Response:
@@ -466,7 +489,7 @@ class EngineApi:
 
     async def detokenize(self, request: web.Request) -> web.Response:
         body = await _parse(request, DetokenizeBody)
-        self._check_model(body.model)
+        self._served(body.model)
         out_of_vocabulary = [t for t in body.tokens if not 0 <= t < self.tokenizer.vocab_size]
         if out_of_vocabulary:
             raise ApiError(400, f"Token id {out_of_vocabulary[0]} is out of vocabulary", "tokens")
@@ -475,25 +498,27 @@ class EngineApi:
     async def render_completion(self, request: web.Request) -> web.Response:
         """vLLM's scale-out render: the token-in request a ``/generate`` server would take."""
         body = await _parse_render(request, self.settings, CompletionBody)
-        prompt = body.prompt
-        token_ids = self.tokenizer.encode_prompt(prompt) if isinstance(prompt, str) else prompt
-        if not token_ids:
-            raise ApiError(400, "Either prompt or prompt_embeds must be provided and non-empty.",
-                           "prompt")  # fmt: skip
-        return web.json_response([self._rendered(body, token_ids, body.max_tokens, COMPLETION)])
+        body.check()
+        rendered = []
+        for prompt in body.prompts():
+            token_ids = self._prompt_tokens(prompt)
+            if not token_ids:
+                raise ApiError(400, "Either prompt or prompt_embeds must be provided and "
+                               "non-empty.", "prompt")  # fmt: skip
+            rendered.append(self._rendered(body, token_ids, body.max_tokens, COMPLETION))
+        return web.json_response(rendered)
 
     async def render_chat(self, request: web.Request) -> web.Response:
         body = await _parse_render(request, self.settings, ChatCompletionBody)
         token_ids = self._chat_tokens(body.messages, body.add_generation_prompt)
-        max_tokens = body.max_completion_tokens or body.max_tokens
-        return web.json_response(self._rendered(body, token_ids, max_tokens, CHAT))
+        return web.json_response(self._rendered(body, token_ids, _chat_max_tokens(body), CHAT))
 
     def _rendered(
-        self, body: _GenerationBody, token_ids: list[int], max_tokens: int | None, shape: _Shape
+        self, body: _GenerationBody, token_ids: list[int], max_tokens: int | None, shape: Shape
     ) -> dict[str, Any]:
         """vLLM's ``GenerateRequest``; what the simulator cannot have (features) is null, and
         ``model`` is the request's, null when it named none."""
-        self._check_model(body.model)
+        self._served(body.model)
         options = body.stream_options
         nulls = ("token_offsets", "features", "content_parts")
         late_nulls = ("reasoning_ended", "reasoning_parser_kwargs", "return_token_ids")
@@ -540,115 +565,172 @@ class EngineApi:
         self,
         http_request: web.Request,
         body: _GenerationBody,
-        token_ids: list[int],
-        max_tokens: int | None,
-        shape: _Shape,
+        served: Served,
+        prompts: list[Prompt],
+        max_tokens: int,
+        shape: Shape,
+        options: Options,
     ) -> web.StreamResponse:
-        model = self._check_model(body.model)
         transfer = body.kv_transfer_params or KVTransferParams()
-        if transfer.do_remote_decode and body.stream:  # its answer carries the transfer params
-            raise ApiError(400, "kv_transfer_params.do_remote_decode needs stream=false", "stream")
-        max_tokens = 1 if transfer.do_remote_decode else max_tokens or DEFAULT_MAX_TOKENS
-        self._check_prompt(token_ids, max_tokens)
-        request = EngineRequest(
-            request_id=uuid.uuid4().hex,
-            prompt_token_ids=token_ids,
-            max_tokens=max_tokens,
-            cache_salt=body.cache_salt or None,
-            remote_prefill=transfer.do_remote_prefill,
-            keep_blocks=transfer.do_remote_decode,
-        )
-        generation = _Generation(self.engine.submit(request), self.tokenizer, body.stops())
+        sequences = self._submit(body, served, prompts, max_tokens, options, transfer)
         header = {
-            "id": shape.id_prefix + request.request_id,
+            "id": shape.id_prefix + sequences[0].request.request_id,
+            "object": shape.object,
             "created": int(time.time()),
-            "model": model,
+            "model": served.name,
         }
+        options_ = body.stream_options
+        answer = Answer(
+            shape,
+            options,
+            prompts,
+            sequences,
+            header,
+            self.tokenizer,
+            self.settings.system_fingerprint,
+            self.settings.engine,
+            include_usage=options_ is not None and options_.include_usage,
+        )
+        deltas = merged(sequences)
         try:
-            deltas = generation.deltas()
-            first = await anext(deltas)  # nothing is sent before it: errors stay clean
-            self._first_token(request, transfer)
+            first, delta = await anext(deltas)  # nothing is sent before it: errors stay clean
+            if transfer.do_remote_prefill:  # a decode has its KV now: its prefill may free it
+                self._release_remote(transfer)
             if body.stream:
-                options = body.stream_options
-                usage = options is not None and options.include_usage
-                return await self._stream(
-                    http_request, generation, deltas, first, header, shape, usage
-                )
+                return await self._stream(http_request, answer, deltas, first, delta)
             async for _ in deltas:
                 pass
-            choice = shape.choice(
-                generation.text, generation.finish_reason, generation.stop_reason, chunk=False
-            )
-            answer = (
-                header
-                | shape.answer_nulls()
-                | {
-                    "object": shape.object,
-                    "choices": [choice],
-                    "system_fingerprint": self.settings.system_fingerprint,
-                    "usage": _usage(request, generation.num_tokens, False, self.settings.engine),
-                    "kv_transfer_params": self._transfer_answer(request),
-                }
-            )
-            return web.json_response(answer, headers=_ttft_header(request))
+            whole = answer.whole(self._transfer_answer(sequences[0].request))
+            return web.json_response(whole, headers=_ttft_header(first.request))
         except EngineError as error:  # before any byte was sent: rejected, or shutting down
-            raise ApiError(400 if request.finish_reason == "error" else 503, str(error)) from None
-        finally:  # a no-op once finished; frees blocks of a stopped or dropped request
-            self.engine.abort(request, "stop" if generation.finish_reason == "stop" else "abort")
+            rejected = any(s.request.finish_reason == "error" for s in sequences)
+            raise ApiError(400 if rejected else 503, str(error)) from None
+        finally:  # a no-op once finished; frees blocks of stopped or dropped requests
+            await deltas.aclose()
+            for sequence in sequences:
+                reason = "stop" if sequence.finish_reason == "stop" else "abort"
+                self.engine.abort(sequence.request, reason)
 
-    def _first_token(self, request: EngineRequest, transfer: KVTransferParams) -> None:
-        """A decode has its KV now, so its prefill side may free it."""
-        if transfer.do_remote_prefill:
-            self._release_remote(transfer)
+    def _submit(
+        self,
+        body: _GenerationBody,
+        served: Served,
+        prompts: list[Prompt],
+        max_tokens: int,
+        options: Options,
+        transfer: KVTransferParams,
+    ) -> list[SequenceText]:
+        """One engine request per prompt and sample, queued in vLLM's order."""
+        sequences: list[SequenceText] = []
+        for prompt in prompts:
+            group = SampleGroup(options.n) if options.n > 1 else None
+            for sample in range(options.n):
+                request = EngineRequest(
+                    request_id=uuid.uuid4().hex,
+                    prompt_token_ids=prompt.token_ids,
+                    max_tokens=max_tokens,
+                    cache_salt=body.cache_salt or None,
+                    remote_prefill=transfer.do_remote_prefill,
+                    keep_blocks=transfer.do_remote_decode,
+                    lora=served.lora,
+                    read_cache=options.num_prompt_logprobs is None,
+                    sample_index=sample,
+                    group=group,
+                )
+                stream = self.engine.submit(request)
+                index = len(sequences)
+                sequences.append(SequenceText(index, prompt, stream, self.tokenizer, body.stops()))
+        return sequences
 
     async def _stream(
         self,
         http_request: web.Request,
-        generation: _Generation,
-        deltas: AsyncIterator[str],
-        first: str,
-        header: dict[str, Any],
-        shape: _Shape,
-        include_usage: bool,
+        answer: Answer,
+        deltas: AsyncGenerator[tuple[SequenceText, Delta]],
+        first: SequenceText,
+        delta: Delta,
     ) -> web.StreamResponse:
         """SSE chunks as vLLM sends them; headers go out with the first token (and its TTFT)."""
-        request = generation.request
         headers = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
-        response = web.StreamResponse(headers=headers | _ttft_header(request))
+        response = web.StreamResponse(headers=headers | _ttft_header(first.request))
         await response.prepare(http_request)
-        header = header | {"object": shape.chunk_object}
-
-        async def send(text: str, finish: str | None) -> None:
-            choice = shape.choice(text, finish, generation.stop_reason, chunk=True)
-            await response.write(_sse(header | {"choices": [choice]}))
-
-        if shape.chat:  # the role first, with the prompt fields vLLM leaves null
-            role = {"index": 0, "delta": {"role": "assistant", "content": ""}}
-            choice = role | {"logprobs": None, "finish_reason": None}
-            prompt_nulls = dict.fromkeys(("prompt_token_ids", "prompt_text"))
-            await response.write(_sse(header | {"choices": [choice]} | prompt_nulls))
-        await send(first, generation.finish_reason)
+        for chunk in answer.opening_chunks(first):
+            await response.write(_sse(chunk))
+        await response.write(_sse(answer.delta_chunk(first, delta)))
         try:
-            async for text in deltas:
-                await send(text, generation.finish_reason)
+            async for sequence, delta in deltas:
+                await response.write(_sse(answer.delta_chunk(sequence, delta)))
         except EngineError as error:  # shutdown mid-stream: say so, then end the stream
             await response.write(_sse({"error": {"message": str(error), "code": 503}}))
-        if include_usage:
-            usage = _usage(request, generation.num_tokens, True, self.settings.engine)
-            fingerprint = self.settings.system_fingerprint
-            last = {"choices": [], "usage": usage, "system_fingerprint": fingerprint}
-            await response.write(_sse(header | last))
+        if answer.include_usage:
+            await response.write(_sse(answer.usage_chunk()))
         await response.write(_sse("[DONE]"))
         await response.write_eof()
         return response
 
-    def _check_model(self, model: str | None) -> str:
-        names = self.settings.served_model_names
-        if model is None:
-            return names[0]
-        if model not in names:
-            raise ApiError(404, f"The model `{model}` does not exist.", "model")
-        return model
+    def _served(self, model: str | None) -> Served:
+        """The base model or the adapter ``model`` names; 404 as vLLM for anything else."""
+        served = self.settings.models.resolve(model)
+        if served is None:
+            assert model is not None
+            raise ApiError(404, self.settings.models.unknown(model), "model")
+        return served
+
+    def _prompt_tokens(self, prompt: str | list[int]) -> list[int]:
+        return self.tokenizer.encode_prompt(prompt) if isinstance(prompt, str) else prompt
+
+    def _echo_text(self, prompt: str | list[int]) -> str:
+        """What echo repeats of a prompt: its text, or its token ids decoded."""
+        return prompt if isinstance(prompt, str) else self.tokenizer.decode(prompt)
+
+    def _checked_max_tokens(
+        self, body: _GenerationBody, requested: int | None, prompts: list[list[int]]
+    ) -> int:
+        """The engine requests' ``max_tokens``, once vLLM's checks of the sampling
+        parameters and of each prompt passed; what the simulator cannot do is refused."""
+        transfer = body.kv_transfer_params or KVTransferParams()
+        if transfer.do_remote_decode and body.stream:  # its answer carries the transfer params
+            raise ApiError(400, "kv_transfer_params.do_remote_decode needs stream=false", "stream")
+        if (transfer.do_remote_decode or transfer.do_remote_prefill) and (
+            body.n > 1 or len(prompts) > 1
+        ):
+            raise ApiError(
+                400,
+                "the simulator does not support kv_transfer_params with n > 1 or several prompts",
+                "kv_transfer_params",
+            )
+        self._check_sampling(body, requested)
+        max_tokens = 1 if transfer.do_remote_decode else requested or DEFAULT_MAX_TOKENS
+        for token_ids in prompts:
+            self._check_prompt(token_ids, max_tokens)
+        return max_tokens
+
+    def _check_sampling(self, body: _GenerationBody, max_tokens: int | None) -> None:
+        """vLLM's SamplingParams checks, in its order and its words."""
+        n = body.n
+        if n < 1:
+            raise ApiError(400, f"n must be at least 1, got {n}.")
+        if n > MAX_N_SEQUENCES:
+            raise ApiError(
+                400,
+                f"n must be at most {MAX_N_SEQUENCES}, got {n}. To increase this limit, set "
+                "the VLLM_MAX_N_SEQUENCES environment variable.",
+            )
+        if max_tokens is not None and max_tokens < 1:
+            message = f"max_tokens must be at least 1, got {max_tokens}."
+            raise ApiError(400, _invalid(message, "max_tokens", max_tokens), "max_tokens")
+        if body.temperature < SAMPLING_EPS and n > 1:
+            raise ApiError(400, f"n must be 1 when using greedy sampling, got {n}.")
+        wanted = (("sample", "logprobs", body.num_logprobs()),
+                  ("prompt", "prompt_logprobs", body.num_prompt_logprobs()))  # fmt: skip
+        for kind, parameter, k in wanted:
+            requested = self.tokenizer.vocab_size if k == -1 else k
+            if requested is not None and requested > MAX_LOGPROBS:
+                message = (
+                    f"Requested {kind} logprobs of {requested}, which is greater than max "
+                    f"allowed: {MAX_LOGPROBS}"
+                )
+                raise ApiError(400, _invalid(message, parameter, requested), parameter)
 
     def _check_prompt(self, token_ids: list[int], max_tokens: int) -> None:
         if not token_ids:
@@ -671,6 +753,8 @@ class EngineApi:
             raise ApiError(400, f"{problem}: the request could never run", "max_tokens")
 
     def _chat_tokens(self, messages: list[ChatMessage], add_generation_prompt: bool) -> list[int]:
+        if not messages:
+            raise ApiError(400, EMPTY_CONVERSATION)
         try:
             return self.tokenizer.chat_prompt(
                 [message.model_dump() for message in messages], add_generation_prompt

@@ -114,7 +114,7 @@ class StoreTier:
         """Load what the store has of the prompt past the GPU hit; the loaded block range."""
         prompt = request.prompt_token_ids
         limit = (len(prompt) - 1) // blocks.block_size  # the last token is always computed
-        digests = blocks.prompt_digests(prompt, request.cache_salt)[:limit]
+        digests = blocks.prompt_digests(prompt, request.cache_salt, request.lora)[:limit]
         gpu = blocks.num_gpu_prefix_blocks(digests)
         if not self.loads or gpu == len(digests):
             return range(gpu, gpu)
@@ -124,7 +124,7 @@ class StoreTier:
     async def save(self, request: EngineRequest, blocks: BlockManager) -> list[WireEvent]:
         """Put the prompt's full blocks the store lacks; the connector's events for them."""
         prompt = request.prompt_token_ids
-        digests = blocks.prompt_digests(prompt, request.cache_salt)
+        digests = blocks.prompt_digests(prompt, request.cache_salt, request.lora)
         if not self.saves or not digests:
             return []
         saved = await self._call(self._save, digests)

@@ -354,7 +354,16 @@ BAD_INPUTS = [
     ("/v1/completions", {"model": MODEL, "prompt": [1] * 150, "max_tokens": 10}, 400, "max_tokens"),
     ("/v1/completions", {"model": MODEL, "prompt": "a", "max_tokens": "16"}, 400, "max_tokens"),
     ("/v1/completions", {"model": MODEL, "prompt": "a", "max_tokens": 0}, 400, "max_tokens"),
-    ("/v1/completions", {"model": MODEL, "prompt": "a", "n": 2}, 400, "n"),
+    ("/v1/completions", {"model": MODEL, "prompt": "a", "n": 2, "temperature": 0}, 400, None),
+    ("/v1/completions", {"model": MODEL, "prompt": "a", "n": 0}, 400, None),
+    ("/v1/completions", {"model": MODEL, "prompt": "a", "logprobs": 21}, 400, "logprobs"),
+    ("/v1/completions", {"model": MODEL, "prompt": ["a", [1]]}, 400, "prompt"),
+    (
+        "/v1/completions",
+        {"model": MODEL, "prompt": "a", "prompt_logprobs": 1, "stream": True},
+        400,
+        "prompt_logprobs",
+    ),
     ("/v1/completions", {"model": MODEL, "prompt": "a", "stream": "yes"}, 400, "stream"),
     (
         "/v1/completions",
@@ -366,7 +375,13 @@ BAD_INPUTS = [
         400,
         "kv_transfer_params",
     ),
-    ("/v1/chat/completions", {"model": MODEL, "messages": []}, 400, "messages"),
+    ("/v1/chat/completions", {"model": MODEL, "messages": []}, 400, None),
+    (
+        "/v1/chat/completions",
+        {"model": MODEL, "messages": USER, "top_logprobs": 1},
+        400,
+        "top_logprobs",
+    ),
     ("/v1/chat/completions", {"model": MODEL, "messages": [{"content": "x"}]}, 400, "messages"),
     (
         "/v1/chat/completions",
