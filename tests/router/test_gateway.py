@@ -94,10 +94,15 @@ async def test_each_request_goes_to_its_models_engines(fleet, two_models, serve,
     assert health["models"]["beta"]["policy"] == "round_robin"
 
 
-async def test_an_adapters_prefix_counts_for_the_adapter_only(fleet, two_models, serve, http):
-    """The adapter's prompt is looked up in the adapter's context: repeated, it goes where
-    the adapter's blocks are (and the engine reports them cached); the same prompt on the
-    base model finds nothing of them, as vLLM's cache finds nothing."""
+@pytest.mark.parametrize("embedded", [False, True], ids=["conductor", "embedded"])
+async def test_an_adapters_prefix_counts_for_the_adapter_only(
+    fleet, two_models, serve, http, embedded
+):
+    """The adapter's prompt is looked up in the adapter's context (by a conductor, or the
+    index in the router): repeated, it goes where the adapter's blocks are (and the engine
+    reports them cached); the same prompt on the base model finds nothing of them, as
+    vLLM's cache finds nothing."""
+    two_models["conductor"]["embedded"] = embedded
     router = await serve(two_models)
     status, headers, answer = await ask(http, router.url, "alpha-sql")
     assert status == 200, answer
