@@ -14,6 +14,7 @@ from router import disagg
 from router.app import Router
 from router.conductor_client import parse_hits, parse_store_states
 from router.engine_metrics import engine_in_flight, parse_metrics
+from router.keys import KeyRing
 from router.policy import POLICIES, REGISTRY, PrefillCostModel
 from router.pool import CostLearner, InstancePool
 from router.store_loads import StoreLoads, store_loads
@@ -27,6 +28,19 @@ def parse(argv: list[str]) -> argparse.Namespace:
     parser = argparse.ArgumentParser()
     router_config.add_cli_flags(parser)
     return parser.parse_args(argv)
+
+
+def test_example_multi_model_config_loads():
+    path = REPO / "config" / "router-models.json"
+    config = router_config.load(parse(["--config", str(path)]))
+    models = config.served_models()
+    assert [(m.modelname, m.adapters, m.default) for m in models] == [
+        ("tiny-llama", ["tiny-sql"], True),
+        ("tiny-chat", [], False),
+    ]
+    assert (models[0].routing.ttft_slo_ms, models[1].routing.policy) == (30000, "kv_cost")
+    assert models[1].routing.ttft_slo_ms == 30000  # inherited key by key
+    assert KeyRing(REPO / str(config.keys.file), CollectorRegistry()).enabled
 
 
 def test_example_config_loads():
@@ -401,3 +415,51 @@ def test_a_longer_prefix_left_elsewhere_is_counted_as_forgone(policy, forgone):
     # round robin takes e0's GPU hit alone (32 of its 64), and e1's nothing
     registry = router.metrics.registry
     assert registry.get_sample_value("router_cache_forgone_tokens_total") == forgone
+
+
+def model(name: str, *instances: str, **settings: object) -> dict:
+    return {
+        "modelname": name,
+        "block_size": 16,
+        "instances": [{"instance_id": i, "http_endpoint": f"http://{i}:1"} for i in instances],
+        **settings,
+    }
+
+
+@pytest.mark.parametrize(
+    ("config", "reason"),
+    [
+        ({}, "give the served models: `models`, or `prefill` for one model"),
+        (
+            {
+                "models": [model("a", "x")],
+                "prefill": json.loads(json.dumps(layout(["http://h:1"])["prefill"])),
+            },
+            "give `prefill` (one model) or `models`, not both",
+        ),
+        (
+            {"models": [model("a", "x"), model("a", "y")]},
+            "model and adapter names must be unique: a",
+        ),
+        (
+            {"models": [model("a", "x", adapters=["b"]), model("b", "y")]},
+            "model and adapter names must be unique: b",
+        ),
+        ({"models": [model("a", "x"), model("b", "x")]}, "instance_id values must be unique: x"),
+        (
+            {"models": [model("a", "x", default=True), model("b", "y", default=True)]},
+            "at most one model can be the default",
+        ),
+        (
+            {"models": [model("a", "x")], "decode": {"instances": [{"http_endpoint": "http://d"}]}},
+            "each model lists its own `decode` instances",
+        ),
+        ({"models": [model("a", "x", routing={"policy": "nope"})]}, "models.0.routing.policy"),
+    ],
+)
+def test_a_models_list_that_cannot_be_served_names_the_problem(tmp_path, config, reason):
+    path = tmp_path / "router.json"
+    path.write_text(json.dumps(config))
+    with pytest.raises(router_config.ConfigError) as error:
+        router_config.load(parse(["--config", str(path)]))
+    assert reason in str(error.value)
