@@ -27,7 +27,7 @@ import pytest
 
 from fleet.tiny_model import write_tiny_model
 from tests.publishers.test_publisher import receive, subscriber
-from tests.support.api import post
+from tests.support.api import eventually, metric, post
 from tests.support.processes import REPO, EngineSim, free_port
 from tests.support.vllm_shapes import shape
 
@@ -386,7 +386,8 @@ async def test_samples_share_their_prompts_blocks_and_cached_tokens_are_vllms(
     tmp_path: Path, model_dir: Path, http: aiohttp.ClientSession
 ) -> None:
     """``n`` samples are computed once: the first caches the prompt's blocks (one
-    BlockStored), the others hit them in the same step; usage reports the last sample's.
+    BlockStored), the others hit them in the same step; usage reports the last sample's,
+    and ``vllm:request_params_n`` counts the request once.
     A list's usage reports its last prompt's; a request asking for prompt logprobs (echo
     with logprobs) reads no cache, as vLLM."""
     events_port = free_port()
@@ -399,6 +400,9 @@ async def test_samples_share_their_prompts_blocks_and_cached_tokens_are_vllms(
             assert [e["type"] for e in events] == ["BlockStored"]
             assert len(events[0]["block_hashes"]) == 3
             assert not sub.poll(200)
+            # vLLM observes a prompt's n once, when its last sample ends
+            n_count = await metric(http, engine.url, "vllm:request_params_n_count")
+            assert (n_count, await metric(http, engine.url, "vllm:request_params_n_sum")) == (1, 3)
 
             other = list(range(300, 400))
             last_new = await complete(http, engine, prompt=[LONG, other], max_tokens=1)
@@ -441,3 +445,25 @@ def test_the_fixture_is_the_capture_scripts() -> None:
     spec.loader.exec_module(module)
     requests = [(c["name"], c["path"], c["body"]) for c in module.cases()]
     assert requests == [(c["name"], c["path"], c["body"]) for c in CASES]
+
+
+async def test_a_client_gone_mid_stream_ends_every_choice_of_its_request(
+    tmp_path: Path, http: aiohttp.ClientSession
+) -> None:
+    engine = EngineSim(tmp_path, "slow", time_scale=1.0)  # ~25 ms per decode step
+    engine.wait_ready()
+    try:
+        body = {"prompt": ["one", "two"], "n": 3, "max_tokens": 1000, "stream": True}
+        async with aiohttp.ClientSession() as client:
+            async with client.post(f"{engine.url}/v1/completions", json=body) as response:
+                assert response.status == 200
+                await response.content.readline()  # the first chunk: every choice is running
+                busy = await metric(http, engine.url, "vllm:num_requests_running")
+                assert busy == 6
+        idle = await eventually(
+            lambda: metric(http, engine.url, "vllm:num_requests_running"), lambda n: n == 0
+        )
+        assert idle == 0
+        assert await metric(http, engine.url, "vllm:kv_cache_usage_perc") == 0
+    finally:
+        engine.stop()
