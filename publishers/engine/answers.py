@@ -14,7 +14,7 @@ stream; ``prompt_tokens`` count each prompt once, ``completion_tokens`` every sa
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncGenerator, AsyncIterator, Sequence
+from collections.abc import AsyncGenerator, AsyncIterator, Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
@@ -27,6 +27,7 @@ from .logprobs import (
     prompt_logprobs,
 )
 from .loop import EngineError, RequestStream
+from .scheduler import EngineRequest
 from .tokenizer import EngineTokenizer
 
 _CHAT_CHOICE_NULLS = ("token_ids", "routed_experts")
@@ -73,7 +74,8 @@ class Delta(NamedTuple):
 
 
 class SequenceText:
-    """One choice: an engine request's tokens as text, cut at the first stop string."""
+    """One choice: an engine request's tokens as text, cut at the first stop string, where
+    ``end`` ends its engine request (vLLM stops a sequence as its stop string appears)."""
 
     def __init__(
         self,
@@ -82,6 +84,7 @@ class SequenceText:
         stream: RequestStream,
         tokenizer: EngineTokenizer,
         stops: list[str],
+        end: Callable[[EngineRequest, str], None],
     ) -> None:
         self.index = index
         self.prompt = prompt
@@ -95,6 +98,7 @@ class SequenceText:
         self.text_offset = 0  # streaming: where the next chunk's logprobs start
         self._tokenizer = tokenizer
         self._stops = stops
+        self._end = end
 
     async def deltas(self) -> AsyncIterator[Delta]:
         """The text each token adds; the last one carries the finish reason."""
@@ -106,6 +110,7 @@ class SequenceText:
             if cut is not None:
                 self.text = self.text[:cut]
                 self.finish_reason = "stop"
+                self._end(self.request, "stop")
             elif self.stream.drained:
                 self.finish_reason = self.request.finish_reason
             yield Delta(self.text[start:], token, len(self.token_ids) - 1, self.finish_reason)

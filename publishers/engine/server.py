@@ -605,11 +605,10 @@ class EngineApi:
         except EngineError as error:  # before any byte was sent: rejected, or shutting down
             rejected = any(s.request.finish_reason == "error" for s in sequences)
             raise ApiError(400 if rejected else 503, str(error)) from None
-        finally:  # a no-op once finished; frees blocks of stopped or dropped requests
+        finally:  # a no-op once finished; frees the blocks of dropped requests
             await deltas.aclose()
             for sequence in sequences:
-                reason = "stop" if sequence.finish_reason == "stop" else "abort"
-                self.engine.abort(sequence.request, reason)
+                self.engine.abort(sequence.request)
 
     def _submit(
         self,
@@ -639,7 +638,11 @@ class EngineApi:
                 )
                 stream = self.engine.submit(request)
                 index = len(sequences)
-                sequences.append(SequenceText(index, prompt, stream, self.tokenizer, body.stops()))
+                sequences.append(
+                    SequenceText(
+                        index, prompt, stream, self.tokenizer, body.stops(), self.engine.abort
+                    )
+                )
         return sequences
 
     async def _stream(

@@ -467,3 +467,25 @@ async def test_a_client_gone_mid_stream_ends_every_choice_of_its_request(
         assert await metric(http, engine.url, "vllm:kv_cache_usage_perc") == 0
     finally:
         engine.stop()
+
+
+async def test_a_sample_that_meets_its_stop_string_ends_alone(
+    engine: EngineSim, http: aiohttp.ClientSession
+) -> None:
+    """The stopped sample's engine request ends then (counted as a ``stop``, having generated
+    fewer tokens than its length), the others run on to their length."""
+    body = {"prompt": "A stop string for one sample", "n": 3, "max_tokens": 12}
+    free = texts(await complete(http, engine, **body))
+    third = len(free[0]) // 3
+    stop = free[0][third : third + 3]  # in one of sample 0's first tokens, not its last
+    assert all(stop not in text for text in free[1:])
+    stopped = 'vllm:request_success_total{finished_reason="stop"}'
+    generated = "vllm:request_generation_tokens_sum"
+    before = [await metric(http, engine.url, name) for name in (stopped, generated)]
+    answer = await complete(http, engine, **body, stop=[stop])
+    finished = [(c["finish_reason"], c["stop_reason"]) for c in answer["choices"]]
+    assert finished == [("stop", stop), ("length", None), ("length", None)]
+    assert texts(answer) == [free[0].split(stop)[0], *free[1:]]
+    after = [await metric(http, engine.url, name) for name in (stopped, generated)]
+    assert after[0] == before[0] + 1
+    assert 2 * 12 < after[1] - before[1] < 3 * 12
