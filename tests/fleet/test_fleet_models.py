@@ -5,8 +5,6 @@ the plan gives the engines and the router, and a simulated fleet of two models t
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -229,16 +227,6 @@ def test_the_one_model_form_keeps_the_upstream_layout_and_gains_keys(tmp_path: P
 
 
 # -- config/fleet-sim-models.json, up ------------------------------------------------------
-def _sim_lora_missing() -> str | None:
-    """Why the simulator cannot serve the fleet's adapter yet (its --enable-lora)."""
-    command = [sys.executable, "-m", "publishers.engine", "--help"]
-    usage = subprocess.run(command, capture_output=True, text=True, timeout=30).stdout
-    return None if "--enable-lora" in usage else "the simulator has no --enable-lora yet"
-
-
-SIM_LORA_MISSING = _sim_lora_missing()
-
-
 def _on_free_ports(spec: dict[str, Any]) -> dict[str, Any]:
     """The fleet file with every port left to the fleet (a test must not take 8000)."""
 
@@ -256,8 +244,6 @@ def sim_models_fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[
     spec = _on_free_ports(json.loads(SIM_MODELS.read_text()))
     llama, chat = spec["models"]
     llama = {**llama, "path": str(write_tiny_model(tmp / "model"))}
-    if SIM_LORA_MISSING:
-        llama = {k: v for k, v in llama.items() if k not in ("adapters", "max_lora_rank")}
     spec |= {"models": [llama, chat], "keys": str(KEYS_EXAMPLE)}
     fleet = FleetProcess(tmp / "run", spec)
     try:
@@ -296,11 +282,10 @@ async def test_the_router_lists_both_models(
     sim_models_fleet: dict[str, Any], http: aiohttp.ClientSession
 ) -> None:
     router = sim_models_fleet["router"]["url"]
-    wanted = {"tiny-llama", "tiny-chat"} | (set() if SIM_LORA_MISSING else {LORA_NAME})
+    wanted = {"tiny-llama", "tiny-chat", LORA_NAME}
     cards = await eventually(lambda: _listed(http, router), lambda c: wanted <= set(c))
     assert cards["tiny-llama"].get("parent") is None and cards["tiny-chat"].get("parent") is None
-    if not SIM_LORA_MISSING:
-        assert cards[LORA_NAME]["parent"] == "tiny-llama"
+    assert cards[LORA_NAME]["parent"] == "tiny-llama"
 
 
 @pytest.mark.parametrize(
@@ -327,7 +312,6 @@ async def test_a_request_lands_on_its_models_engines(
         assert body["model"] == (model or "tiny-llama")
 
 
-@pytest.mark.skipif(SIM_LORA_MISSING is not None, reason=str(SIM_LORA_MISSING))
 async def test_an_adapter_request_lands_on_its_base_models_engines(
     sim_models_fleet: dict[str, Any], http: aiohttp.ClientSession
 ) -> None:
