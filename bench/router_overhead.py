@@ -20,8 +20,11 @@ The prompts are random words sharing their first half in groups of four, or with
 trace order: each conversation's turns repeat its history. Ten prompts warm each router up,
 the next half of ``--requests`` go one at a time (``idle``), the rest ``--burst`` at once
 then a pause (``burst``; the conversation replay's bursts are 16). Also reads each router's
-conductor-query and loop-lag histograms and how many prompt ids its chunk cache gave. Run
-under the shared lock, on a quiet machine for figures to publish:
+conductor-query and loop-lag histograms and how many prompt ids its chunk cache gave; the
+JSON has the client's time from sending to the answer's end too (``client_p50_ms``,
+``client_p99_ms``). ``bench.gateway_overhead`` reuses these parts for a router serving
+several models with client keys. Run under the shared lock, on a quiet machine for figures
+to publish:
 
     flock /tmp/bench.lock python -m bench.router_overhead [--requests 200] [--json FILE]
     flock /tmp/bench.lock python -m bench.router_overhead --trace conversation
@@ -36,6 +39,7 @@ import random
 import re
 import tempfile
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -72,49 +76,72 @@ def trace_prompts(name: str, count: int, model_dir: Path) -> list[str]:
     return [words.text(prompt_tokens(request)) for request in load_trace(trace_path(name), count)]
 
 
-def bodies(texts: list[str], mode: str, tokenizer: LocalTokenizer) -> list[tuple[str, dict]]:
-    """(path, body) per text, alternating completions and chat (ids: completions only)."""
+@dataclass(frozen=True)
+class Request:
+    """One request as the benchmark sends it (headers: a client key, when any)."""
+
+    path: str
+    body: dict[str, Any]
+    headers: dict[str, str] = field(default_factory=dict)
+
+
+# one answer's figures: the router's x-conductor-overhead-ms, the client's wall ms
+Sample = tuple[float, float]
+
+
+def bodies(texts: list[str], mode: str, tokenizer: LocalTokenizer) -> list[Request]:
+    """A request per text, alternating completions and chat (ids: completions only)."""
     out = []
     for n, text in enumerate(texts):
         body: dict[str, Any] = {"model": MODEL, "max_tokens": 1}
         if mode.startswith("ids"):
-            out.append(("/v1/completions", body | {"prompt": tokenizer.encode(text, True)}))
+            out.append(Request("/v1/completions", body | {"prompt": tokenizer.encode(text, True)}))
         elif n % 2:
             messages = [{"role": "user", "content": text}]
-            out.append(("/v1/chat/completions", body | {"messages": messages}))
+            out.append(Request("/v1/chat/completions", body | {"messages": messages}))
         else:
-            out.append(("/v1/completions", body | {"prompt": text}))
+            out.append(Request("/v1/completions", body | {"prompt": text}))
     return out
 
 
-async def send(http: aiohttp.ClientSession, url: str, path: str, body: dict) -> float:
-    async with http.post(url + path, json=body) as response:
-        await response.read()
-        if response.status != 200:
-            raise RuntimeError(f"{path}: HTTP {response.status}")
-        if response.headers.get("x-conductor-fallback"):
-            print(f"  fallback: {response.headers['x-conductor-fallback']}")
-        return float(response.headers["x-conductor-overhead-ms"])
+async def send(http: aiohttp.ClientSession, url: str, request: Request) -> Sample:
+    """The router's own time for the request, and the client's from sending to the end."""
+    started = time.perf_counter()
+    async with http.post(url + request.path, json=request.body, headers=request.headers) as r:
+        await r.read()
+        client_ms = (time.perf_counter() - started) * 1000
+        if r.status != 200:
+            raise RuntimeError(f"{request.path}: HTTP {r.status}")
+        if r.headers.get("x-conductor-fallback"):
+            print(f"  fallback: {r.headers['x-conductor-fallback']}")
+        return float(r.headers["x-conductor-overhead-ms"]), client_ms
 
 
-async def idle(http: aiohttp.ClientSession, url: str, requests: list) -> list[float]:
-    return [await send(http, url, path, body) for path, body in requests]
+async def idle(http: aiohttp.ClientSession, url: str, requests: list[Request]) -> list[Sample]:
+    return [await send(http, url, request) for request in requests]
 
 
 async def bursts(
-    http: aiohttp.ClientSession, url: str, requests: list, size: int, pause_s: float
-) -> list[float]:
-    overheads: list[float] = []
+    http: aiohttp.ClientSession, url: str, requests: list[Request], size: int, pause_s: float
+) -> list[Sample]:
+    samples: list[Sample] = []
     for start in range(0, len(requests), size):
         group = requests[start : start + size]
-        overheads += await asyncio.gather(*(send(http, url, p, b) for p, b in group))
+        samples += await asyncio.gather(*(send(http, url, request) for request in group))
         await asyncio.sleep(pause_s)
-    return overheads
+    return samples
 
 
-def quantiles(values: list[float]) -> dict[str, float]:
-    ordered = sorted(values)
-    return {"p50_ms": percentile(ordered, 50), "p99_ms": percentile(ordered, 99)}
+def quantiles(samples: list[Sample]) -> dict[str, float]:
+    """p50/p99 of the router's own time, and (``client_``) of the client's."""
+    overhead = sorted(sample[0] for sample in samples)
+    client = sorted(sample[1] for sample in samples)
+    return {
+        "p50_ms": percentile(overhead, 50),
+        "p99_ms": percentile(overhead, 99),
+        "client_p50_ms": percentile(client, 50),
+        "client_p99_ms": percentile(client, 99),
+    }
 
 
 async def histogram(http: aiohttp.ClientSession, url: str, name: str) -> dict[str, float]:
@@ -137,13 +164,14 @@ async def chunk_tokens(http: aiohttp.ClientSession, url: str) -> dict[str, float
     return {source: float(count) for source, count in found}
 
 
-async def wait_local(http: aiohttp.ClientSession, router: LocalService) -> None:
-    """Until the router trusts its tokenizer on both paths (an engine agreed)."""
+async def wait_local(http: aiohttp.ClientSession, router: LocalService, models: int = 1) -> None:
+    """Until the router trusts its tokenizer on both paths of every model (an engine agreed)."""
     deadline = time.monotonic() + READY_TIMEOUT_S
     while time.monotonic() < deadline:
         async with http.get(router.url + "/metrics") as response:
             text = await response.text()
-        if len(re.findall(r"^router_local_tokenizer_active\{[^}]*\} 1\.0$", text, re.M)) == 2:
+        active = re.findall(r"^router_local_tokenizer_active\{[^}]*\} 1\.0$", text, re.M)
+        if len(active) == 2 * models:
             return
         await asyncio.sleep(0.2)
     active = re.findall(r"^router_local_tokenizer_active.*$", text, re.M)
@@ -152,46 +180,76 @@ async def wait_local(http: aiohttp.ClientSession, router: LocalService) -> None:
     )
 
 
-def start(run_dir: Path, model_dir: Path, engines: int) -> tuple[list[LocalService], dict]:
-    """A conductor and the engines; the routers' shared config layout."""
-    conductor_config = run_dir / "conductor.json"
-    conductor_config.write_text(json.dumps({"register_allow": ["127.0.0.0/8"]}))
-    services = [LocalService(run_dir, "conductor", "conductor", "--config", str(conductor_config))]
-    instances = []
-    for n in range(engines):
-        # its KV events, so that every query hashes and walks a live index
+def start_conductor(run_dir: Path) -> LocalService:
+    """A conductor the routers register the engines with."""
+    config = run_dir / "conductor.json"
+    config.write_text(json.dumps({"register_allow": ["127.0.0.0/8"]}))
+    return LocalService(run_dir, "conductor", "conductor", "--config", str(config))
+
+
+def start_engines(
+    run_dir: Path, ids: list[str], model: str, *flags: str
+) -> tuple[list[LocalService], list[dict[str, Any]]]:
+    """Engine simulators serving ``model``, publishing their KV events (so that every query
+    hashes and walks a live index), and their entries as a router's prefill instances."""
+    services, instances = [], []
+    for instance_id in ids:
         events = {"endpoint": f"tcp://127.0.0.1:{free_port()}"}
         events["replay_endpoint"] = f"tcp://127.0.0.1:{free_port()}"
         engine = LocalService(
-            run_dir, f"engine-{n}", "publishers.engine",
-            "--served-model-name", MODEL, "--block-size", str(BLOCK), "--tokenizer",
-            str(model_dir), "--sim-time-scale", "0.01", "--sim-instance-id", f"e{n}",
+            run_dir, f"engine-{instance_id}", "publishers.engine",
+            "--served-model-name", model, "--block-size", str(BLOCK),
+            "--sim-instance-id", instance_id,
             "--kv-events-config", json.dumps({"enable_kv_cache_events": True, **events}),
-            "--sim-kv-bind",
+            "--sim-kv-bind", *flags,
         )  # fmt: skip
         services.append(engine)
         instances.append(
-            {"instance_id": f"e{n}", "http_endpoint": engine.url, "registrations": [events]}
+            {"instance_id": instance_id, "http_endpoint": engine.url, "registrations": [events]}
         )
-    layout = {
-        "conductor": {"address": services[0].url},
+    return services, instances
+
+
+def one_model_layout(conductor: dict[str, Any], instances: list[dict[str, Any]]) -> dict:
+    """The upstream proxy's layout: one model (``MODEL``) on ``instances``."""
+    return {
+        "conductor": conductor,
         "prefill": {"config": {"modelname": MODEL, "block_size": BLOCK}, "instances": instances},
         "routing": {"policy": "ttft"},
     }
-    return services, layout
 
 
-def router(run_dir: Path, layout: dict, mode: str, model_dir: Path) -> LocalService:
+def start(run_dir: Path, model_dir: Path, engines: int) -> tuple[list[LocalService], dict]:
+    """A conductor and the engines; the routers' shared config layout."""
+    conductor = start_conductor(run_dir)
+    ids = [f"e{n}" for n in range(engines)]
+    flags = ("--tokenizer", str(model_dir), "--sim-time-scale", "0.01")
+    services, instances = start_engines(run_dir, ids, MODEL, *flags)
+    return [conductor, *services], one_model_layout({"address": conductor.url}, instances)
+
+
+def mode_config(layout: dict[str, Any], mode: str, model_dir: Path) -> dict[str, Any]:
+    """The layout with the mode's way of getting prompt ids (in every model, when several)."""
     config = dict(layout)
+    tokenizer: dict[str, Any] = {}
     if mode.startswith("local"):
-        config["tokenizer"] = {"path": str(model_dir)}
+        tokenizer["path"] = str(model_dir)
     if mode == "local-whole":
-        config["tokenizer"]["chunk_cache_tokens"] = 0
+        tokenizer["chunk_cache_tokens"] = 0
+    if tokenizer and "models" in config:  # a model's tokenizer path is its own
+        config["models"] = [model | {"tokenizer": tokenizer} for model in config["models"]]
+    elif tokenizer:
+        config["tokenizer"] = tokenizer
     if mode.endswith("-embedded"):  # the index inside the router: no conductor hop
         config["conductor"] = {**config["conductor"], "embedded": True}
-    path = run_dir / f"router-{mode}.json"
-    path.write_text(json.dumps(config))
-    return LocalService(run_dir, f"router-{mode}", "router", "--config", str(path))
+    return config
+
+
+def router(run_dir: Path, layout: dict, mode: str, model_dir: Path, name: str = "") -> LocalService:
+    name = name or f"router-{mode}"
+    path = run_dir / f"{name}.json"
+    path.write_text(json.dumps(mode_config(layout, mode, model_dir)))
+    return LocalService(run_dir, name, "router", "--config", str(path))
 
 
 async def measure(args: argparse.Namespace, run_dir: Path) -> dict[str, Any]:
