@@ -62,6 +62,20 @@ class ClientRequest:
     def streams(self) -> bool:
         return self.body.get("stream") is True
 
+    @property
+    def prompts(self) -> list[Any]:
+        """A completion's prompts: a list of texts or of id lists is several (vLLM serves
+        each, and answers them as one response's choices); any other ``prompt`` is one."""
+        prompt = self.body.get("prompt")
+        if isinstance(prompt, list) and prompt and isinstance(prompt[0], str | list):
+            return prompt
+        return [prompt]
+
+    @property
+    def batch(self) -> bool:
+        """Several prompts: routed by the first, though the engine serves them all."""
+        return len(self.prompts) > 1
+
     def with_cache_salt(self, salt: str) -> ClientRequest:
         """This request with ``cache_salt`` set: the engine then keys its cache blocks by it
         (vLLM hashes it into the first block), as the index's chain root does."""

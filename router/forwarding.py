@@ -5,9 +5,10 @@ call there, then the decode instance streams the answer) with timeouts on connec
 stream's headers, the first byte and every idle gap. A refused connection, a 5xx or no
 first byte in time moves it to the next-best instance and takes the failed one out of
 rotation; so does an instance taken out meanwhile by anyone else, at once. The answer is
-passed through chunk by chunk (SSE stays SSE) with the decision in ``x-conductor-*``
-headers; its engine-reported cached tokens are compared with the index's prediction, and
-its TTFT teaches the cost model.
+passed through chunk by chunk (SSE stays SSE; a whole answer keeps the engine's
+``Content-Length``) with the decision in ``x-conductor-*`` headers; its engine-reported
+cached tokens are compared with the index's prediction, and its TTFT teaches the cost model
+(neither for a batch of prompts: its numbers are the batch's, not its first prompt's).
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from collections.abc import AsyncIterator, Awaitable
 from typing import Any, TypeVar
 
 import aiohttp
-from aiohttp import web
+from aiohttp import hdrs, web
 
 from conductor.failures import describe
 
@@ -124,8 +125,11 @@ class Forwarder:
             **trace_headers,
             "Content-Type": "application/json",
         }
-        # without the index's answer there is no prediction to compare the engine's with
-        predicted = None if routed.lookup.fallback else decision.cached_tokens
+        # without the index's answer there is no prediction to compare the engine's with;
+        # a batch's cached tokens are the batch's, not those of the first prompt it was
+        # routed by
+        batch = routed.tokenized.request.batch
+        predicted = None if routed.lookup.fallback or batch else decision.cached_tokens
         with self._in_flight.claim(routed, choice) as claim:
             if decode is None:
                 return await self._stream(
@@ -176,7 +180,8 @@ class Forwarder:
             return
         self._metrics.ttft_seconds.observe(ttft_s)
         served = routed.target.served
-        if served.learner is not None:
+        # a batch's first token comes after its prompts' prefills, not only the first's
+        if served.learner is not None and not routed.tokenized.request.batch:
             served.learner.observe(claim.new_tokens, claim.queued_before, ttft_s)
             self._metrics.publish_cost_model(served.name, served.learner.model)
 
@@ -242,6 +247,7 @@ class Forwarder:
                 if name.lower() not in HOP_BY_HOP:
                     response.headers[name] = value
             response.headers.update(headers)
+            response.content_length = _passed_length(upstream_response)
             streaming = upstream_response.content_type == "text/event-stream"
             tap = UsageTap(streaming) if predicted is not None else None
             first = True
@@ -343,3 +349,12 @@ class Forwarder:
             return reported
         self._metrics.rejected("cached_tokens")
         return None
+
+
+def _passed_length(response: aiohttp.ClientResponse) -> int | None:
+    """The engine's ``Content-Length`` when its body passes through byte for byte (not
+    decompressed by aiohttp): a whole answer keeps the engine's framing, so a client sees
+    its length up front and a cut answer as short; None (chunked) for a stream."""
+    if response.headers.get(hdrs.CONTENT_ENCODING):
+        return None
+    return response.content_length

@@ -6,7 +6,10 @@ the prompt, on each endpoint once an engine's ``/tokenize`` agreed with it on pr
 (``verify``, run by the background upkeep); else an engine's ``/tokenize`` is asked (a slow
 one is a timeout and the next engine is asked, never taken for a dead engine). A completion
 whose text the router tokenized goes to the engine as those ids, so it does not tokenize the
-prompt a second time.
+prompt a second time. A batch of prompts (a list of texts or of id lists) is routed by its
+first and goes to the engine as sent. A prompt the engines' ``/tokenize`` refuses (a 4xx:
+an empty chat, a malformed prompt) is routed by load, so the engine's own answer to the
+request tells the client what is wrong, as vLLM words it.
 """
 
 from __future__ import annotations
@@ -191,17 +194,21 @@ class PromptTokenizer:
         return Tokenized(request, tokens, by)
 
     async def _ids(self, request: ClientRequest) -> tuple[list[int] | None, str]:
-        prompt = request.body.get("prompt")
-        if isinstance(prompt, list) and prompt:
+        """The ids of the prompt the request is routed by: a batch's first (the engine
+        gets the batch as sent), or the one prompt."""
+        endpoint, body = request.endpoint, request.body
+        prompt = request.prompts[0]
+        if not endpoint.chat and isinstance(prompt, list) and prompt:
             try:  # checks every id in C: several times faster than a Python loop
                 return msgspec.convert(prompt, list[int], strict=True), "given"
             except msgspec.ValidationError:  # not ids, or one past 64 bits (still ids)
                 if all(type(t) is int for t in prompt):
                     return prompt, "given"
-        endpoint = request.endpoint
+        if prompt is not body.get("prompt"):  # a batch's first text
+            body = {**body, "prompt": prompt}
         if self.local is not None and endpoint in self.trusted:
             try:
-                tokens = await self._encode(endpoint, request.body, len(request.raw))
+                tokens = await self._encode(endpoint, body, len(request.raw))
             except Unsupported as unsupported:
                 self._metrics.local_skipped.labels(unsupported.reason).inc()
             except InvalidPrompt as invalid:
@@ -209,17 +216,19 @@ class PromptTokenizer:
             else:
                 self._check_prompt_length(len(tokens))
                 return tokens, "local"
-        engines_ids = await self._ask_engines(endpoint, request.body)
+        engines_ids = await self._ask_engines(endpoint, body)
         return engines_ids, "none" if engines_ids is None else "engine"
 
     def _forwards_ids(self, request: ClientRequest, by: str) -> bool:
         """Whether the engine gets the router's ids instead of the prompt's text: saves it
         tokenizing the prompt again (CPU per token on the engine's cores; bench.router_compare
-        measured what it costs the engines) where the ids are surely its own."""
+        measured what it costs the engines) where the ids are surely its own. Only for one
+        text prompt: vLLM's chat takes no ids, and a batch keeps its other prompts' text."""
         return (
             by == "local"
             and self._settings.forward_token_ids
-            and not request.endpoint.chat  # vLLM's chat takes no ids
+            and not request.endpoint.chat
+            and isinstance(request.body.get("prompt"), str)
             and not request.body.get("echo")
         )
 
@@ -239,10 +248,14 @@ class PromptTokenizer:
             raise ApiError(400, f"the prompt is over the router's limit of {limit} tokens")
 
     async def _ask_engines(self, endpoint: Endpoint, body: dict[str, Any]) -> list[int] | None:
+        """An engine's ids for the prompt; None when none could say, or the engine refused
+        it (a 4xx: the request goes on, and the engine's own answer tells the client why)."""
         request: dict[str, Any] = {"model": body.get("model")}
         field = _prompt_field(endpoint)
         request[field] = body.get(field)
         async for _, status, raw in self.engines_tokenize(json.dumps(request).encode(), {}):
+            if 400 <= status < 500:
+                return None
             tokens = self._ids_in(status, raw)
             if tokens is not None:
                 return tokens
@@ -309,10 +322,8 @@ class PromptTokenizer:
                 return response.status, await response.read()
 
     def _ids_in(self, status: int, raw: bytes) -> list[int] | None:
-        """The token ids of an engine's ``/tokenize`` answer; None for an answer of another
-        shape (counted) or a 5xx; its 4xx is the client's error."""
-        if 400 <= status < 500:
-            raise ApiError(status, upstream_message(raw.decode(errors="replace")))
+        """The token ids of an engine's ``/tokenize`` answer; None for another status or
+        an answer of another shape (counted)."""
         if status != 200:
             return None
         self._check_prompt_length(raw.count(b","))
@@ -377,10 +388,12 @@ class PromptTokenizer:
         return True
 
     async def _tokenize_on(self, upstream: Upstream, request: dict[str, Any]) -> list[int] | None:
-        """One engine's ``/tokenize`` ids (``_ids_in``)."""
-        return self._ids_in(
-            *await self._engine_tokenize(upstream, json.dumps(request).encode(), {})
-        )
+        """One engine's ``/tokenize`` ids (``_ids_in``); a refusal (4xx) is an ApiError
+        with the engine's message."""
+        status, raw = await self._engine_tokenize(upstream, json.dumps(request).encode(), {})
+        if 400 <= status < 500:
+            raise ApiError(status, upstream_message(raw.decode(errors="replace")))
+        return self._ids_in(status, raw)
 
 
 def _prompt_field(endpoint: Endpoint) -> str:
