@@ -173,7 +173,9 @@ class Router:
             with trace.span("tokenize") as span:
                 tokenized = await target.served.tokenizer.tokenize(client)
                 span.set(tokenized_by=tokenized.by, prompt_tokens=tokenized.count)
-            await admitted.charge_tokens(tokenized.count)
+            # a batch is counted as its first prompt's tokens times its prompts: the router
+            # tokenizes the first one only, and the key pays for what the engines compute
+            await admitted.charge_tokens(tokenized.count * len(client.prompts))
             with trace.span("index.query") as span:
                 lookup = await self.lookup.find(tokenized.tokens, target.context, client.cache_salt)
                 if lookup.fallback:
