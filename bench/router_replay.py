@@ -29,6 +29,12 @@ charge a load the timing model's time for the modelled engine's KV, like every o
 The store's binaries listen on every interface: run it inside
 ``scripts/isolated-net.sh``.
 
+``--mixed`` asks whether serving several models and LoRA adapters from one router costs
+cache hits: the slice is split by conversation across two base models and an adapter of
+each (E/2 engines per model, each serving its model and its adapter; the router configured
+with ``models``), then each name's requests are replayed alone on E/2 engines of its model,
+and each name's hit ratio and TTFTs in the mixed run are set against its run alone.
+
 Run ``python -m bench.router_replay --help``; bench/README.md says how it works and
 bench/results/router-replay.md has its results.
 """
@@ -44,6 +50,7 @@ import signal
 import sys
 import tempfile
 import time
+import zlib
 from collections import Counter
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field, replace
@@ -110,15 +117,30 @@ PEER_SETTLE_S = 0.5  # wall; lets a peer subscribed to KV events take in the war
 
 
 @dataclass(frozen=True, slots=True)
+class ServedModel:
+    """A base model of the fleet: its engines, their pool, and the LoRA adapters they serve
+    besides it (vLLM's ``--lora-modules``). A request names the model or an adapter."""
+
+    name: str
+    engines: int
+    gpu_blocks: int  # per engine
+    adapters: tuple[str, ...] = ()
+
+    @property
+    def names(self) -> tuple[str, ...]:
+        return (self.name, *self.adapters)
+
+
+@dataclass(frozen=True, slots=True)
 class ReplaySetup:
     """Everything a run depends on, fixed before the first process starts."""
 
     trace: str
     requests: list[TraceRequest]  # arrivals already divided by ``speedup`` (wall seconds)
-    engines: int
+    models: tuple[ServedModel, ...]  # the fleet: each base model on engines of its own
+    names: tuple[str, ...]  # per request, the model or adapter it names
     policies: tuple[str, ...]
     speedup: float
-    gpu_blocks: int  # per engine
     max_model_len: int
     concurrency: int
     slos_s: tuple[float, ...]
@@ -131,11 +153,16 @@ class ReplaySetup:
     words: WordTable | None = None  # text prompts (None: token ids)
     tokenizer: Path | None = None  # the engines' HF tokenizer directory (None: stand-in)
     embedded: bool = False  # ours indexes the events itself (conductor.embedded), no service
+    part: str = ""  # which of a mixed replay's runs: "mixed", or the one name replayed alone
 
     @property
     def routers(self) -> tuple[str, ...]:
         """Every run's router: our policies, then the peers."""
         return (*self.policies, *self.peers)
+
+    @property
+    def engines(self) -> int:
+        return sum(model.engines for model in self.models)
 
     @property
     def timing(self) -> TimingModel:
@@ -146,23 +173,41 @@ class ReplaySetup:
         """The engines' ``--sim-time-scale``: wall seconds per model second."""
         return 1.0 / self.speedup
 
+    def by_name(self) -> dict[str, list[TraceRequest]]:
+        """Each model or adapter name the requests give, in the fleet's order: its requests."""
+        requests: dict[str, list[TraceRequest]] = {}
+        for request, name in zip(self.requests, self.names, strict=True):
+            requests.setdefault(name, []).append(request)
+        order = [name for model in self.models for name in model.names]
+        return {name: requests[name] for name in order if name in requests}
+
+    def model_of(self, name: str) -> ServedModel:
+        """The base model ``name`` is, or is an adapter of."""
+        return next(model for model in self.models if name in model.names)
+
 
 def max_tokens(request: TraceRequest) -> int:
     return max(1, min(request.output_length, MAX_TOKENS_CAP))
 
 
+def pool_blocks(requests: Sequence[TraceRequest], engines: int, block_size: int) -> int:
+    """Each engine's pool: ~1/E of the requests' distinct tokens (the engines together
+    could hold every block once, so where a prefix lives decides hits)."""
+    return SimConfig(num_instances=engines, block_size=block_size).gpu_blocks_for(requests)
+
+
 def build_setup(args: argparse.Namespace) -> ReplaySetup:
-    """The slice, and the engines' pool: ~1/E of the slice's distinct tokens each (the
-    fleet together could hold every block once, so where a prefix lives decides hits)."""
+    """The slice on one model's E engines (``--mixed``: split across models and adapters)."""
     requests = load_trace(trace_path(args.trace), args.requests, time_scale=1 / args.speedup)
-    sizing = SimConfig(num_instances=args.engines, block_size=args.block_size)
-    return ReplaySetup(
+    setup = ReplaySetup(
         trace=args.trace,
         requests=requests,
-        engines=args.engines,
+        models=(
+            ServedModel(MODEL, args.engines, pool_blocks(requests, args.engines, args.block_size)),
+        ),
+        names=(MODEL,) * len(requests),
         policies=tuple(p for p in args.policies.split(",") if p),
         speedup=args.speedup,
-        gpu_blocks=sizing.gpu_blocks_for(requests),
         max_model_len=max(r.input_length + max_tokens(r) for r in requests) + SPECIALS_SLACK,
         concurrency=args.concurrency,
         slos_s=tuple(args.slo_s),
@@ -176,6 +221,7 @@ def build_setup(args: argparse.Namespace) -> ReplaySetup:
         tokenizer=args.tokenizer,
         embedded=args.conductor == "embedded",
     )
+    return mixed_setup(setup) if args.mixed else setup
 
 
 def prompt_words(prompts: str, tokenizer: Path | None) -> WordTable | None:
@@ -187,20 +233,41 @@ def prompt_words(prompts: str, tokenizer: Path | None) -> WordTable | None:
 
 def describe(setup: ReplaySetup) -> dict[str, Any]:
     """The setup's figures for the JSON, with the references a policy is measured against:
-    the ideal hit ratio of one never-evicting cache, the hit ratio of one LRU pool of the
-    whole fleet's size (trace_sim's ``pooled`` ceiling) and the offered load."""
+    the ideal hit ratio of never-evicting caches (one per model and adapter: their blocks
+    never match each other's), the hit ratio of one LRU pool of the whole fleet's size
+    (trace_sim's ``pooled`` ceiling; one model only) and the offered load."""
     requests = setup.requests
-    reused, total = unbounded_token_hits(requests, warm_start=True)  # as the fleet is
-    pooled = pooled_reference(
-        requests, SimConfig(num_instances=setup.engines, block_size=setup.block_size)
-    )
+    subsets = setup.by_name()
+    hits = [unbounded_token_hits(subset, warm_start=True) for subset in subsets.values()]
+    reused, total = (sum(column) for column in zip(*hits, strict=True))  # as the fleet is
+    pooled = None
+    if len(subsets) == 1:
+        sizing = SimConfig(num_instances=setup.engines, block_size=setup.block_size)
+        pooled = pooled_reference(requests, sizing).hit_ratio
     span_s = (requests[-1].arrival_s - requests[0].arrival_s) * setup.speedup
-    timing = setup.timing
-    work_s = sum(timing.prefill_seconds(r.input_length) for r in requests)
+
+    def offered_load(served: Sequence[TraceRequest], engines: int) -> float:
+        """Prefill seconds of ``served``, all uncached, per engine-second of the span."""
+        work_s = sum(setup.timing.prefill_seconds(r.input_length) for r in served)
+        return work_s / (engines * span_s) if span_s else math.nan
+
     return {
         "trace": setup.trace,
         "requests": len(requests),
         "engines": setup.engines,
+        "models": [
+            {
+                "model": model.name,
+                "adapters": list(model.adapters),
+                "engines": model.engines,
+                "gpu_blocks_per_engine": model.gpu_blocks,
+                "requests": {name: len(subsets.get(name, ())) for name in model.names},
+                "offered_load_uncached": offered_load(
+                    [r for name in model.names for r in subsets.get(name, ())], model.engines
+                ),
+            }
+            for model in setup.models
+        ],
         "engine_speed": setup.engine_speed,
         "policies": list(setup.policies),
         "conductor": "embedded" if setup.embedded else "service",
@@ -215,20 +282,78 @@ def describe(setup: ReplaySetup) -> dict[str, Any]:
         "speedup": setup.speedup,
         "engine_time_scale": setup.time_scale,
         "engine_block_size": setup.block_size,
-        "gpu_blocks_per_engine": setup.gpu_blocks,
         "max_model_len": setup.max_model_len,
         "max_tokens_cap": MAX_TOKENS_CAP,
         "client_concurrency": setup.concurrency,
         "trace_span_s": span_s,
-        "offered_load_uncached": work_s / (setup.engines * span_s) if span_s else math.nan,
+        "offered_load_uncached": offered_load(requests, setup.engines),
         "warm_up_prompt_tokens": len(prompt_tokens(requests[0])),
         "ideal_hit_ratio": reused / total if total else 0.0,
-        "pooled_hit_ratio": pooled.hit_ratio,
+        "pooled_hit_ratio": pooled,
         "slos_s": list(setup.slos_s),
         "reject_slo_ms": setup.reject_slo_ms,
         "store_runs": list(setup.store_runs),
         "store_segment_mb": setup.store_mb,
     }
+
+
+# -- several models ----------------------------------------------------------------------
+
+# ``--mixed``: two base models, each with one LoRA adapter, on half the engines each
+MIXED_MODELS = (("model-a", ("model-a-sql",)), ("model-b", ("model-b-chat",)))
+MIXED_DEFAULTS: dict[str, Any] = {
+    "policies": "ttft",
+    "json": RESULTS_DIR / "router_replay_mixed.json",
+}
+HIT_GOAL = 0.97  # issue #27: each name's hit ratio mixed ≥ this × its hit ratio alone
+# ``compare_mixed``'s TTFT figures, in its table's order
+MIXED_TTFT_KEYS = tuple(
+    f"ttft_{q}_s_{where}" for q in ("p50", "p99") for where in ("mixed", "alone")
+)
+
+
+def conversation_name(request: TraceRequest, names: Sequence[str]) -> str:
+    """The name a request is sent as: its conversation's, hashed. The traces carry no
+    session ids; a conversation's turns extend its earlier prompt, so its first two blocks
+    (the conversation trace's shared system prompt, then the conversation's own first
+    block) name it. In the conversation trace's first 3,000 requests every prefix reused
+    beyond block 0 is reused within the same pair: the split loses no possible hit."""
+    key = ",".join(map(str, request.hash_ids[:2])).encode()
+    return names[zlib.crc32(key) % len(names)]
+
+
+def mixed_setup(setup: ReplaySetup) -> ReplaySetup:
+    """The slice split by conversation across ``MIXED_MODELS``' names, the engines split
+    evenly across the base models. An engine's pool is the sum of what each name it serves
+    would get alone on its model's engines (``alone_setup``): the same memory per name."""
+    per_model = setup.engines // len(MIXED_MODELS)
+    all_names = [name for model, adapters in MIXED_MODELS for name in (model, *adapters)]
+    names = tuple(conversation_name(request, all_names) for request in setup.requests)
+
+    def blocks(name: str) -> int:
+        subset = [r for r, n in zip(setup.requests, names, strict=True) if n == name]
+        return pool_blocks(subset, per_model, setup.block_size) if subset else 0
+
+    models = tuple(
+        ServedModel(model, per_model, sum(blocks(n) for n in (model, *adapters)), adapters)
+        for model, adapters in MIXED_MODELS
+    )
+    return replace(setup, models=models, names=names, part="mixed")
+
+
+def alone_setup(mixed: ReplaySetup, name: str) -> ReplaySetup:
+    """``name``'s requests alone, on as many engines of its model (still serving its
+    adapters) as the mixed fleet had, each with the pool ``name`` needs."""
+    model = mixed.model_of(name)
+    requests = mixed.by_name()[name]
+    blocks = pool_blocks(requests, model.engines, mixed.block_size)
+    return replace(
+        mixed,
+        requests=requests,
+        models=(replace(model, gpu_blocks=blocks),),
+        names=(name,) * len(requests),
+        part=name,
+    )
 
 
 # -- processes ---------------------------------------------------------------------------
@@ -273,10 +398,13 @@ class Engine:
     service: LocalService
     endpoint: str  # KV-event PUB socket
     replay_endpoint: str
+    model: ServedModel  # what it serves
 
 
-def run_label(policy: str, store: bool) -> str:
-    return f"{policy}+store" if store else policy
+def run_label(policy: str, store: bool, part: str = "") -> str:
+    """``policy``, ``policy+store``; a mixed replay's runs add ``@mixed`` or ``@NAME``."""
+    label = f"{policy}+store" if store else policy
+    return f"{label}@{part}" if part else label
 
 
 class Fleet:
@@ -293,7 +421,7 @@ class Fleet:
     def __init__(self, setup: ReplaySetup, policy: str, log_dir: Path, store: bool) -> None:
         self.setup, self.policy, self.log_dir = setup, policy, log_dir
         self.peer = PEERS.get(policy)
-        self.label = run_label(policy, store)
+        self.label = run_label(policy, store, setup.part)
         self.store: LocalStore | None = None
         if store:
             store_dir = log_dir / f"{self.label}-store"
@@ -325,8 +453,9 @@ class Fleet:
             self.conductor = self._spawn(
                 "conductor", "conductor", "--config", str(conductor_config)
             )
-        for index in range(self.setup.engines):
-            self.engines.append(self._engine(f"engine-{index}"))
+        for model in self.setup.models:
+            for _ in range(model.engines):
+                self.engines.append(self._engine(f"engine-{len(self.engines)}", model))
         for service in self.services:
             service.wait_ready(STARTUP_TIMEOUT_S)
         if self.peer is not None:
@@ -363,7 +492,7 @@ class Fleet:
             self.services.append(service)
         return service
 
-    def _engine(self, instance_id: str) -> Engine:
+    def _engine(self, instance_id: str, model: ServedModel) -> Engine:
         setup = self.setup
         endpoint, replay = (f"tcp://{HOST}:{free_port()}" for _ in range(2))
         events = {
@@ -374,6 +503,10 @@ class Fleet:
         }
         store_args: tuple[str, ...] = ()
         tokenizer_args = () if setup.tokenizer is None else ("--tokenizer", str(setup.tokenizer))
+        lora_args: tuple[str, ...] = ()
+        if model.adapters:  # no weights are read: the path only keys the adapter's blocks
+            lora_args = ("--enable-lora", "--lora-modules",
+                         *(f"{name}=/adapters/{name}" for name in model.adapters))  # fmt: skip
         env: dict[str, str] = {}
         if self.store is not None:
             mooncake_config = self.log_dir / f"mooncake-{self.label}.json"
@@ -384,9 +517,9 @@ class Fleet:
         service = self._spawn(
             instance_id,
             "publishers.engine",
-            "--served-model-name", MODEL,
+            "--served-model-name", model.name,
             "--block-size", str(setup.block_size),
-            "--num-gpu-blocks-override", str(setup.gpu_blocks),
+            "--num-gpu-blocks-override", str(model.gpu_blocks),
             "--max-model-len", str(setup.max_model_len),
             "--kv-events-config", json.dumps(events),
             "--sim-kv-bind",  # bind the loopback endpoint (vLLM would connect to it)
@@ -396,10 +529,11 @@ class Fleet:
             "--sim-log-level", "WARNING",
             "--enable-scale-out",  # vllm-router renders every prompt on every engine
             *tokenizer_args,
+            *lora_args,
             *store_args,
             env=env,
         )  # fmt: skip
-        return Engine(instance_id, service, endpoint, replay)
+        return Engine(instance_id, service, endpoint, replay, model)
 
     def conductor_config(self) -> dict[str, Any]:
         """No services of its own (the router registers the engines); where the store's
@@ -409,36 +543,63 @@ class Fleet:
         return {"kv_store_admin_urls": {self.store.address.master: self.store.admin_url}}
 
     def router_config(self) -> dict[str, Any]:
-        """The router's config file: the engines and their event streams, one policy."""
+        """The router's config file: the engines and their event streams, one policy. One
+        model is the upstream layout's ``prefill`` section; several, or adapters, ``models``
+        (each with its own engines)."""
         routing: dict[str, Any] = {"policy": self.policy}
         if self.setup.reject_slo_ms is not None:
             routing["ttft_slo_ms"] = self.setup.reject_slo_ms
-        return {
+        # with the engines' HF tokenizer, ours tokenizes in process as it would in service
+        tokenizer = (
+            {"tokenizer": {"path": str(self.setup.tokenizer)}} if self.setup.tokenizer else {}
+        )
+        config: dict[str, Any] = {
             "conductor": (
                 {"embedded": True} if self.conductor is None else {"address": self.conductor.url}
             ),
-            "prefill": {
-                "config": {"modelname": MODEL, "block_size": self.setup.block_size},
-                "instances": [
-                    {
-                        "instance_id": engine.instance_id,
-                        "http_endpoint": engine.service.url,
-                        "kv_store": self.store.address.master if self.store else "",
-                        "registrations": [
-                            {
-                                "endpoint": engine.endpoint,
-                                "replay_endpoint": engine.replay_endpoint,
-                                "dp_rank": 0,
-                            }
-                        ],
-                    }
-                    for engine in self.engines
-                ],
-            },
             "routing": routing,
-            # with the engines' HF tokenizer, ours tokenizes in process as it would in service
-            **({"tokenizer": {"path": str(self.setup.tokenizer)}} if self.setup.tokenizer else {}),
         }
+        block_size, models = self.setup.block_size, self.setup.models
+        if len(models) == 1 and not models[0].adapters:
+            config["prefill"] = {
+                "config": {"modelname": models[0].name, "block_size": block_size},
+                "instances": self.instances(models[0]),
+            }
+            return {**config, **tokenizer}
+        config["models"] = [
+            {
+                "modelname": model.name,
+                "block_size": block_size,
+                "adapters": list(model.adapters),
+                "instances": self.instances(model),
+                **tokenizer,  # a model's own (the top-level path is not inherited)
+            }
+            for model in models
+        ]
+        return config
+
+    def instances(self, model: ServedModel) -> list[dict[str, Any]]:
+        """The router config's prefill instances of ``model``: its engines' streams."""
+        return [
+            {
+                "instance_id": engine.instance_id,
+                "http_endpoint": engine.service.url,
+                "kv_store": self.store.address.master if self.store else "",
+                "registrations": [
+                    {
+                        "endpoint": engine.endpoint,
+                        "replay_endpoint": engine.replay_endpoint,
+                        "dp_rank": 0,
+                    }
+                ],
+            }
+            for engine in self.engines
+            if engine.model is model
+        ]
+
+    def serving(self, name: str) -> list[Engine]:
+        """The engines that serve model or adapter ``name``."""
+        return [engine for engine in self.engines if name in engine.model.names]
 
     def stop(self) -> None:
         """Router first (no new work), then engines, then the conductor, then the store."""
@@ -497,22 +658,23 @@ def prompt(request: TraceRequest, words: WordTable | None) -> str | list[int]:
     return tokens if words is None else words.text(tokens)
 
 
-def request_bodies(requests: Sequence[TraceRequest], words: WordTable | None) -> list[bytes]:
-    """Every request's JSON body, encoded before the clock starts so that sending stays on
-    schedule. Streaming with usage: the client sees the first token (and the router acts
-    on it) as a production client would, and still gets cached_tokens at the end."""
+def request_bodies(setup: ReplaySetup) -> list[bytes]:
+    """Every request's JSON body, naming its model or adapter, encoded before the clock
+    starts so that sending stays on schedule. Streaming with usage: the client sees the
+    first token (and the router acts on it) as a production client would, and still gets
+    cached_tokens at the end."""
     return [
         json.dumps(
             {
-                "model": MODEL,
-                "prompt": prompt(request, words),
+                "model": name,
+                "prompt": prompt(request, setup.words),
                 "max_tokens": max_tokens(request),
                 "stream": True,
                 "stream_options": {"include_usage": True},
             },
             separators=(",", ":"),
         ).encode()
-        for request in requests
+        for request, name in zip(setup.requests, setup.names, strict=True)
     ]
 
 
@@ -595,31 +757,43 @@ async def replay(setup: ReplaySetup, router_url: str, bodies: list[bytes]) -> li
     return outcomes
 
 
-async def warm_up(fleet: Fleet, request: TraceRequest) -> None:
-    """Serve ``request`` on every engine directly (not measured), then wait until the
-    conductor reports it cached on each: proof that every event stream is subscribed.
-    With a store, each engine's turn waits until the store holds what the one before saved,
-    so the later engines load the prompt from the store, as they would in service. A peer
-    router has no conductor to ask: the fleet waits ``PEER_SETTLE_S`` instead; ours with the
-    index embedded counts the blocks each stream stored on its ``/metrics``. The engines
-    get the same prompt whatever the router, so every run starts from the same caches (a
-    peer whose tree learns from the requests it routes starts knowing none of them).
+async def warm_up(fleet: Fleet) -> None:
+    """Serve each model's or adapter's first request on every engine serving it directly
+    (not measured), then wait until the conductor reports it cached on each: proof that
+    every event stream is subscribed. With a store, each engine's turn waits until the
+    store holds what the one before saved, so the later engines load the prompt from the
+    store, as they would in service. A peer router has no conductor to ask: the fleet waits
+    ``PEER_SETTLE_S`` instead; ours with the index embedded (one name only) counts the blocks
+    each stream stored on its ``/metrics``. The engines get the same prompts whatever the
+    router, so every run starts from the same caches (a peer whose tree learns from the
+    requests it routes starts knowing none of them).
 
     A fleet in service already holds its application's shared prefix; starting cold, the
     first engine to cache the conversation trace's common first block would be every later
     request's longest match (trace_sim's ``warm_up`` explains the same choice)."""
-    body = {"model": MODEL, "prompt": prompt(request, fleet.setup.words), "max_tokens": 1}
-    size = fleet.setup.block_size
+    setup = fleet.setup
+    bodies: dict[str, dict[str, Any]] = {
+        name: {"model": name, "prompt": prompt(requests[0], setup.words), "max_tokens": 1}
+        for name, requests in setup.by_name().items()
+    }
+    size = setup.block_size
     timeout = aiohttp.ClientTimeout(total=WARM_UP_TIMEOUT_S)
     conductor = fleet.conductor
 
-    async def indexed_everywhere(session: aiohttp.ClientSession, which: int) -> None:
+    async def indexed_everywhere(session: aiohttp.ClientSession, name: str, which: int) -> None:
         if fleet.peer is not None:
             await asyncio.sleep(PEER_SETTLE_S)
             return
-        tokens = await engine_tokens(session, fleet.engines[0], body["prompt"])
+        engines = fleet.serving(name)
+        tokens = await engine_tokens(session, engines[0], name, bodies[name]["prompt"])
         expected = len(tokens) // size * size
-        query = {"model": MODEL, "block_size": size, "token_ids": tokens}
+        base = engines[0].model.name
+        query = {
+            "model": base,
+            "lora_name": "" if name == base else name,  # an adapter's blocks are its own
+            "block_size": size,
+            "token_ids": tokens,
+        }
         deadline = time.monotonic() + WARM_UP_TIMEOUT_S
         while time.monotonic() < deadline:
             seen: dict[str, Any]
@@ -631,21 +805,25 @@ async def warm_up(fleet: Fleet, request: TraceRequest) -> None:
             else:
                 async with session.post(f"{conductor.url}/query", json=query) as answer:
                     seen = parse_hits(await answer.json(), "default")
-                if all(
-                    seen.get(e.instance_id, (0, 0, 0))[which] >= expected for e in fleet.engines
-                ):
+                if all(seen.get(e.instance_id, (0, 0, 0))[which] >= expected for e in engines):
                     return
             await asyncio.sleep(0.1)
-        raise TimeoutError(f"the warm-up is not indexed on every engine: {seen}")
+        raise TimeoutError(f"the warm-up of {name} is not indexed on every engine: {seen}")
 
     async with aiohttp.ClientSession(timeout=timeout) as session:
         for engine in fleet.engines:
-            async with session.post(f"{engine.service.url}/v1/completions", json=body) as answer:
-                if answer.status != 200:
-                    raise RuntimeError(f"warm-up on {engine.instance_id}: {await answer.text()}")
+            served = [name for name in bodies if name in engine.model.names]
+            for name in served:
+                url = f"{engine.service.url}/v1/completions"
+                async with session.post(url, json=bodies[name]) as answer:
+                    if answer.status != 200:
+                        text = await answer.text()
+                        raise RuntimeError(f"warm-up of {name} on {engine.instance_id}: {text}")
             if fleet.store is not None:  # the store's pool is every engine's CPU tier
-                await indexed_everywhere(session, 1)
-        await indexed_everywhere(session, 0)
+                for name in served:
+                    await indexed_everywhere(session, name, 1)
+        for name in bodies:
+            await indexed_everywhere(session, name, 0)
 
 
 async def metric_samples(
@@ -676,13 +854,13 @@ async def forgone_tokens(router_url: str) -> float:
 
 
 async def engine_tokens(
-    session: aiohttp.ClientSession, engine: Engine, prompt: str | list[int]
+    session: aiohttp.ClientSession, engine: Engine, name: str, prompt: str | list[int]
 ) -> list[int]:
-    """The ids ``engine`` computes for ``prompt``: what its KV events (and so the
-    conductor) are keyed by, whichever tokenizer it runs."""
+    """The ids ``engine`` computes for ``prompt`` to model or adapter ``name``: what its KV
+    events (and so the conductor) are keyed by, whichever tokenizer it runs."""
     if isinstance(prompt, list):
         return prompt
-    request = {"model": MODEL, "prompt": prompt}
+    request = {"model": name, "prompt": prompt}
     async with session.post(f"{engine.service.url}/tokenize", json=request) as answer:
         if answer.status != 200:
             raise RuntimeError(f"/tokenize on {engine.instance_id}: {await answer.text()}")
@@ -827,7 +1005,7 @@ def run_policy(
     with Fleet(setup, policy, log_dir, store) as fleet:
         assert fleet.router is not None
         try:
-            asyncio.run(warm_up(fleet, setup.requests[0]))
+            asyncio.run(warm_up(fleet))
         except (OSError, aiohttp.ClientError, RuntimeError, TimeoutError) as error:
             raise RuntimeError(f"{fleet.label}: warm-up failed: {error}\n{fleet.logs()}") from None
         cpu_before = fleet.routing_cpu_s()
@@ -842,11 +1020,28 @@ def run_policy(
         if fleet.peer is None and summary["prompt_tokens"]:
             forgone = asyncio.run(forgone_tokens(fleet.router.url))
             summary["forgone_hit_ratio"] = forgone / summary["prompt_tokens"]
+        if len(set(setup.names)) > 1:
+            summary["models"] = per_name(fleet, outcomes)
         if summary["errors"]:
             summary["logs"] = fleet.logs()
     summary["replay_wall_s"] = replay_s
     summary["wall_s"] = time.perf_counter() - started
     return summary
+
+
+def per_name(fleet: Fleet, outcomes: Sequence[Outcome]) -> dict[str, dict[str, Any]]:
+    """A run of several models and adapters: each name's figures, from its own requests on
+    the engines serving it."""
+    setup = fleet.setup
+    return {
+        name: summarize(
+            name,
+            [o for o, named in zip(outcomes, setup.names, strict=True) if named == name],
+            setup,
+            [engine.instance_id for engine in fleet.serving(name)],
+        )
+        for name in setup.by_name()
+    }
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
@@ -941,6 +1136,13 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         help="ours asks a conductor service, or holds the index itself (conductor.embedded)",
     )
     add("--store-mb", type=int, default=STORE_SEGMENT_MB, help="the store's memory")
+    add(
+        "--mixed",
+        action="store_true",
+        help="split the slice by conversation across two models and an adapter of each "
+        "(E/2 engines per model), then replay each name's requests alone; policy "
+        f"{MIXED_DEFAULTS['policies']} and --json {MIXED_DEFAULTS['json'].name} unless given",
+    )
     add("--log-dir", type=Path, help="keep the processes' logs and configs here")
     add("--json", type=Path, default=RESULTS_DIR / "router_replay.json")
     args = parser.parse_args(argv)
@@ -954,24 +1156,45 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         parser.error("--tokenizer and sglang-router need --prompts text")
     if args.conductor == "embedded" and args.store != "off":
         parser.error("--conductor embedded runs without a store (--store off)")
+    if args.mixed and (args.peer_binaries or args.store != "off" or args.conductor != "service"):
+        parser.error("--mixed runs ours with a conductor service: no --peers, --store or embedded")
     if args.quick:
-        defaults = {k: parser.get_default(k) for k in QUICK}
-        for key, value in QUICK.items():
-            if getattr(args, key) == defaults[key]:
-                setattr(args, key, value)
+        keep_given(parser, args, QUICK)
+    if args.mixed:
+        keep_given(parser, args, MIXED_DEFAULTS)
+        if args.engines % len(MIXED_MODELS):
+            parser.error(f"--mixed splits the engines across {len(MIXED_MODELS)} models")
     return args
 
 
+def keep_given(
+    parser: argparse.ArgumentParser, args: argparse.Namespace, defaults: dict[str, Any]
+) -> None:
+    """Set ``defaults`` on ``args`` where the command line left the parser's default."""
+    for key, value in defaults.items():
+        if getattr(args, key) == parser.get_default(key):
+            setattr(args, key, value)
+
+
 def run_all(setup: ReplaySetup, log_dir: Path | None) -> tuple[dict[str, Any], list[dict], float]:
-    """Every router's fleet in turn (without and/or with the store): the setup's figures,
-    each run's summary and the wall time. Logs go to ``log_dir`` (None: a scratch dir)."""
+    """Every router's fleet in turn (without and/or with the store; a mixed replay's fleet,
+    then each name's alone): the setup's figures, each run's summary and the wall time.
+    Logs go to ``log_dir`` (None: a scratch dir)."""
     described = describe(setup)
-    bodies = request_bodies(setup.requests, setup.words)
+    parts = [setup]
+    if setup.part == "mixed":
+        parts += [alone_setup(setup, name) for name in setup.by_name()]
+        described["alone"] = {part.part: references(describe(part)) for part in parts[1:]}
+    bodies = [request_bodies(part) for part in parts]
+    fleet_text = ", ".join(
+        f"{'+'.join([model['model'], *model['adapters']])} on {model['engines']} engines × "
+        f"{model['gpu_blocks_per_engine']} blocks of {setup.block_size} (offered load "
+        f"{model['offered_load_uncached']:.2f}× uncached)"
+        for model in described["models"]
+    )
     print(
         f"{setup.trace}: {len(setup.requests)} requests over {described['trace_span_s']:.0f} "
-        f"trace s at speedup {setup.speedup:g}, {setup.engines} engines × "
-        f"{setup.gpu_blocks} blocks of {setup.block_size}, offered load (uncached) "
-        f"{described['offered_load_uncached']:.2f}×, prompts {described['prompts']}",
+        f"trace s at speedup {setup.speedup:g}; {fleet_text}; prompts {described['prompts']}",
         file=sys.stderr,
     )
     started = time.perf_counter()
@@ -981,9 +1204,77 @@ def run_all(setup: ReplaySetup, log_dir: Path | None) -> tuple[dict[str, Any], l
         logs.mkdir(parents=True, exist_ok=True)
         for router in setup.routers:
             for store in setup.store_runs:
-                runs.append(run_policy(setup, router, bodies, logs, store))
-                print(f"  {runs[-1]['policy']}: {runs[-1]['wall_s']:.1f} s", file=sys.stderr)
+                for part, part_bodies in zip(parts, bodies, strict=True):
+                    runs.append(run_policy(part, router, part_bodies, logs, store))
+                    print(f"  {runs[-1]['policy']}: {runs[-1]['wall_s']:.1f} s", file=sys.stderr)
     return described, runs, time.perf_counter() - started
+
+
+def references(described: dict[str, Any]) -> dict[str, Any]:
+    """What a run is measured against, from ``describe``."""
+    keys = ("requests", "models", "offered_load_uncached", "ideal_hit_ratio", "pooled_hit_ratio")
+    return {key: described[key] for key in keys}
+
+
+def references_text(described: dict[str, Any]) -> str:
+    pooled = described["pooled_hit_ratio"]
+    return (
+        f"ideal hit {described['ideal_hit_ratio']:.1%}, pooled-LRU hit "
+        f"{'–' if pooled is None else format(pooled, '.1%')}"
+    )
+
+
+def compare_mixed(runs: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Per mixed run and name: its hit ratio and TTFTs there against its run alone."""
+    by_label = {run["policy"]: run for run in runs}
+    rows = []
+    for run in runs:
+        label, _, part = run["policy"].partition("@")
+        if part != "mixed":
+            continue
+        for name, mixed in run["models"].items():
+            alone = by_label[f"{label}@{name}"]
+            hit_mixed, hit_alone = mixed["hit_ratio"], alone["hit_ratio"]
+            rows.append(
+                {
+                    "policy": label,
+                    "model": name,
+                    "requests": mixed["requests"],
+                    "hit_mixed": hit_mixed,
+                    "hit_alone": hit_alone,
+                    "hit_mixed_to_alone": hit_mixed / hit_alone if hit_alone else None,
+                    "goal_met": hit_mixed >= HIT_GOAL * hit_alone,
+                    **{
+                        f"ttft_{q}_s_{where}": figures[f"ttft_{q}_s"]
+                        for q in ("p50", "p99")
+                        for where, figures in (("mixed", mixed), ("alone", alone))
+                    },
+                    "errors": mixed["errors"] + alone["errors"],
+                }
+            )
+    return rows
+
+
+def format_comparison(rows: Sequence[dict[str, Any]]) -> str:
+    """A markdown table of ``compare_mixed``'s rows (TTFTs in model seconds)."""
+    head = ["policy", "model", "requests", "hit mixed", "hit alone", "mixed/alone",
+            f"≥ {HIT_GOAL:g}", "TTFT p50 mixed", "alone", "p99 mixed", "alone", "err"]  # fmt: skip
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for row in rows:
+        ratio = row["hit_mixed_to_alone"]
+        cells = [
+            row["policy"],
+            row["model"],
+            str(row["requests"]),
+            f"{row['hit_mixed']:.1%}",
+            f"{row['hit_alone']:.1%}",
+            "–" if ratio is None else f"{ratio:.3f}",
+            "yes" if row["goal_met"] else "no",
+            *("–" if row[key] is None else f"{row[key]:.2f}" for key in MIXED_TTFT_KEYS),
+            str(row["errors"]),
+        ]
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
 
 
 def check_runs(runs: Sequence[dict]) -> int:
@@ -1023,22 +1314,27 @@ def peer_binaries(
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
     STOPPING.install()
-    described, runs, wall_s = run_all(build_setup(args), args.log_dir)
+    setup = build_setup(args)
+    described, runs, wall_s = run_all(setup, args.log_dir)
     print(format_table(described, runs))
-    print(
-        f"ideal hit {described['ideal_hit_ratio']:.1%}, pooled-LRU hit "
-        f"{described['pooled_hit_ratio']:.1%}; {len(runs)} runs in {wall_s:.0f} s wall"
-    )
-    write_json(args.json, described, runs, wall_s)
+    print(f"{references_text(described)}; {len(runs)} runs in {wall_s:.0f} s wall")
+    extra: dict[str, Any] = {}
+    if setup.part == "mixed":
+        extra["comparison"] = comparison = compare_mixed(runs)
+        print(format_comparison(comparison))
+        met = sum(row["goal_met"] for row in comparison)
+        print(f"hit ratio mixed ≥ {HIT_GOAL:g} × alone: {met} of {len(comparison)}")
+    write_json(args.json, described, runs, wall_s, **extra)
     print(f"wrote {args.json}")
     return check_runs(runs)
 
 
-def write_json(path: Path, setup: dict, runs: list[dict], wall_s: float) -> None:
+def write_json(path: Path, setup: dict, runs: list[dict], wall_s: float, **extra: Any) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     report = {
         "setup": setup,
         "runs": {run["policy"]: run for run in runs},
+        **extra,
         "wall_s": wall_s,
         "machine": machine(),
     }

@@ -2,7 +2,8 @@
 
 The benchmark's numbers are only worth reading if every request made it through router,
 conductor and engines, and if the figures it reports are well-formed; this runs
-``--quick`` exactly as a user would and checks both, and (when vllm-router and
+``--quick`` exactly as a user would and checks both, a small ``--mixed`` replay (two
+models and their adapters on one fleet, then each alone), and (when vllm-router and
 sglang-router are installed) a small slice through every peer router.
 """
 
@@ -14,11 +15,15 @@ from pathlib import Path
 import pytest
 
 from bench.peer_routers import PEERS
+from bench.router_replay import MIXED_MODELS, conversation_name
+from bench.trace_sim import load_trace, trace_path
 from tests.support.bench_run import run_bench
 from tests.support.parts import peer_bin_dir
 
 BUDGET_S = 60.0
 STORE_BUDGET_S = 180.0  # two fleets, one with a store to start and fill
+MIXED_BUDGET_S = 120.0  # five fleets
+MIXED_NAMES = [name for model, adapters in MIXED_MODELS for name in (model, *adapters)]
 
 
 def run_replay(tmp_path: Path, *flags: str, budget_s: float = BUDGET_S) -> dict:
@@ -52,6 +57,53 @@ def test_a_replay_with_the_index_in_the_router_runs_no_conductor(tmp_path: Path)
     assert run["served"] == run["requests"] == report["setup"]["requests"]
     assert sum(run["fallbacks"].values()) == 0
     assert run["hit_ratio"] > 0
+
+
+def test_the_mixed_split_keeps_every_reused_prefix_within_one_name() -> None:
+    """The split by conversation loses no hit the one-model replay could have: every
+    request's longest prefix shared with an earlier one, beyond the conversation trace's
+    common block 0, is an earlier request's of the same name."""
+    earlier: dict[tuple[int, ...], str] = {}
+    reused = 0
+    for request in load_trace(trace_path("conversation"), 800):
+        name = conversation_name(request, MIXED_NAMES)
+        ids = request.hash_ids
+        longest = next((ids[:k] for k in range(len(ids), 1, -1) if ids[:k] in earlier), None)
+        if longest is not None:
+            assert earlier[longest] == name, request.index
+            reused += 1
+        earlier.update((ids[:k], name) for k in range(1, len(ids) + 1))
+    assert reused > 100  # the slice does reuse conversations' prefixes
+
+
+def test_a_mixed_replay_compares_each_name_with_its_replay_alone(tmp_path: Path) -> None:
+    """``--mixed``: the slice split across two models and an adapter of each on one fleet
+    of four engines, then each name's requests alone on two engines of its model. Every
+    request is served by an engine of its own model, and the comparison reads both runs."""
+    report = run_replay(
+        tmp_path, "--mixed", "--requests", "40", "--speedup", "20", budget_s=MIXED_BUDGET_S
+    )
+    runs = report["runs"]
+    assert list(runs) == ["ttft@mixed", *(f"ttft@{name}" for name in MIXED_NAMES)]
+    mixed = runs["ttft@mixed"]
+    assert list(mixed["models"]) == MIXED_NAMES and mixed["served"] == 40
+    engines_of = {  # two engines per model, numbered in the models' order
+        name: {f"engine-{2 * index}", f"engine-{2 * index + 1}"}
+        for index, (model, adapters) in enumerate(MIXED_MODELS)
+        for name in (model, *adapters)
+    }
+    rows = {row["model"]: row for row in report["comparison"]}
+    for name in MIXED_NAMES:
+        alone, in_mixed = runs[f"ttft@{name}"], mixed["models"][name]
+        assert alone["errors"] == in_mixed["errors"] == 0, name
+        assert alone["served"] == in_mixed["served"] == in_mixed["requests"] > 0, name
+        assert set(in_mixed["instances"]) == engines_of[name], name
+        served = sum(entry["requests"] for entry in in_mixed["instances"].values())
+        assert served == in_mixed["served"], name  # every answer from its model's engines
+        assert in_mixed["hit_ratio"] > 0 and alone["hit_ratio"] > 0, name  # the warm-up's
+        row = rows[name]
+        assert (row["hit_mixed"], row["hit_alone"]) == (in_mixed["hit_ratio"], alone["hit_ratio"])
+        assert row["ttft_p50_s_mixed"] > 0 and row["ttft_p50_s_alone"] > 0, name
 
 
 @pytest.mark.needs("store")
