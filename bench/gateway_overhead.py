@@ -1,29 +1,38 @@
 """The router's own time as a fleet's gateway (issue #27): the same prompts through today's
 one-model router and through one serving several models with a keys file of many keys.
 
-Both routers sit in front of the same number of engines per model (``--engines-per-model``,
-4 by default): the one-model router's model ``tiny-llama`` on engines of its own, the
-gateway's ``--models`` models (4) on ``--models`` × that many more (16), all simulators that
-tokenize with the tiny model's HF tokenizer and publish their KV events to one conductor.
-So each request of either router weighs the same number of candidates against an index
-walked as deep; what differs is the gateway's work: the model the request names, its key
-(``Authorization: Bearer``, one of ``--keys`` keys, 1,000), the key's limits (set, and far
-from binding: concurrency, request and token rates, a waiting room) and the model's
-concurrency gate, and the larger fleet it registers, probes and scrapes.
+Each router (a *variant*) has engines of its own, the same number per model
+(``--engines-per-model``, 4 by default), all simulators that tokenize with the tiny model's
+HF tokenizer and publish their KV events to one conductor; every variant's models have
+names of their own, so no router's queries meet another's cached prompts. ``--variants``
+(``one,gateway`` by default; ``one`` is the reference and comes first):
+
+- ``one``: today's router, the upstream layout's one model on 4 engines, no keys;
+- ``keys``: the same with a keys file of ``--keys`` keys (1,000);
+- ``models``: ``--models`` models (4) on 4 engines each (16), no keys;
+- ``gateway``: the 4 models and the 1,000 keys.
+
+So each request weighs the same number of candidates in every variant, against an index
+walked as deep; what the gateway adds is its work: the model the request names, its key
+(``Authorization: Bearer``), the key's limits (set on every key and far from binding:
+concurrency, request and token rates, a waiting room), the model's concurrency gate (set,
+not binding), and the larger fleet it registers, probes and scrapes. ``keys`` and
+``models`` tell the two parts apart.
 
 The prompts are ``bench.router_overhead``'s (random words sharing their first half in
 groups of four, about ``--prompt-tokens`` each), sent the same way (its ``idle`` then
-``burst`` phases) for each way of getting a prompt's ids in ``--modes`` (its modes). The
-gateway gets each group of four prompts for one model, the groups dealt round-robin over
-the models, so the prompts sharing a prefix share it in the gateway too; request ``n``
-carries key ``n mod --keys``, so every measured request is a key's first (with up to
-``--keys`` requests). Each request goes to the one-model router, then the same to the
-gateway, one after the other (bursts: a burst to each in turn), so both meet the machine's
-same moments. Reported: ``x-conductor-overhead-ms`` and the client's time to the answer's
-end, p50/p99 for both routers and their ratio (gateway / one model; the issue's goal:
-within 10 %). Run under the shared lock:
+``burst`` phases) for each way of getting a prompt's ids in ``--modes`` (its modes). A
+router of several models gets each group of four prompts for one model, the groups dealt
+round-robin over the models, so prompts sharing a prefix share it there too; with keys,
+request ``n`` carries key ``n mod --keys``, so every measured request is a key's first (up
+to ``--keys`` requests). Each request goes to every variant's router in turn, one at a time
+(bursts: a burst to each in turn), so all meet the machine's same moments. Reported:
+``x-conductor-overhead-ms`` and the client's time to the answer's end, p50/p99 per variant
+and their ratio to ``one`` (the issue's goal: the gateway's within 10 %). Run under the
+shared lock:
 
     flock /tmp/bench.lock python -m bench.gateway_overhead [--requests 400] [--json FILE]
+    flock /tmp/bench.lock python -m bench.gateway_overhead --variants one,keys,models,gateway
 """
 
 from __future__ import annotations
@@ -41,7 +50,6 @@ import aiohttp
 from bench.harness import machine
 from bench.router_overhead import (
     BLOCK,
-    MODEL,
     WARM_UP,
     Request,
     Sample,
@@ -61,7 +69,23 @@ from fleet.tiny_model import write_tiny_model
 from publishers.local import LocalService
 from tokenization.tokenizer import LocalTokenizer
 
-VARIANTS = ("one", "gateway")
+
+@dataclass(frozen=True)
+class Variant:
+    """A router to compare: several models or one, a keys file or none."""
+
+    several_models: bool
+    keys: bool
+
+
+VARIANTS = {
+    "one": Variant(several_models=False, keys=False),
+    "keys": Variant(several_models=False, keys=True),
+    "models": Variant(several_models=True, keys=False),
+    "gateway": Variant(several_models=True, keys=True),
+}
+REFERENCE = "one"
+PHASES = ("idle", "burst")
 GOAL_RATIO = 1.10  # the gateway's p50/p99 within 10 % of the one-model router's
 # every key's limits: set, so that each request passes them, and far from binding
 NOT_BINDING = {
@@ -83,10 +107,8 @@ def write_keys(path: Path, count: int) -> list[str]:
     return secrets
 
 
-def gateway_layout(
-    conductor: dict[str, Any], models: dict[str, list[dict[str, Any]]], keys_file: Path
-) -> dict[str, Any]:
-    """Several models, each on its engines, with a keys file."""
+def models_layout(conductor: dict[str, Any], models: dict[str, list[dict[str, Any]]]) -> dict:
+    """Several models, each on its engines, each with a concurrency gate."""
     return {
         "conductor": conductor,
         "models": [
@@ -94,18 +116,20 @@ def gateway_layout(
             for name, instances in models.items()
         ],
         "routing": {"policy": "ttft"},
-        "keys": {"file": str(keys_file)},
     }
 
 
-def as_gateway(requests: list[Request], models: list[str], secrets: list[str]) -> list[Request]:
-    """The same requests to the gateway: each group of four prompts (sharing a prefix) for
-    one model in turn, request ``n`` with key ``n mod len(secrets)``."""
+def for_variant(
+    requests: list[Request], models: list[str], secrets: list[str] | None
+) -> list[Request]:
+    """The same requests to a variant's router: each group of four prompts (sharing a
+    prefix) for one of its models in turn; with keys, request ``n`` with key ``n mod
+    len(secrets)``."""
     return [
         replace(
             request,
             body=request.body | {"model": models[n // 4 % len(models)]},
-            headers={"Authorization": f"Bearer {secrets[n % len(secrets)]}"},
+            headers={"Authorization": f"Bearer {secrets[n % len(secrets)]}"} if secrets else {},
         )
         for n, request in enumerate(requests)
     ]
@@ -116,7 +140,7 @@ async def alternate(
 ) -> dict[str, list[Sample]]:
     """Each request to every router in turn, one at a time."""
     samples: dict[str, list[Sample]] = {variant: [] for variant in urls}
-    for n in range(len(requests[VARIANTS[0]])):
+    for n in range(len(requests[REFERENCE])):
         for variant, url in urls.items():
             samples[variant].append(await send(http, url, requests[variant][n]))
     return samples
@@ -131,7 +155,7 @@ async def alternate_bursts(
 ) -> dict[str, list[Sample]]:
     """A burst of ``size`` to every router in turn, a pause after each."""
     samples: dict[str, list[Sample]] = {variant: [] for variant in urls}
-    for start in range(0, len(requests[VARIANTS[0]]), size):
+    for start in range(0, len(requests[REFERENCE]), size):
         for variant, url in urls.items():
             group = requests[variant][start : start + size]
             samples[variant] += await bursts(http, url, group, size, pause_s)
@@ -149,7 +173,7 @@ async def compare(
     requests: dict[str, list[Request]],
     args: argparse.Namespace,
 ) -> dict[str, Any]:
-    """Warm-up, then the idle and burst phases through both routers; figures and ratios."""
+    """Warm-up, then the idle and burst phases through every router; figures, ratios to one."""
     warm = warm_up(args.models)
     half = warm + args.requests // 2
     await alternate(http, urls, {v: r[:warm] for v, r in requests.items()})
@@ -165,8 +189,13 @@ async def compare(
             "conductor_query": await histogram(http, url, "router_conductor_query_seconds"),
             "loop_lag": await histogram(http, url, "router_event_loop_lag_seconds"),
         }
-    one, gateway = result["one"], result["gateway"]
-    result["ratio"] = {phase: ratios(one[phase], gateway[phase]) for phase in ("idle", "burst")}
+    result["ratio"] = {
+        variant: {
+            phase: ratios(result[REFERENCE][phase], result[variant][phase]) for phase in PHASES
+        }
+        for variant in urls
+        if variant != REFERENCE
+    }
     return result
 
 
@@ -176,40 +205,50 @@ def warm_up(models: int) -> int:
 
 
 @dataclass(frozen=True)
+class Served:
+    """A variant's router: its layout, models and keys."""
+
+    layout: dict[str, Any]
+    models: list[str]
+    secrets: list[str] | None
+
+
 class Fleet:
-    """The conductor and every engine; what both routers of a mode are started from."""
+    """The conductor and every variant's engines; what a mode's routers start from."""
 
-    run_dir: Path
-    model_dir: Path
-    services: list[LocalService]
-    layouts: dict[str, dict[str, Any]]  # variant → its router's layout
-    models: list[str]  # the gateway's
-    secrets: list[str]  # its keys
+    def __init__(self, run_dir: Path, model_dir: Path, keys: int) -> None:
+        self.run_dir, self.model_dir = run_dir, model_dir
+        self.conductor = start_conductor(run_dir)
+        self.services = [self.conductor]
+        self.keys_file = run_dir / "keys.json"
+        self.secrets = write_keys(self.keys_file, keys)
+        self.variants: dict[str, Served] = {}
 
-    @classmethod
-    def start(cls, run_dir: Path, model_dir: Path, args: argparse.Namespace) -> Fleet:
-        conductor = start_conductor(run_dir)
-        flags = ("--tokenizer", str(model_dir), "--sim-time-scale", "0.01")
-        per_model = [f"{n}" for n in range(args.engines_per_model)]
-        services, solo = start_engines(run_dir, [f"one-{n}" for n in per_model], MODEL, *flags)
-        models: dict[str, list[dict[str, Any]]] = {}
-        for m in range(args.models):
-            ids = [f"m{m}-{n}" for n in per_model]
-            engines, models[f"{MODEL}-{m}"] = start_engines(run_dir, ids, f"{MODEL}-{m}", *flags)
-            services += engines
-        secrets = write_keys(run_dir / "keys.json", args.keys)
-        section = {"address": conductor.url}
-        layouts = {
-            "one": one_model_layout(section, solo),
-            "gateway": gateway_layout(section, models, run_dir / "keys.json"),
-        }
-        return cls(run_dir, model_dir, [conductor, *services], layouts, list(models), secrets)
+    def add(self, name: str, models: int, engines_per_model: int) -> None:
+        """Variant ``name``'s engines (``models`` when it serves several) and its layout."""
+        variant = VARIANTS[name]
+        served: dict[str, list[dict[str, Any]]] = {}
+        for m in range(models if variant.several_models else 1):
+            engines, served[f"{name}-{m}"] = start_engines(
+                self.run_dir, [f"{name}-{m}-{n}" for n in range(engines_per_model)],
+                f"{name}-{m}", "--tokenizer", str(self.model_dir), "--sim-time-scale", "0.01",
+            )  # fmt: skip
+            self.services += engines
+        conductor = {"address": self.conductor.url}
+        if variant.several_models:
+            layout = models_layout(conductor, served)
+        else:
+            (model, instances), *_ = served.items()
+            layout = one_model_layout(conductor, instances, model)
+        if variant.keys:
+            layout["keys"] = {"file": str(self.keys_file)}
+        self.variants[name] = Served(layout, list(served), self.secrets if variant.keys else None)
 
     def routers(self, mode: str) -> dict[str, LocalService]:
-        """Both routers, getting prompt ids the mode's way."""
+        """Every variant's router, getting prompt ids the mode's way."""
         return {
-            variant: router(self.run_dir, layout, mode, self.model_dir, f"{variant}-{mode}")
-            for variant, layout in self.layouts.items()
+            name: router(self.run_dir, served.layout, mode, self.model_dir, f"{name}-{mode}")
+            for name, served in self.variants.items()
         }
 
     def stop(self) -> None:
@@ -221,16 +260,21 @@ async def measure(args: argparse.Namespace, run_dir: Path) -> dict[str, Any]:
     model_dir = write_tiny_model(run_dir / "model")
     tokenizer = LocalTokenizer.load(model_dir)
     texts = prompts(tokenizer, warm_up(args.models) + args.requests, args.prompt_tokens, seed=1)
-    fleet = Fleet.start(run_dir, model_dir, args)
+    fleet = Fleet(run_dir, model_dir, args.keys)
     results: dict[str, Any] = {}
     try:
+        for name in args.variants:
+            fleet.add(name, args.models, args.engines_per_model)
         for service in fleet.services:  # the engines answer before a router asks them
             service.wait_ready()
         timeout = aiohttp.ClientTimeout(total=60)
         async with aiohttp.ClientSession(timeout=timeout) as http:
             for mode in args.modes:
-                requests = {"one": bodies(texts, mode, tokenizer)}
-                requests["gateway"] = as_gateway(requests["one"], fleet.models, fleet.secrets)
+                sent = bodies(texts, mode, tokenizer)
+                requests = {
+                    name: for_variant(sent, served.models, served.secrets)
+                    for name, served in fleet.variants.items()
+                }
                 results[mode] = await measure_mode(http, fleet, mode, requests, args)
     finally:
         fleet.stop()
@@ -244,45 +288,44 @@ async def measure_mode(
     requests: dict[str, list[Request]],
     args: argparse.Namespace,
 ) -> dict[str, Any]:
-    """Both routers for one mode, started fresh and stopped after."""
+    """Every variant's router for one mode, started fresh and stopped after."""
     routers = fleet.routers(mode)
     try:
         for service in routers.values():
             service.wait_ready()
         if mode.startswith("local"):
-            await wait_local(http, routers["one"])
-            await wait_local(http, routers["gateway"], models=len(fleet.models))
+            for name, service in routers.items():
+                await wait_local(http, service, models=len(fleet.variants[name].models))
         urls = {variant: service.url for variant, service in routers.items()}
         result = await compare(http, urls, requests, args)
     finally:
         for service in routers.values():
             service.stop()
-    rounded = {
-        phase: {k: round(v, 3) for k, v in r.items()} for phase, r in result["ratio"].items()
-    }
-    print(f"{mode:>12}: gateway / one model {json.dumps(rounded)}", flush=True)
+    for variant, ratio in result["ratio"].items():
+        rounded = {phase: {k: round(v, 3) for k, v in r.items()} for phase, r in ratio.items()}
+        print(f"{mode:>12}: {variant} / {REFERENCE} {json.dumps(rounded)}", flush=True)
     return result
 
 
 def table(results: dict[str, Any], args: argparse.Namespace) -> str:
     lines = [
         f"router overhead and client latency (ms), {args.requests} ~{args.prompt_tokens}-token "
-        f"prompts, bursts of {args.burst}: one model on {args.engines_per_model} engines vs "
-        f"{args.models} models × {args.engines_per_model} engines and {args.keys} keys",
-        "| prompt ids | phase | overhead one p50 / p99 | gateway p50 / p99 | ratio p50 / p99 "
-        "| client one p50 / p99 | gateway p50 / p99 | ratio p50 / p99 |",
-        "|---|---|---|---|---|---|---|---|",
+        f"prompts, bursts of {args.burst}; {args.engines_per_model} engines a model, "
+        f"{args.models} models where several, {args.keys} keys where keys",
+        "| prompt ids | phase | router | overhead p50 / p99 | ÷ one | client p50 / p99 | ÷ one |",
+        "|---|---|---|---|---|---|---|",
     ]
     for mode, result in results.items():
-        for phase in ("idle", "burst"):
-            one, gateway = result["one"][phase], result["gateway"][phase]
-            ratio = result["ratio"][phase]
-            cells = [
-                f"{figures[p50]:.2f} / {figures[p99]:.2f}"
-                for p50, p99 in (("p50_ms", "p99_ms"), ("client_p50_ms", "client_p99_ms"))
-                for figures in (one, gateway, ratio)
-            ]
-            lines.append(f"| {mode} | {phase} | " + " | ".join(cells) + " |")
+        for phase in PHASES:
+            for variant in args.variants:
+                figures = result[variant][phase]
+                ratio = result["ratio"].get(variant, {}).get(phase)
+                cells = [
+                    f"{values[p50]:.2f} / {values[p99]:.2f}" if values else "–"
+                    for p50, p99 in (("p50_ms", "p99_ms"), ("client_p50_ms", "client_p99_ms"))
+                    for values in (figures, ratio)
+                ]
+                lines.append(f"| {mode} | {phase} | {variant} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
 
@@ -290,12 +333,20 @@ def goal(results: dict[str, Any]) -> dict[str, bool]:
     """Per mode: are the gateway's overhead p50 and p99 within 10 % of the one model's?"""
     return {
         mode: all(
-            result["ratio"][phase][figure] <= GOAL_RATIO
-            for phase in ("idle", "burst")
+            result["ratio"]["gateway"][phase][figure] <= GOAL_RATIO
+            for phase in PHASES
             for figure in ("p50_ms", "p99_ms")
         )
         for mode, result in results.items()
+        if "gateway" in result["ratio"]
     }
+
+
+def variant_names(value: str) -> list[str]:
+    names = value.split(",")
+    if names[0] != REFERENCE or not set(names) <= set(VARIANTS):
+        raise argparse.ArgumentTypeError(f"{REFERENCE} first, then any of {', '.join(VARIANTS)}")
+    return names
 
 
 def main() -> None:
@@ -306,6 +357,7 @@ def main() -> None:
     parser.add_argument("--engines-per-model", type=int, default=4)
     parser.add_argument("--keys", type=int, default=1000)
     parser.add_argument("--modes", type=lambda s: s.split(","), default=["ids", "local"])
+    parser.add_argument("--variants", type=variant_names, default=[REFERENCE, "gateway"])
     parser.add_argument("--burst", type=int, default=16)
     parser.add_argument("--pause-s", type=float, default=0.2)
     parser.add_argument("--json", type=Path)

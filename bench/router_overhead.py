@@ -210,11 +210,13 @@ def start_engines(
     return services, instances
 
 
-def one_model_layout(conductor: dict[str, Any], instances: list[dict[str, Any]]) -> dict:
-    """The upstream proxy's layout: one model (``MODEL``) on ``instances``."""
+def one_model_layout(
+    conductor: dict[str, Any], instances: list[dict[str, Any]], model: str = MODEL
+) -> dict:
+    """The upstream proxy's layout: one model on ``instances``."""
     return {
         "conductor": conductor,
-        "prefill": {"config": {"modelname": MODEL, "block_size": BLOCK}, "instances": instances},
+        "prefill": {"config": {"modelname": model, "block_size": BLOCK}, "instances": instances},
         "routing": {"policy": "ttft"},
     }
 
