@@ -18,9 +18,10 @@ so no request waits for a client connection). Four phases of ``--seconds`` each:
 ``unlimited`` (steady and ``burst-open`` at the same rate), ``unloaded-again`` (steady alone:
 how much the unloaded figure moves by itself). Reported per phase: the steady key's TTFT
 (client: from sending to the first streamed chunk; engine: ``x-engine-ttft-ms`` × the time
-scale, its wall time) p50/p99 and its ratio to the unloaded phase (the issue's goal: p99
-within 10 % while ``burst`` bursts), and the bursting key's outcomes (admitted, 429s and
-their ``Retry-After``, other errors) with the router's rejection counters. Run under the
+scale, its wall time) p50/p99 and its ratio to the unloaded value, both unloaded phases'
+requests together (``unloaded-both``; the issue's goal: p99 within 10 % while ``burst``
+bursts), and the bursting key's outcomes (admitted, 429s and their ``Retry-After``, other
+errors, one message of each) with the router's rejection counters. Run under the
 shared lock:
 
     flock /tmp/bench.lock python -m bench.limits_burst [--seconds 30] [--json FILE]
@@ -57,15 +58,18 @@ LIMITS = {
 }
 KEY_OF = {"steady": "sk-steady", "burst": "sk-burst", "burst-open": "sk-burst-open"}
 PHASES = {"unloaded": None, "limited": "burst", "unlimited": "burst-open", "unloaded-again": None}
+UNLOADED = "unloaded-both"  # the steady key alone: both unloaded phases' requests together
 SETTLE_S = 1.0  # between phases: the engines' queues empty, the router's load estimates too
 VOCAB = range(1000, 100_000)
 
 
 @dataclass(frozen=True)
 class Outcome:
-    """One request's answer: its status, a 429's Retry-After, and for a 200 its TTFTs."""
+    """One request's answer: its status, an error's message and a 429's Retry-After, and
+    for a 200 its TTFTs."""
 
     status: int
+    message: str = ""
     retry_after: str | None = None
     ttft_ms: float = math.nan  # client: sending to the first streamed chunk
     engine_ttft_ms: float = math.nan  # the engine's own, in wall ms
@@ -96,13 +100,13 @@ async def stream(
     started = time.perf_counter()
     async with http.post(url + "/v1/completions", json=body) as response:
         if response.status != 200:
-            await response.read()
-            return Outcome(response.status, response.headers.get("Retry-After"))
+            message = (await response.text())[:200]
+            return Outcome(response.status, message, response.headers.get("Retry-After"))
         await response.content.readany()
         ttft_ms = (time.perf_counter() - started) * 1000
         engine_ms = float(response.headers.get("x-engine-ttft-ms", "nan")) * time_scale
         await response.read()
-        return Outcome(200, None, ttft_ms, engine_ms)
+        return Outcome(200, ttft_ms=ttft_ms, engine_ttft_ms=engine_ms)
 
 
 async def paced(
@@ -137,20 +141,35 @@ def ttft(outcomes: list[Outcome]) -> dict[str, float]:
     }
 
 
+def failures(outcomes: list[Outcome], expected: tuple[int, ...] = (200,)) -> dict[str, Any]:
+    """Answers of other statuses: how many of each, and one message of each."""
+    other = [o for o in outcomes if o.status not in expected]
+    return {
+        "other": dict(Counter(o.status for o in other)),
+        "other_messages": {o.status: o.message for o in other},
+    }
+
+
+def steady_outcomes(outcomes: list[Outcome]) -> dict[str, Any]:
+    """What the steady key got: every request served, and how fast."""
+    errors = sum(o.status != 200 for o in outcomes)
+    return {"sent": len(outcomes), "errors": errors} | ttft(outcomes) | failures(outcomes)
+
+
 def burst_outcomes(outcomes: list[Outcome], seconds: float) -> dict[str, Any]:
     """What the bursting key got: admitted, 429s (and their Retry-After), anything else."""
     refused = [o for o in outcomes if o.status == 429]
     retry_after = sorted(int(o.retry_after) for o in refused if o.retry_after is not None)
+    admitted = sum(o.status == 200 for o in outcomes)
     return {
         "sent": len(outcomes),
-        "admitted": sum(o.status == 200 for o in outcomes),
-        "admitted_per_s": sum(o.status == 200 for o in outcomes) / seconds,
+        "admitted": admitted,
+        "admitted_per_s": admitted / seconds,
         "rejected_429": len(refused),
         "retry_after_missing": len(refused) - len(retry_after),
         "retry_after_s": [retry_after[0], retry_after[-1]] if retry_after else [],
-        "other": dict(Counter(o.status for o in outcomes if o.status not in (200, 429))),
         "ttft": ttft(outcomes),
-    }
+    } | failures(outcomes, (200, 429))
 
 
 async def rejections(http: aiohttp.ClientSession, url: str) -> dict[str, float]:
@@ -167,20 +186,25 @@ async def phase(
     prompts: Prompts,
     burster: str | None,
     args: argparse.Namespace,
-) -> dict[str, Any]:
-    """The steady key at its rate and, if any, ``burster`` at ``--factor`` times it."""
+) -> tuple[list[Outcome], list[Outcome]]:
+    """The steady key at its rate and, if any, ``burster`` at ``--factor`` times it: what
+    each got."""
     senders = [paced(sessions["steady"], url, prompts, args.rate, args.seconds, args)]
     if burster is not None:
         rate = args.rate * args.factor
         senders.append(paced(sessions[burster], url, prompts, rate, args.seconds, args))
     steady, *burst = await asyncio.gather(*senders)
-    result: dict[str, Any] = {
-        "steady": {"sent": len(steady), "errors": sum(o.status != 200 for o in steady)}
-        | ttft(steady)
-    }
-    if burst:
-        result["burst"] = {"key": burster} | burst_outcomes(burst[0], args.seconds)
     await asyncio.sleep(SETTLE_S)
+    return steady, burst[0] if burst else []
+
+
+def summary(
+    steady: list[Outcome], burst: list[Outcome], burster: str | None, seconds: float
+) -> dict[str, Any]:
+    """A phase's figures: the steady key's, and the bursting key's if one burst."""
+    result: dict[str, Any] = {"steady": steady_outcomes(steady)}
+    if burster is not None:
+        result["burst"] = {"key": burster} | burst_outcomes(burst, seconds)
     return result
 
 
@@ -215,10 +239,14 @@ async def measure(args: argparse.Namespace, run_dir: Path) -> dict[str, Any]:
     try:
         # connections, the router's cost model
         await paced(sessions["steady"], url, prompts, args.rate, args.warm_up_s, args)
-        results = {}
+        results: dict[str, Any] = {}
+        unloaded: list[Outcome] = []
         for name, burster in PHASES.items():
-            results[name] = await phase(sessions, url, prompts, burster, args)
+            steady, burst = await phase(sessions, url, prompts, burster, args)
+            results[name] = summary(steady, burst, burster, args.seconds)
+            unloaded += steady if burster is None else []
             print(f"{name:>14}: {json.dumps(results[name])}", flush=True)
+        results[UNLOADED] = steady_outcomes(unloaded)
         results["rejections"] = await rejections(sessions["steady"], url)
     finally:
         for session in sessions.values():
@@ -229,14 +257,14 @@ async def measure(args: argparse.Namespace, run_dir: Path) -> dict[str, Any]:
 
 
 def table(results: dict[str, Any], args: argparse.Namespace) -> str:
-    unloaded = results["unloaded"]["steady"]
+    unloaded = results[UNLOADED]
     lines = [
         f"steady key at {args.rate:g}/s, burst at {args.rate * args.factor:g}/s, "
         f"{args.seconds:g} s a phase, {args.engines} engines, {args.prompt_tokens}-token "
         f"prompts; burst's limits {json.dumps(args.limits)}",
-        "| phase | steady TTFT p50 / p99 ms | p99 ÷ unloaded | engine TTFT p50 / p99 ms "
-        "| bursting key: sent | admitted (/s) | 429 (Retry-After s) | other |",
-        "|---|---|---|---|---|---|---|---|",
+        "| phase | steady TTFT p50 / p99 ms | p99 ÷ unloaded-both | engine TTFT p50 / p99 ms "
+        "| steady errors | bursting key: sent | admitted (/s) | 429 (Retry-After s) | other |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
     for name in PHASES:
         steady, burst = results[name]["steady"], results[name].get("burst")
@@ -244,6 +272,7 @@ def table(results: dict[str, Any], args: argparse.Namespace) -> str:
             f"{steady['p50_ms']:.1f} / {steady['p99_ms']:.1f}",
             f"{steady['p99_ms'] / unloaded['p99_ms']:.2f}",
             f"{steady['engine_p50_ms']:.1f} / {steady['engine_p99_ms']:.1f}",
+            json.dumps(steady["other"]) if steady["other"] else "0",
         ]
         if burst is None:
             cells += ["–"] * 4
@@ -256,6 +285,8 @@ def table(results: dict[str, Any], args: argparse.Namespace) -> str:
                 json.dumps(burst["other"]) if burst["other"] else "0",
             ]
         lines.append(f"| {name} | " + " | ".join(cells) + " |")
+    both = f"{unloaded['p50_ms']:.1f} / {unloaded['p99_ms']:.1f}"
+    lines.append(f"| {UNLOADED} | {both} | 1.00 | " + " | ".join(["–"] * 6) + " |")
     return "\n".join(lines)
 
 
@@ -277,7 +308,7 @@ def goal(results: dict[str, Any], args: argparse.Namespace) -> dict[str, bool]:
     allowed = admissions_allowed(args.limits, args.seconds)
     return {
         "steady_p99_within_10_percent": steady["p99_ms"]
-        <= GOAL_RATIO * results["unloaded"]["steady"]["p99_ms"],
+        <= GOAL_RATIO * results[UNLOADED]["p99_ms"],
         "steady_served_all": steady["errors"] == 0,
         "burst_within_its_rate": burst["admitted"] <= allowed,
         "every_429_has_retry_after": burst["retry_after_missing"] == 0,

@@ -26,4 +26,5 @@ def test_every_phase_is_measured(tmp_path: Path) -> None:
     assert limited["rejected_429"] > 0 and limited["retry_after_missing"] == 0
     assert (unlimited["admitted"], unlimited["rejected_429"]) == (20, 0)
     assert report["goal"]["burst_within_its_rate"] and report["goal"]["every_429_has_retry_after"]
+    assert results["unloaded-both"]["sent"] == 10
     assert "| unloaded-again |" in output
