@@ -24,9 +24,12 @@ groups of four, about ``--prompt-tokens`` each), sent the same way (its ``idle``
 ``burst`` phases) for each way of getting a prompt's ids in ``--modes`` (its modes). A
 router of several models gets each group of four prompts for one model, the groups dealt
 round-robin over the models, so prompts sharing a prefix share it there too; with keys,
-request ``n`` carries key ``n mod --keys``, so every measured request is a key's first (up
-to ``--keys`` requests). Each request goes to every variant's router in turn, one at a time
-(bursts: a burst to each in turn), so all meet the machine's same moments. Reported:
+request ``n`` carries key ``n mod --keys``. Before measuring, every key sends one request
+(the first prompt again, to every router alike: a router creates a key's limit state and
+metric series at its first request, which costs about 0.1 ms once); with ``--cold-keys``
+every measured request is its key's first instead (up to ``--keys`` requests). Each
+request goes to every variant's router in turn, one at a time (bursts: a burst to each in
+turn), so all meet the machine's same moments. Reported:
 ``x-conductor-overhead-ms`` and the client's time to the answer's end, p50/p99 per variant
 and their ratio to ``one`` (the issue's goal: the gateway's within 10 %). Run under the
 shared lock:
@@ -173,8 +176,9 @@ async def compare(
     requests: dict[str, list[Request]],
     args: argparse.Namespace,
 ) -> dict[str, Any]:
-    """Warm-up, then the idle and burst phases through every router; figures, ratios to one."""
-    warm = warm_up(args.models)
+    """Warm-up (every request before the last ``--requests``), then the idle and burst
+    phases through every router; figures, ratios to one."""
+    warm = len(requests[REFERENCE]) - args.requests
     half = warm + args.requests // 2
     await alternate(http, urls, {v: r[:warm] for v, r in requests.items()})
     idle = await alternate(http, urls, {v: r[warm:half] for v, r in requests.items()})
@@ -271,8 +275,11 @@ async def measure(args: argparse.Namespace, run_dir: Path) -> dict[str, Any]:
         async with aiohttp.ClientSession(timeout=timeout) as http:
             for mode in args.modes:
                 sent = bodies(texts, mode, tokenizer)
+                # unless --cold-keys: each key's first request, the first prompt again
+                first = [] if args.cold_keys else [sent[0]] * args.keys
                 requests = {
-                    name: for_variant(sent, served.models, served.secrets)
+                    name: for_variant(first, served.models, served.secrets)
+                    + for_variant(sent, served.models, served.secrets)
                     for name, served in fleet.variants.items()
                 }
                 results[mode] = await measure_mode(http, fleet, mode, requests, args)
@@ -356,6 +363,11 @@ def main() -> None:
     parser.add_argument("--models", type=int, default=4)
     parser.add_argument("--engines-per-model", type=int, default=4)
     parser.add_argument("--keys", type=int, default=1000)
+    parser.add_argument(
+        "--cold-keys",
+        action="store_true",
+        help="measure each key's first request (default: every key has sent one before)",
+    )
     parser.add_argument("--modes", type=lambda s: s.split(","), default=["ids", "local"])
     parser.add_argument("--variants", type=variant_names, default=[REFERENCE, "gateway"])
     parser.add_argument("--burst", type=int, default=16)
