@@ -69,6 +69,7 @@ from .manager import (
     ServiceNotFound,
 )
 from .persistence import StateFile
+from .routed import RoutedPrompts, RoutedRequest, raise_hits
 from .security import BearerAuth, EndpointAllowlist, EndpointRefused, Unauthorized
 from .states import StoreState, SubscriberState
 from .wire.events import MASK64, EngineHash
@@ -188,6 +189,7 @@ class HttpLimits:
         """Per route: a maximum-size query in JSON, anything else small."""
         items = {
             "/query": self.max_query_tokens * JSON_BYTES_PER_TOKEN,
+            "/routed": self.max_query_tokens * JSON_BYTES_PER_TOKEN,
             "/query_by_hash": self.max_query_hashes * JSON_BYTES_PER_HASH,
         }.get(path, 0)
         return min(self.max_body_bytes, items + SMALL_BODY_BYTES)
@@ -197,6 +199,7 @@ class HttpLimits:
         """Per route, its array field, counted before the body is decoded."""
         return {
             "/query": ItemLimit("token_ids", ("token_ids",), self.max_query_tokens, 4),
+            "/routed": ItemLimit("token_ids", ("token_ids",), self.max_query_tokens, 4),
             "/query_by_hash": ItemLimit(
                 "seq_hashes", ("seq_hashes", "block_hash"), self.max_query_hashes, 8
             ),
@@ -465,11 +468,14 @@ class ConductorApi:
         self.metrics = manager.metrics
         self.options = options
         self.refusals = RateLimitedLog()
+        self.routed = RoutedPrompts()  # what routers sent where, not indexed yet
+        self.metrics.routed_prompts.routed = self.routed
 
     def routes(self) -> list[web.RouteDef]:
         return [
             web.post("/query", self.query),
             web.post("/query_by_hash", self.query_by_hash),
+            web.post("/routed", self.routed_report),
             web.post("/register", self.register),
             web.post("/unregister", self.unregister),
             web.post("/instance_down", self.instance_down),
@@ -536,11 +542,35 @@ class ConductorApi:
         matches = self.table.match_tokens(
             body.context_key(), body.token_ids, body.cache_salt or "", body.instance_id
         )
+        if matches is not None:
+            matches = self._with_routed(body, matches)
         response = self._answer(request, body, matches)
         if PROGRESS_HEADER in request.headers:
             response.headers[INDEXED_UNTIL_HEADER] = self._progress(request, body.tenant_id)
         self.metrics.query_seconds.labels("/query").observe(time.perf_counter() - started)
         return response
+
+    def _with_routed(
+        self, body: QueryRequest, matches: dict[str, InstanceMatch]
+    ) -> dict[str, InstanceMatch]:
+        """``matches`` with the prompts routers sent and the index has not seen yet."""
+        key = body.context_key()
+        routed = self.routed.match(key, body.token_ids, body.cache_salt or "")
+        if not routed:
+            return matches
+        raised, count = raise_hits(matches, routed, key.block_size, body.instance_id)
+        self.metrics.routed_raised.inc(count)
+        return raised
+
+    async def routed_report(self, request: web.Request) -> web.Response:
+        """A router sent this prompt to this instance: ``/query`` counts it there (see
+        ``conductor.routed``) until ``ttl_s`` ends."""
+        limits = self.options.limits
+        body = await parse_body(request, RoutedRequest, limits, RoutedRequest.from_plain_json)
+        _at_most(len(body.token_ids) // 4, limits.max_query_tokens, "token_ids")
+        recorded = self.routed.add(body)
+        self.metrics.routed_reports.labels("recorded" if recorded else "no_block").inc()
+        return reply(request, {"status": "recorded" if recorded else "no complete block"})
 
     def _progress(self, request: web.Request, tenant: str) -> str:
         """The indexing progress of the instances the progress header names, as JSON (what
@@ -618,6 +648,7 @@ class ConductorApi:
             )
         except ServiceNotFound:
             raise ApiError(404, f"instance not found: {body.instance_id}", "instance_id") from None
+        self.routed.forget(body.instance_id)
         answer = {"instance_id": body.instance_id, "streams": streams, "blocks_dropped": dropped}
         return reply(request, {**answer, "status": "marked down"})
 

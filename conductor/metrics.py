@@ -21,11 +21,12 @@ from prometheus_client import (
     disable_created_metrics,
     generate_latest,
 )
-from prometheus_client.core import GaugeMetricFamily, Metric
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.metrics import MetricWrapperBase
 from prometheus_client.registry import Collector
 
 from .index import ApplyStats, PrefixCacheTable
+from .routed import RoutedPrompts
 from .states import StoreState, SubscriberState
 from .stream_metrics import Family, StreamMetrics
 from .wire.events import Tier
@@ -55,6 +56,29 @@ class _IndexCollector(Collector):
         contexts.add_metric([], len(views))
         yield blocks
         yield contexts
+
+
+class RoutedCollector(Collector):
+    """The routed prompts the query answers count (``conductor.routed``), read at scrape
+    time: those held, and those the table's cap pushed out before their time."""
+
+    def __init__(self) -> None:
+        self.routed: RoutedPrompts | None = None  # the API's table, once it has one
+
+    def collect(self) -> Iterable[Metric]:
+        if self.routed is None:
+            return
+        held = GaugeMetricFamily(
+            "conductor_routed_prompts", "Prompts routers reported routed, still counted"
+        )
+        held.add_metric([], len(self.routed))
+        dropped = CounterMetricFamily(
+            "conductor_routed_prompts_dropped",
+            "Routed prompts forgotten before their time: the table was full",
+        )
+        dropped.add_metric([], self.routed.dropped)
+        yield held
+        yield dropped
 
 
 STREAM_FAMILIES = (
@@ -174,6 +198,18 @@ class ConductorMetrics:
             states=[state.value for state in StoreState],
             registry=registry,
         )
+        self.routed_reports = counter(
+            "conductor_routed_reports_total",
+            "POST /routed reports taken, by outcome: recorded, or no_block (a prompt shorter "
+            "than a block: nothing to share)",
+            ("outcome",),
+        )
+        self.routed_raised = Counter(
+            "conductor_routed_raised_total",
+            "Instances whose hit in a query's answer a routed prompt raised (sent there, "
+            "its events not indexed yet)",
+            registry=registry,
+        )
         self._per_store = [
             self.store_checks,
             self.store_check_seconds,
@@ -182,6 +218,8 @@ class ConductorMetrics:
             self.store_state,
         ]
         registry.register(_IndexCollector(table))
+        self.routed_prompts = RoutedCollector()
+        registry.register(self.routed_prompts)
         self._every_series = CollectorRegistry(auto_describe=True)
         self._every_series.register(_Joined(registry, self.streams))
 
