@@ -692,6 +692,30 @@ class PrefixCacheTable:
                 context.evict(pool, Tier.CPU, gone)
                 yield len(gone)
 
+    # -- snapshots ----------------------------------------------------------------------
+    def restored_slot(
+        self, context_key: ContextKey, slot_key: SlotKey, streams: Iterable[str]
+    ) -> tuple[PrefixContext, _Slot] | None:
+        """The slot a snapshot's owner is restored into, made and linked to its registered
+        ``streams`` as their stored events made and linked it; None when none of them is
+        registered, or the context is keyed by another hash profile. A kv_store pool is
+        made by the engine slots saving to it: they are restored first."""
+        instance_id, dp_rank = slot_key
+        if dp_rank == STORE_POOL_RANK:
+            context = self.contexts.get(context_key)
+            pool = context.slots.get(slot_key) if context is not None else None
+            return (context, pool) if context is not None and pool is not None else None
+        target = None
+        for key in streams:
+            source = self._sources.get(key)
+            if source is None or source.instance_id != instance_id:
+                continue
+            known = self.contexts.get(context_key)
+            if known is not None and known.profile != source.hash_profile:
+                return None
+            target = self._slot_for(source, context_key, dp_rank)
+        return target
+
     def _pool(
         self, context_key: ContextKey, pool_key: SlotKey
     ) -> tuple[PrefixContext | None, _Slot | None]:

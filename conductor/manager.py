@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import math
 import resource
 import time
 from bisect import insort
-from collections.abc import Callable, Generator, Iterator
+from collections.abc import AsyncIterator, Callable, Generator, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -129,6 +130,12 @@ class ServiceManager:
         self.loop_share = LoopShare()  # every stream's batches take turns, one step per round
         self.context.set(zmq.MAX_SOCKETS, self.limits.max_sockets)
         self._lock = asyncio.Lock()
+        # batches are applied only while it is set: a snapshot or a recovery closes it
+        self.ingest_gate = asyncio.Event()
+        self.ingest_gate.set()
+        self._applying = 0  # batches being applied (in steps) right now
+        # service key -> the batches a resumed stream's publisher no longer held (/health)
+        self.resume_gaps: dict[str, str] = {}
 
     def state_of(self, key: str) -> SubscriberState:
         subscriber = self._subscribers.get(key)
@@ -153,8 +160,10 @@ class ServiceManager:
             view["down_reason"] = mark.reason
         return view
 
-    async def register(self, registration: Registration) -> bool:
-        """Start indexing a stream; False when the identical registration already exists."""
+    async def register(self, registration: Registration, resume_after: int | None = None) -> bool:
+        """Start indexing a stream; False when the identical registration already exists.
+        ``resume_after``: the index holds its batches up to this one (a snapshot's), so its
+        catch-up replays from the next one."""
         key = registration.key
         async with self._lock:
             existing = self.registrations.get(key)
@@ -181,6 +190,8 @@ class ServiceManager:
                 self.metrics.stream_task_failures,
                 self.loop_share,
                 first_sequence=registration.first_sequence,
+                resume_after=resume_after,
+                gate=self.ingest_gate,
             )
             self.table.add_stream(registration.source())
             try:
@@ -268,6 +279,7 @@ class ServiceManager:
             if not streams:
                 del self._streams_of[_owner(registration)]
             self.degraded.pop(key, None)
+            self.resume_gaps.pop(key, None)
             self._applied_until.pop(key, None)
             self._capped -= {(key, reason) for reason in CAPPED_REASONS}
             await subscriber.stop()
@@ -278,6 +290,25 @@ class ServiceManager:
             self.metrics.services.set(len(self.registrations))
             log.info("unregistered stream=%s blocks_dropped=%d", key, dropped)
             return dropped
+
+    def applied_sequences(self) -> dict[str, int]:
+        """Each stream's last applied batch (streams that applied none are left out)."""
+        sequences = {key: s.applied_sequence for key, s in self._subscribers.items()}
+        return {key: seq for key, seq in sequences.items() if seq is not None}
+
+    @contextlib.asynccontextmanager
+    async def ingest_paused(self, timeout_s: float) -> AsyncIterator[None]:
+        """No batch is applied inside: new ones wait, the ones being applied finish first
+        (within ``timeout_s``, else TimeoutError), so the index and ``applied_sequences``
+        agree. Queries go on."""
+        self.ingest_gate.clear()
+        try:
+            async with asyncio.timeout(timeout_s):
+                while self._applying:
+                    await asyncio.sleep(0.001)
+            yield
+        finally:
+            self.ingest_gate.set()
 
     def indexed_until(self, instance_id: str, tenant_id: str) -> float | None:
         """The index holds everything the instance published up to this time (its engine's
@@ -380,9 +411,11 @@ class ServiceManager:
         def on_restart() -> None:
             self.table.clear_stream(key)
             self.degraded.pop(key, None)  # a restarted engine may have been reconfigured
+            self.resume_gaps.pop(key, None)  # its blocks are gone, the gap's with them
 
         def on_lost() -> None:  # the same engine may come back: it stays degraded
             self.table.clear_stream(key)
+            self.resume_gaps.pop(key, None)
 
         def on_state(state: SubscriberState) -> None:
             metrics.set_subscriber_state(key, state)
@@ -393,6 +426,12 @@ class ServiceManager:
             else:
                 metrics.streams.inc(_EVENT_COUNTERS[name], key)
 
+        def on_resume_gap(expected: int, first: int) -> None:
+            self.resume_gaps[key] = (
+                f"resumed at seq {expected} but the publisher's buffer starts at {first}: "
+                f"{first - expected} batches not indexed"
+            )
+
         def on_dropped(message: Message) -> None:
             try:
                 events = len(decode_batch(message.payload, message.topic).events)
@@ -400,7 +439,9 @@ class ServiceManager:
                 events = 0
             metrics.streams.inc("dropped", key, events, "instance_down")
 
-        return StreamCallbacks(on_message, on_restart, on_state, on_event, on_lost, on_dropped)
+        return StreamCallbacks(
+            on_message, on_restart, on_state, on_event, on_lost, on_dropped, on_resume_gap
+        )
 
     def _ingest(
         self, registration: Registration, message: Message, replayed: bool
@@ -412,6 +453,15 @@ class ServiceManager:
 
         The C lane takes the batch if it can; what it does not take (the batch, or the
         rest of it once the stream's state leaves what the lane covers) is decoded."""
+        self._applying += 1
+        try:
+            yield from self._apply_batch(registration, message, replayed)
+        finally:
+            self._applying -= 1
+
+    def _apply_batch(
+        self, registration: Registration, message: Message, replayed: bool
+    ) -> Iterator[None]:
         key = registration.key
         stats = ApplyStats()
         applied: int | None = 0

@@ -81,6 +81,8 @@ MAX_BAD_REPLIES = 3  # undecodable replies in a row that end a replay
 KEEPALIVE_S = 1  # idle time before the first TCP keepalive probe, and between probes
 MONITOR_EVENTS = zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED | zmq.EVENT_CONNECT_RETRIED
 _monitor_ids = itertools.count()  # pyzmq names monitors by FD, which the kernel recycles
+_OPEN = asyncio.Event()
+_OPEN.set()
 
 
 class ReplayFailed(Exception):
@@ -98,6 +100,9 @@ class StreamCallbacks:
     on_event: Callable[[str], None]  # gap, gap_unrepaired, replay_*, bad_frame, restart, lost
     on_lost: Callable[[], None]  # the publisher is gone: its blocks are unknown, clear them
     on_dropped: Callable[[Message], None]  # a batch of an instance marked down
+    # a stream resumed from a snapshot: the publisher no longer holds batches
+    # ``expected <= s < first`` (arguments: expected, first), so the index misses them
+    on_resume_gap: Callable[[int, int], None] = lambda expected, first: None
 
 
 @dataclass(frozen=True, slots=True)
@@ -174,6 +179,8 @@ class StreamSubscriber:
         failures: Counter,
         share: LoopShare,
         first_sequence: int = 0,
+        resume_after: int | None = None,
+        gate: asyncio.Event | None = None,
     ) -> None:
         self._context = context
         self.name = name
@@ -184,6 +191,11 @@ class StreamSubscriber:
         self._failures = failures
         self._share = share  # of the loop, with every other stream: applying waits its turn
         self._sequence = SequenceTracker(first_sequence, can_replay=bool(replay_endpoint))
+        # restored from a snapshot: batches up to this one are in the index already, the
+        # catch-up replays from the next one (None once caught up, lost or restarted)
+        self._resume = resume_after
+        self._sequence.last = resume_after
+        self._gate = gate or _OPEN  # batches are applied only while it is set
         self.state = SubscriberState.CONNECTING
         self._connection = SubscriberState.CONNECTING  # what ZMQ says, under down and failed
         self.down = False
@@ -195,6 +207,8 @@ class StreamSubscriber:
         self._catching_up: SupervisedTask | None = None
         self._faults = ConnectionFaults()
         self._holding: asyncio.TimerHandle | None = None  # ends the fault if it fires
+        # a resumed stream's restored blocks are cleared if its publisher is not reached
+        self._unreached: asyncio.TimerHandle | None = None
 
     # -- lifecycle -----------------------------------------------------------------------
     def start(self) -> None:
@@ -228,6 +242,24 @@ class StreamSubscriber:
             self._supervised("live", self._read_live),
             self._supervised("monitor", self._watch),
         ]
+        if self._resume is not None:
+            self._unreached = asyncio.get_running_loop().call_later(
+                self._limits.publisher_timeout_s, self._resume_unreached
+            )
+
+    def _resume_unreached(self) -> None:
+        """Restored blocks stand for what the engine held when the snapshot was taken: a
+        publisher not reached since may be gone, and its blocks go like a lost one's."""
+        self._unreached = None
+        log.warning(
+            "stream=%s resumed from a snapshot but its publisher was not reached within "
+            "%g s (publisher_timeout_s): clearing its blocks",
+            self.name,
+            self._limits.publisher_timeout_s,
+        )
+        self._callbacks.on_lost()
+        self._sequence.reset()
+        self._resume = None
 
     async def stop(self) -> None:
         """Stop every task, then close the sockets: the monitor is disabled while its PAIR
@@ -237,6 +269,8 @@ class StreamSubscriber:
         await asyncio.gather(*(task.stop() for task in tasks))
         self._tasks, self._catching_up = [], None
         self._cancel_holding()
+        if self._unreached is not None:
+            self._unreached.cancel()
         self._close_sockets()
         self._set_connection(SubscriberState.STOPPED)
 
@@ -273,6 +307,11 @@ class StreamSubscriber:
         return supervised
 
     # -- state ---------------------------------------------------------------------------
+    @property
+    def applied_sequence(self) -> int | None:
+        """The last batch applied (None: none since the stream was last read as new)."""
+        return self._sequence.last
+
     def supervised(self) -> list[SupervisedTask]:
         return [*self._tasks, *([self._catching_up] if self._catching_up else [])]
 
@@ -298,6 +337,9 @@ class StreamSubscriber:
         while True:
             event = parse_monitor_message(await self._monitor.recv_multipart())["event"]
             if event == zmq.EVENT_CONNECTED:
+                if self._unreached is not None:
+                    self._unreached.cancel()
+                    self._unreached = None
                 self._cancel_holding()
                 self._faults.connected(time.monotonic())
                 self._holding = asyncio.get_running_loop().call_later(
@@ -329,8 +371,11 @@ class StreamSubscriber:
         """A (re)connected stream reads the publisher's buffer now, not at its next batch."""
         async with self._order:
             replay = None if self.down else self._sequence.catch_up()
+            if self._resume is not None and not self.down:
+                replay = Replay(self._resume + 1, None)
             if replay is not None:
                 await self._replay(replay, fail_loudly=True)
+            self._resume = None
 
     async def _lose_publisher(self, loss: Loss) -> None:
         async with self._order:
@@ -350,6 +395,7 @@ class StreamSubscriber:
                 )
             self._callbacks.on_lost()
             self._sequence.reset()
+            self._resume = None
 
     async def _reconnect_after(self, delay_s: float) -> None:
         """Connect the endpoint again in ``delay_s``, not in ZMQ's ``RECONNECT_MIN_MS``;
@@ -390,6 +436,7 @@ class StreamSubscriber:
             self.down = True
             self._callbacks.on_lost()
             self._sequence.reset()
+            self._resume = None
             self._publish_state()
 
     async def mark_up(self) -> None:
@@ -415,6 +462,7 @@ class StreamSubscriber:
                 if self.down:
                     self._callbacks.on_dropped(message)
                 else:
+                    await self._gate.wait()
                     await self._handle_live(message)
 
     async def _apply(self, message: Message, replayed: bool) -> None:
@@ -439,14 +487,18 @@ class StreamSubscriber:
                         seq,
                         last,
                     )
+                    self._resume = None
                     self._callbacks.on_restart()
                 case Gap(expected=expected, seq=seq):
                     self._callbacks.on_event("gap")
                     log.info("stream=%s gap: expected seq %d, got %d", self.name, expected, seq)
                 case Replay():
                     await self._replay(action)
-                case GapUnrepaired():
+                case GapUnrepaired(seq=seq):
                     self._callbacks.on_event("gap_unrepaired")
+                    if self._resume is not None:
+                        self._callbacks.on_resume_gap(self._resume + 1, seq)
+                        self._resume = None
 
     # -- replay --------------------------------------------------------------------------
     async def _replay(self, replay: Replay, fail_loudly: bool = False) -> None:
@@ -516,8 +568,30 @@ class StreamSubscriber:
             bad_in_a_row = 0
             if message is None:
                 return
+            await self._gate.wait()
+            expected = None if self._sequence.last is None else self._sequence.last + 1
             if self._sequence.accept_replayed(message.seq, replay):
+                self._check_resume(expected, message.seq)
                 await self._apply(message, replayed=True)
+
+    def _check_resume(self, expected: int | None, seq: int) -> None:
+        """A resumed stream's first replayed batch must follow its snapshot's: what the
+        publisher's buffer lost meanwhile is missing from the index, and is said so."""
+        resumed = self._resume
+        if resumed is None or expected is None or expected != resumed + 1 or seq <= expected:
+            return
+        self._callbacks.on_event("gap_unrepaired")
+        self._callbacks.on_resume_gap(expected, seq)
+        self._resume = None
+        log.warning(
+            "stream=%s resumed after seq %d but its publisher's buffer starts at %d: "
+            "batches %d..%d are not indexed",
+            self.name,
+            resumed,
+            seq,
+            expected,
+            seq - 1,
+        )
 
     async def _next_reply(self, dealer: zmq.asyncio.Socket) -> list[bytes]:
         timeout = self._limits.replay_timeout_s
