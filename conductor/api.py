@@ -71,6 +71,7 @@ from .manager import (
 from .persistence import StateFile
 from .routed import RoutedPrompts, RoutedRequest, raise_hits
 from .security import BearerAuth, EndpointAllowlist, EndpointRefused, Unauthorized
+from .snapshot import Snapshots
 from .states import StoreState, SubscriberState
 from .wire.events import MASK64, EngineHash
 
@@ -459,6 +460,7 @@ class ApiOptions:
     allowlist: EndpointAllowlist
     state: StateFile | None = None  # None: registrations are not persisted
     guard: ConnectionGuard | None = None
+    snapshots: Snapshots | None = None  # None: no GET /snapshot
 
 
 class ConductorApi:
@@ -484,6 +486,7 @@ class ConductorApi:
             web.get("/services", self.services),
             web.get("/health", self.health),
             web.get("/metrics", self.prometheus),
+            web.get("/snapshot", self.snapshot),
         ]
 
     # -- queries -------------------------------------------------------------------------
@@ -753,6 +756,8 @@ class ConductorApi:
                 streams[key]["kv_store"] = self.manager.registrations[key].kv_store
             if key in self.manager.degraded:
                 streams[key]["degraded"] = self.manager.degraded[key]
+            if key in self.manager.resume_gaps:
+                streams[key]["resume_gap"] = self.manager.resume_gaps[key]
         stores = self.manager.stores.view()
         blocks = self.table.store_blocks()
         for kv_store, store in stores.items():
@@ -772,6 +777,16 @@ class ConductorApi:
                 "kv_stores": dict(sorted(stores.items())),
             },
         )
+
+    async def snapshot(self, _: web.Request) -> web.Response:
+        """The index as a snapshot (docs/wire.md), built now: what a peer restores from."""
+        if self.options.snapshots is None:
+            raise ApiError(404, "snapshots are off")
+        try:
+            data = await self.options.snapshots.build()
+        except (TimeoutError, RuntimeError) as error:
+            raise ApiError(503, f"snapshot not built: {error or 'batches did not pause'}") from None
+        return web.Response(body=data, content_type="application/octet-stream")
 
     async def prometheus(self, request: web.Request) -> web.Response:
         response = web.Response(body=self.metrics.render())

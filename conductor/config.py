@@ -95,6 +95,20 @@ def admin_url(value: str) -> str:
     return value.rstrip("/")
 
 
+def _peer_urls(value: Any) -> Any:
+    """A flag or env var lists peers comma-separated; the config file may give a list."""
+    if isinstance(value, str):
+        return [entry.strip() for entry in value.split(",") if entry.strip()]
+    return value
+
+
+def _peer_url(value: str) -> str:
+    url = URL(value)
+    if url.scheme not in ("http", "https") or not url.host or url.query_string or url.fragment:
+        raise ValueError(f"a peer is another conductor's http(s)://host:port URL, got {value!r}")
+    return value.rstrip("/")
+
+
 def _log_level(value: str) -> str:
     try:
         return log_level(value)
@@ -494,6 +508,25 @@ class Settings(_Strict):
         default=None,
         description="where /register's registrations persist (empty: nowhere; default: "
         "conductor_state.<port>.json beside the config file)",
+    )
+
+    snapshot_path: str = Field(
+        default="",
+        description="where the index's snapshot is written, every snapshot_interval_s and at "
+        "shutdown, and read at start (empty: no file; GET /snapshot serves one anyway)",
+    )
+    snapshot_interval_s: float = Field(
+        default=60.0, gt=0, le=86_400, description="seconds between two snapshot writes"
+    )
+    peers: Annotated[
+        tuple[Annotated[str, AfterValidator(_peer_url)], ...], BeforeValidator(_peer_urls)
+    ] = Field(
+        default=(),
+        description="other conductors' URLs, comma-separated: at start the newest snapshot "
+        "of the file's and theirs is restored",
+    )
+    peer_timeout_s: float = Field(
+        default=10.0, gt=0, le=600, description="seconds a peer's snapshot may take to arrive"
     )
 
     @field_validator("register_allow")

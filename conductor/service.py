@@ -21,16 +21,19 @@ from .config import ConductorConfig, Registration, Settings
 from .http_guard import ConnectionGuard
 from .index import PrefixCacheTable
 from .kv_store_watch import StoreWatch
-from .manager import RegistrationConflict, RegistrationFailed, ServiceManager
+from .manager import CapacityExceeded, RegistrationConflict, RegistrationFailed, ServiceManager
 from .metrics import ConductorMetrics
 from .persistence import StateFile
 from .runtime import GcPauseMonitor, LoopLagMonitor
 from .security import BearerAuth, EndpointAllowlist, EndpointRefused
+from .snapshot import PAUSE_TIMEOUT_S, Snapshot, Snapshots, restore_blocks
 from .stream_limits import StreamLimits
 
 log = logging.getLogger("conductor")
 
 MANAGER = web.AppKey("manager", ServiceManager)
+# a snapshot's registration that cannot be made: skipped, the others go on
+REFUSED_AT_START = (RegistrationConflict, RegistrationFailed, CapacityExceeded, EndpointRefused)
 GUARD = web.AppKey("guard", ConnectionGuard)  # the serving socket's; in-process tests skip it
 
 
@@ -60,6 +63,14 @@ def create_app(
     metrics = manager.metrics
     allowlist = _allowlist(settings, config.registrations())
     state_file = StateFile(state) if state is not None else None
+    snapshots = Snapshots(
+        manager,
+        Path(os.path.expanduser(settings.snapshot_path)) if settings.snapshot_path else None,
+        settings.snapshot_interval_s,
+        settings.peers,
+        settings.peer_timeout_s,
+        settings.auth_token,
+    )
     guard = ConnectionGuard(
         settings.header_timeout_s, settings.max_connections, metrics.registry, manager.loop_share
     )
@@ -74,6 +85,7 @@ def create_app(
         allowlist=allowlist,
         state=state_file,
         guard=guard,
+        snapshots=snapshots,
     )
     app = api_app(manager, options)
     app[MANAGER] = manager
@@ -81,7 +93,7 @@ def create_app(
     lag = LoopLagMonitor(metrics.registry, "conductor")
     gc_pauses = GcPauseMonitor(metrics.registry, "conductor")
     app.cleanup_ctx.append(
-        _running(manager, lag, gc_pauses, config.registrations(), state_file, allowlist)
+        _running(manager, lag, gc_pauses, config.registrations(), state_file, allowlist, snapshots)
     )
     return app
 
@@ -93,19 +105,29 @@ def _running(
     registrations: list[Registration],
     state: StateFile | None,
     allowlist: EndpointAllowlist,
+    snapshots: Snapshots,
 ) -> Callable[[web.Application], AsyncIterator[None]]:
     async def running(_: web.Application) -> AsyncIterator[None]:
-        """Registrations indexed before the first request; everything stopped after the
-        last one. A conflicting config file raises here, and the app does not start."""
+        """Registrations indexed (and a snapshot restored) before the first request;
+        everything stopped after the last one, and a last snapshot written. A conflicting
+        config file raises here, and the app does not start."""
         try:
-            for registration in registrations:
-                await manager.register(registration)
-            if state is not None:
-                await restore(manager, state, allowlist)
+            snapshot = await snapshots.newest()
+            async with manager.ingest_paused(PAUSE_TIMEOUT_S):  # nothing applied yet
+                recovery = Recovery(manager, snapshot)
+                for registration in registrations:
+                    await recovery.register(registration)
+                if state is not None:
+                    await restore(recovery, state, allowlist)
+                if snapshot is not None:
+                    await adopt(recovery, snapshot, state, allowlist)
+                    recovery.restore_blocks(snapshots)
+            snapshots.start()
             lag.start()
             gc_pauses.start()
             yield
         finally:
+            await snapshots.stop()
             gc_pauses.stop()
             await lag.stop()
             await manager.close()
@@ -113,16 +135,58 @@ def _running(
     return running
 
 
-async def restore(manager: ServiceManager, state: StateFile, allowlist: EndpointAllowlist) -> None:
+class Recovery:
+    """Registrations made at start, each resuming from the snapshot's sequence number when
+    the snapshot has the very same registration."""
+
+    def __init__(self, manager: ServiceManager, snapshot: Snapshot | None) -> None:
+        self.manager = manager
+        self.snapshot = snapshot
+        self.resumed: set[str] = set()  # streams whose blocks come from the snapshot
+
+    async def register(self, registration: Registration) -> bool:
+        resume = self.snapshot.resume_after(registration) if self.snapshot else None
+        registered = await self.manager.register(registration, resume)
+        if registered and resume is not None:
+            self.resumed.add(registration.key)
+        return registered
+
+    def restore_blocks(self, snapshots: Snapshots) -> None:
+        assert self.snapshot is not None
+        restored = restore_blocks(self.manager.table, self.snapshot, self.resumed)
+        snapshots.metrics.restored_blocks.set(restored)
+        log.info(
+            "snapshot restored source=%s blocks=%d streams_resumed=%d",
+            self.snapshot.source,
+            restored,
+            len(self.resumed),
+        )
+
+
+async def restore(recovery: Recovery, state: StateFile, allowlist: EndpointAllowlist) -> None:
     """Registrations persisted by an earlier run, after the config file's: a conflict or an
     endpoint the allowlist no longer has is logged and skipped (and forgotten)."""
     for registration in state.load():
         try:
             allowlist.check(registration)
-            await manager.register(registration)
+            await recovery.register(registration)
         except (RegistrationConflict, RegistrationFailed, EndpointRefused) as error:
             log.warning("state file %s: skipped %s: %s", state.path, registration.key, error)
             await state.remove(registration.key)
+
+
+async def adopt(
+    recovery: Recovery, snapshot: Snapshot, state: StateFile | None, allowlist: EndpointAllowlist
+) -> None:
+    """The snapshot's registrations that are not made yet (a peer's streams), persisted
+    like /register's; a conflict or an endpoint the allowlist refuses is logged and skipped."""
+    for registration in snapshot.registrations:
+        try:
+            allowlist.check(registration)
+            if await recovery.register(registration) and state is not None:
+                await state.add(registration)
+        except REFUSED_AT_START as error:
+            log.warning("snapshot %s: skipped %s: %s", snapshot.source, registration.key, error)
 
 
 def _allowlist(settings: Settings, registrations: list[Registration]) -> EndpointAllowlist:

@@ -1,0 +1,204 @@
+"""Snapshots and recovery over real processes: a conductor restarted from its own snapshot
+file or from a peer answers as before, after its publishers' replay buffers rolled over; a
+truncated or corrupt snapshot is refused with a clear message and the previous one used."""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+
+import aiohttp
+
+from conductor.snapshot import SnapshotError, parse, read_file
+from tests.support.api import eventually, get, metric, query, register_and_connect
+from tests.support.wire_publisher import WirePublisher, removed, stored
+
+PROMPT = list(range(1, 13))  # three blocks of four
+OTHER = list(range(100, 108))
+LATER = list(range(200, 208))
+PROMPTS = (PROMPT, OTHER, LATER, PROMPT[:8] + [99, 99, 99, 99])
+
+
+async def answers(http: aiohttp.ClientSession, url: str) -> list[dict[str, object]]:
+    return [await query(http, url, prompt) for prompt in PROMPTS]
+
+
+async def indexed_fleet(
+    http: aiohttp.ClientSession, url: str, publishers: list[WirePublisher]
+) -> list[dict[str, object]]:
+    """Two engines with blocks on two tiers, one removal: what the snapshot must carry."""
+    first, second = publishers
+    await register_and_connect(http, url, first, "engine-a")
+    await register_and_connect(http, url, second, "engine-b")
+    await first.publish([stored([11, 12, 13], PROMPT)])
+    await first.publish([stored([21, 22], OTHER, medium="CPU")])
+    await second.publish([stored([11, 12], PROMPT[:8]), stored([31, 32], OTHER)])
+    await second.publish([removed([32])])
+    return await eventually(
+        lambda: answers(http, url),
+        lambda a: (
+            a[0]["default"]["engine-a"]["longest_matched"] == 12
+            and a[1]["default"]["engine-b"]["longest_matched"] == 4
+        ),
+    )
+
+
+def snapshot_flags(path: Path, *extra: str) -> tuple[str, ...]:
+    return ("--snapshot-path", str(path), "--state-file", "", *extra)
+
+
+async def test_a_conductor_restarted_from_its_file_answers_as_before(
+    conductor_factory, http, publisher_factory, tmp_path
+):
+    path = tmp_path / "index.snapshot"
+    first = conductor_factory(*snapshot_flags(path))
+    publishers = [publisher_factory(), publisher_factory()]
+    before = await indexed_fleet(http, first.url, publishers)
+    first.stop()  # SIGTERM: the last snapshot is written
+    assert read_file(path).sequences == {"engine-a|default|0": 1, "engine-b|default|0": 1}
+    for publisher in publishers:  # rolled over: every block must come from the file
+        publisher.buffer.clear()
+
+    second = conductor_factory(*snapshot_flags(path))
+    assert await answers(http, second.url) == before
+    _, services = await get(http, f"{second.url}/services")
+    assert sorted(s["InstanceID"] for s in services["services"]) == ["engine-a", "engine-b"]
+    await publishers[0].publish([stored([41, 42], LATER)])  # seq 2 follows the snapshot's
+    await eventually(
+        lambda: query(http, second.url, LATER),
+        lambda a: a["default"]["engine-a"]["longest_matched"] == 8,
+    )
+    assert await metric(http, second.url, "conductor_sequence_gaps_unrepaired_total") == 0
+
+
+async def test_a_conductor_started_with_a_peer_answers_like_the_peer(
+    conductor_factory, http, publisher_factory
+):
+    peer = conductor_factory("--state-file", "")
+    publishers = [publisher_factory(), publisher_factory()]
+    expected = await indexed_fleet(http, peer.url, publishers)
+    for publisher in publishers:
+        publisher.buffer.clear()
+
+    second = conductor_factory("--state-file", "", "--peers", f"http://127.0.0.1:1,{peer.url}")
+    assert await answers(http, second.url) == expected
+    assert "unreachable" in second.log()  # the dead peer: a warning, not a failed start
+    await publishers[1].publish([stored([51, 52], LATER)])
+    for url in (peer.url, second.url):
+        await eventually(
+            lambda url=url: query(http, url, LATER),
+            lambda a: a["default"]["engine-b"]["longest_matched"] == 8,
+        )
+
+
+async def test_batches_the_replay_buffer_lost_are_reported_and_newer_ones_replayed(
+    conductor_factory, http, publisher_factory, tmp_path
+):
+    path = tmp_path / "index.snapshot"
+    first = conductor_factory(*snapshot_flags(path))
+    publisher = publisher_factory()
+    await register_and_connect(http, first.url, publisher, "engine-a")
+    await publisher.publish([stored([11, 12, 13], PROMPT)])  # seq 0: in the snapshot
+    await eventually(
+        lambda: query(http, first.url, PROMPT),
+        lambda a: a["default"]["engine-a"]["longest_matched"] == 12,
+    )
+    first.stop()
+    await publisher.publish([stored([21, 22], OTHER)])  # seq 1: lost with the buffer
+    await publisher.publish([stored([41, 42], LATER)])  # seq 2: still buffered
+    publisher.buffer = publisher.buffer[2:]
+
+    second = conductor_factory(*snapshot_flags(path))
+    hits = await eventually(
+        lambda: answers(http, second.url),
+        lambda a: a[2]["default"]["engine-a"]["longest_matched"] == 8,
+    )
+    assert hits[0]["default"]["engine-a"]["longest_matched"] == 12  # from the snapshot
+    assert hits[1]["default"]["engine-a"]["longest_matched"] == 0  # never seen
+    _, health = await get(http, f"{second.url}/health")
+    gap = health["streams"]["engine-a|default|0"]["resume_gap"]
+    assert "resumed at seq 1 but the publisher's buffer starts at 2" in gap
+    assert await metric(http, second.url, "conductor_sequence_gaps_unrepaired_total") == 1
+
+
+async def test_a_corrupt_snapshot_is_refused_and_the_previous_one_used(
+    conductor_factory, http, publisher_factory, tmp_path
+):
+    path = tmp_path / "index.snapshot"
+    first = conductor_factory(*snapshot_flags(path, "--snapshot-interval-s", "0.1"))
+    publishers = [publisher_factory(), publisher_factory()]
+    before = await indexed_fleet(http, first.url, publishers)
+    written = await metric(http, first.url, "conductor_snapshot_written_timestamp_seconds")
+    await eventually(  # two writes after the blocks: the previous file has them too
+        lambda: metric(http, first.url, "conductor_snapshot_written_timestamp_seconds"),
+        lambda at: at > written + 0.15,
+    )
+    first.stop()
+    previous = path.with_name(path.name + ".previous")
+    assert read_file(previous).registrations
+    data = path.read_bytes()
+    path.write_bytes(data[: len(data) // 2])
+    for publisher in publishers:
+        publisher.buffer.clear()
+
+    second = conductor_factory(*snapshot_flags(path))
+    assert await answers(http, second.url) == before
+    assert "checksum mismatch" in second.log() and "truncated or corrupt" in second.log()
+
+
+async def test_an_unreadable_snapshot_never_stops_a_start(conductor_factory, http, tmp_path):
+    path = tmp_path / "index.snapshot"
+    path.write_bytes(b"not a snapshot at all, but long enough to have a header and a digest")
+    conductor = conductor_factory(*snapshot_flags(path))
+    _, health = await get(http, f"{conductor.url}/health")
+    assert health["services"] == 0
+    assert "not a conductor snapshot (wrong magic bytes)" in conductor.log()
+    for broken, reason in ((b"", "truncated"), (b"\x89CNDSNP\n\x00\x07" + bytes(60), "version 7")):
+        try:
+            parse(broken, "test")
+        except SnapshotError as error:
+            assert reason in str(error)
+        else:
+            raise AssertionError(f"{broken!r} parsed")
+
+
+async def test_the_snapshot_route_serves_what_a_peer_restores(
+    conductor_factory, http, publisher_factory
+):
+    conductor = conductor_factory("--state-file", "")
+    publishers = [publisher_factory(), publisher_factory()]
+    await indexed_fleet(http, conductor.url, publishers)
+    async with http.get(f"{conductor.url}/snapshot") as response:
+        assert response.status == 200
+        snapshot = parse(await response.read(), "route")
+    assert [r.instance_id for r in snapshot.registrations] == ["engine-a", "engine-b"]
+    assert snapshot.block_count() == 3 + 2 + 2 + 1  # engine-b's block 32 was removed
+
+
+async def test_a_conductor_killed_mid_snapshot_restarts_from_the_previous_one(
+    conductor_factory, http, publisher_factory, tmp_path
+):
+    path = tmp_path / "index.snapshot"
+    first = conductor_factory(*snapshot_flags(path, "--snapshot-interval-s", "0.02"))
+    publisher = publisher_factory()
+    await register_and_connect(http, first.url, publisher, "engine-a")
+    blocks, per_batch = 60_000, 10_000
+    for start in range(0, blocks, per_batch):
+        hashes = list(range(start + 1, start + per_batch + 1))
+        tokens = [t % 50_000 for t in range(start * 4, (start + per_batch) * 4)]
+        await publisher.publish([stored(hashes, tokens, start or None)])
+    prompt = list(range(4 * 100))  # the first hundred blocks (a query's tokens are bounded)
+    await eventually(
+        lambda: metric(http, first.url, "conductor_snapshot_blocks"),
+        lambda n: n == blocks,
+        timeout=30,
+    )
+    await asyncio.sleep(0.3)  # writes follow each other: the kill lands in one of them
+    first.kill()
+    assert read_file(path).block_count() == blocks
+
+    second = conductor_factory(*snapshot_flags(path))
+    answer = await query(http, second.url, prompt)
+    assert answer["default"]["engine-a"]["longest_matched"] == len(prompt)
+    _, health = await get(http, f"{second.url}/health")
+    assert health["blocks"] == blocks
