@@ -24,6 +24,13 @@ A query may name instances (``progress_of``) whose indexing progress the router 
 know: our conductor answers, in a header, up to when it holds everything each published
 (the Go service does not: ``indexed_until`` stays None). Past ``MAX_PROGRESS_OF`` instances
 each query names the next ones in turn.
+
+Router replicas share what they route through the conductors (``conductor.share_routed``):
+each decision's prompt is reported to every conductor (``/routed``), whose answers to the
+other replicas count it on its instance until its events are indexed. Reports are fire and
+forget: queued (at most ``MAX_REPORTS_QUEUED``, the oldest dropped and counted) and sent by
+one background task, never on a request's path. A conductor that does not take them is
+named in ``/health``'s reasons (this replica then routes on what it sent itself).
 """
 
 from __future__ import annotations
@@ -34,11 +41,13 @@ import json
 import logging
 import math
 import time
+from collections import deque
 from collections.abc import Awaitable, Callable, Collection, Sequence
 from typing import Any, TypeVar
 
 import aiohttp
 import msgpack
+from prometheus_client import generate_latest
 
 from conductor.api import HITS_ONLY_HEADER, INDEXED_UNTIL_HEADER, PROGRESS_HEADER
 from conductor.failures import describe
@@ -53,6 +62,7 @@ from .index_client import (
     IndexContext,
     PromptBlocks,
 )
+from .metrics import ReplicaMetrics
 from .notices import Notices
 
 log = logging.getLogger(__name__)
@@ -60,6 +70,8 @@ log = logging.getLogger(__name__)
 MSGPACK = "application/msgpack"
 MAX_LATE_CALLS = 32  # late answers still read in the background; past it, calls are cut
 MAX_PROGRESS_OF = 64  # instances a query asks the indexing progress of
+MAX_REPORTS_QUEUED = 1024  # routed prompts waiting to be reported; past it the oldest go
+REPORTS_AT_ONCE = 16  # routed prompts reported concurrently
 T = TypeVar("T")
 
 
@@ -90,6 +102,11 @@ class ConductorClient:
         self._late: set[asyncio.Future[Any]] = set()  # calls past their timeout, still read
         self._indexed_until: dict[str, float] = {}  # instance -> as the conductor last said
         self._progress_turns = itertools.count()
+        self.replica_metrics = ReplicaMetrics()
+        self._reports: deque[tuple[PromptBlocks, str]] = deque()
+        self._reporter: asyncio.Task[None] | None = None
+        self._report_errors: dict[str, str] = {}  # conductor -> why it took no report
+        self._no_route: set[str] = set()  # conductors without /routed (the Go service)
 
     @classmethod
     def connect(cls, section: ConductorSection, notices: Notices) -> ConductorClient:
@@ -101,11 +118,14 @@ class ConductorClient:
         return cls(session, section, notices)
 
     async def close(self) -> None:
+        if self._reporter is not None:
+            self._reporter.cancel()
         await self._session.close()
 
     def exposition(self) -> bytes:
-        """Nothing: a conductor service's series are on its own ``/metrics``."""
-        return b""
+        """How this router shares what it routed (a conductor service's own series are on
+        its ``/metrics``)."""
+        return generate_latest(self.replica_metrics.registry)
 
     def indexed_until(self, instance_id: str) -> float | None:
         """The conductor held everything the instance published up to this time (the
@@ -142,9 +162,14 @@ class ConductorClient:
     def degraded_reasons(self) -> list[str]:
         """Why no conductor can be asked, one line per conductor; empty while one has
         accepted the registrations and answers (until then requests are routed by load)."""
+        sharing = [
+            f"conductor {url} does not take routed prompts ({why}): the other replicas do "
+            "not see this one's, it routes on what it sent itself"
+            for url, why in self._report_errors.items()
+        ]
         if any(url in self._registered and not self._notices.failing(url) for url in self.urls):
-            return []
-        return [self._not_usable(url) for url in self.urls]
+            return sharing
+        return [self._not_usable(url) for url in self.urls] + sharing
 
     def _not_usable(self, url: str) -> str:
         if url in self._registered:
@@ -224,6 +249,8 @@ class ConductorClient:
             self._registered.discard(url)
             return False
         self._registration_errors.pop(url, None)
+        self._report_errors.pop(url, None)  # it answers: its next reports will say
+        self._no_route.discard(url)  # asked again: it may have been upgraded
         self._notices.recovered(f"register {url}", "conductor %s accepts the registrations", url)
         self._up(url)
         level = logging.DEBUG if url in self._registered else logging.INFO
@@ -276,6 +303,70 @@ class ConductorClient:
         self._notices.fault(
             key, "conductor %s %s instance=%s failed: %s %s", url, path, body["instance_id"],
             status or "unreachable", answer_text(answer),
+        )  # fmt: skip
+
+    # -- routed prompts, for the other replicas ------------------------------------------
+    def report_routed(self, prompt: PromptBlocks, instance_id: str) -> None:
+        """Queue the report that ``prompt`` went to ``instance_id`` (``/routed`` on every
+        conductor, in the background); never waits."""
+        if not self._section.share_routed:
+            return
+        if len(self._reports) >= MAX_REPORTS_QUEUED:
+            self._reports.popleft()
+            self.replica_metrics.dropped.inc()
+        self._reports.append((prompt, instance_id))
+        if self._reporter is None or self._reporter.done():
+            self._reporter = asyncio.get_running_loop().create_task(self._send_reports())
+
+    async def _send_reports(self) -> None:
+        """Report the queued prompts, ``REPORTS_AT_ONCE`` at a time, until none is left."""
+        while self._reports:
+            batch = [
+                self._reports.popleft() for _ in range(min(REPORTS_AT_ONCE, len(self._reports)))
+            ]
+            urls = [url for url in self.urls if url not in self._no_route]
+            await asyncio.gather(
+                *(self._send_report(url, *routed) for routed in batch for url in urls)
+            )
+
+    async def _send_report(self, url: str, prompt: PromptBlocks, instance_id: str) -> None:
+        context = prompt.context
+        body: dict[str, Any] = {
+            "model": context.model,
+            "block_size": context.block_size,
+            "token_ids": prompt.packed,
+            "tenant_id": context.tenant_id,
+            "lora_name": context.lora_name,
+            "instance_id": instance_id,
+            "ttl_s": self._section.share_routed_ttl_seconds,
+        }
+        if prompt.cache_salt:
+            body["cache_salt"] = prompt.cache_salt
+        try:
+            status, answer = await self._post(url, "/routed", body, self._control_timeout())
+        except (aiohttp.ClientError, TimeoutError) as error:
+            status, answer = 0, describe(error)
+        key = f"/routed {url}"
+        if status == 200:
+            self.replica_metrics.reports.labels(url, "sent").inc()
+            self.replica_metrics.sharing.labels(url).set(1)
+            self._report_errors.pop(url, None)
+            self._notices.recovered(key, "conductor %s takes routed prompts again", url)
+            return
+        self.replica_metrics.reports.labels(url, "failed").inc()
+        self.replica_metrics.sharing.labels(url).set(0)
+        if status in (404, 405):  # no such route: not a fault of this router's
+            self._no_route.add(url)
+            self._notices.fault(
+                key, "conductor %s has no /routed: router replicas do not share their "
+                "routed prompts through it (conductor.share_routed: false stops trying)", url,
+            )  # fmt: skip
+            return
+        why = f"{status or 'unreachable'} {answer_text(answer)}".strip()
+        self._report_errors[url] = why
+        self._notices.fault(
+            key, "conductor %s takes no routed prompts (%s): the other router replicas do "
+            "not see this one's", url, why,
         )  # fmt: skip
 
     def _control_timeout(self) -> float:

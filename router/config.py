@@ -84,6 +84,10 @@ class ConductorSection(_Section):
     # ours: index the engines' events inside the router (router/embedded.py) instead of
     # asking a conductor service; the addresses are then unused
     embedded: bool = False
+    # ours: report each routed prompt to the conductors (``/routed``), where the other router
+    # replicas' queries count it for this long; false for a conductor without the route
+    share_routed: bool = True
+    share_routed_ttl_seconds: float = Field(default=10.0, gt=0, le=60)
 
     def urls(self) -> list[str]:
         """Every conductor, in failover order, each once."""

@@ -66,6 +66,10 @@ class EmbeddedConductor:
         else:
             await self.manager.instance_up(instance_id, tenant)
 
+    def report_routed(self, prompt: PromptBlocks, instance_id: str) -> None:
+        """Nothing: no other router asks this index (the router's own prompts in flight
+        cover its requests)."""
+
     async def store_states(self, timeout: float) -> dict[str, StoreState]:
         return {kv_store: view["state"] for kv_store, view in self.manager.stores.view().items()}
 

@@ -6,7 +6,8 @@ prompt tokens queued until its first token) and ``router_in_flight_requests``. I
 counts as a hit there for requests sharing its prefix (``pending``), while it runs and after
 it ends until the index has its blocks: until the index says it holds what the instance
 published after the end (``IndexClient.indexed_until``), or for the grace period where it
-cannot say; looked at every ``RECHECK_S`` while some finished prompt is held.
+cannot say; looked at every ``RECHECK_S`` while some finished prompt is held. It is
+reported to the index too (``IndexClient.report_routed``), for the other router replicas.
 """
 
 from __future__ import annotations
@@ -61,6 +62,8 @@ class InFlight:
         if added := routed.lookup.in_flight_hits.get(prefill.instance_id):
             self._metrics.in_flight_hit_tokens.inc(min(added, decision.cached_tokens))
         prompt = routed.lookup.prompt
+        if prompt is not None:
+            self._index.report_routed(prompt, prefill.instance_id)
         pending = (
             self._pending.add(prefill.instance_id, prompt.hashes, prompt.context.lora_name)
             if self._pending is not None and prompt is not None

@@ -4,8 +4,8 @@ router (``embedded.EmbeddedConductor``).
 
 Both answer the same questions (a prompt's hits per instance, how far the index has got,
 the stores' states, whether it can be asked at all) and take the same reports (the
-streams to subscribe to, engines out of rotation), so nothing else in the router needs to
-know which one it has.
+streams to subscribe to, engines out of rotation, the prompts routed), so nothing else in
+the router needs to know which one it has.
 """
 
 from __future__ import annotations
@@ -96,6 +96,11 @@ class IndexClient(Protocol):
     ) -> None:
         """An instance is out of rotation (``down``, for ``ttl_s``) or back: its blocks stop
         counting, or count again. Never raises."""
+        ...
+
+    def report_routed(self, prompt: PromptBlocks, instance_id: str) -> None:
+        """``prompt`` was sent to ``instance_id``: for the other router replicas, whose
+        index counts it there until its events are indexed. Never waits, never raises."""
         ...
 
     async def store_states(self, timeout: float) -> dict[str, StoreState]:

@@ -257,3 +257,31 @@ class RouterMetrics:
         self.cache_predicted.labels(instance).inc(predicted)
         self.cache_realized.labels(instance).inc(realized)
         self.cache_prediction_error.labels(instance).observe(realized - predicted)
+
+
+class ReplicaMetrics:
+    """How this router shares what it routed with the other replicas (through the
+    conductors' ``/routed``): on a registry of the conductor client's, rendered with the
+    index's series (``IndexClient.exposition``)."""
+
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry(auto_describe=True)
+        self.reports = Counter(
+            "router_routed_reports_total",
+            "Routed prompts reported to each conductor, by outcome: sent, or failed (the "
+            "conductor did not take it: the other replicas do not see it there)",
+            ["conductor", "outcome"],
+            registry=self.registry,
+        )
+        self.dropped = Counter(
+            "router_routed_reports_dropped_total",
+            "Routed prompts never reported: the queue of reports was full (conductors slow)",
+            registry=self.registry,
+        )
+        self.sharing = Gauge(
+            "router_routed_sharing",
+            "1 while the conductor takes this router's routed prompts, 0 while its reports "
+            "fail (the router then routes on what it sent itself)",
+            ["conductor"],
+            registry=self.registry,
+        )

@@ -14,14 +14,17 @@ which may take seconds on a loaded machine; a grace period where the conductor c
 Prompts are compared by the conductor's chained block hashes (salted with the request's
 ``cache_salt``) within their LoRA adapter (an engine serving a base model and adapters
 keeps their caches apart), one list per request: nothing is stored per block, and a match
-looks only at requests sharing the prompt's adapter and first block. Instances serve one
-base model each, so models never cross.
+looks only at requests sharing the prompt's adapter and first block, each by a binary
+search (``common_prefix``, shared with the conductor's table of prompts routers report).
+Instances serve one base model each, so models never cross.
 """
 
 from __future__ import annotations
 
 from collections import deque
 from collections.abc import Callable, Collection, Sequence
+
+from conductor.routed import common_prefix
 
 # a finished prompt is held until the index has the events its instance published after
 # the end (looked at this often), at most MAX_PENDING_S; GRACE_S where the conductor
@@ -135,17 +138,3 @@ class PendingPrefixes:
             if shared > matches.get(prompt.instance_id, 0):
                 matches[prompt.instance_id] = shared
         return matches
-
-
-def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
-    """How many leading hashes ``a`` and ``b`` share. They are chained block hashes (each
-    covers every block before it), so two lists that agree at a position agree before it:
-    a binary search compares one hash per step."""
-    low, high = 0, min(len(a), len(b))
-    while low < high:
-        middle = (low + high + 1) // 2
-        if a[middle - 1] == b[middle - 1]:
-            low = middle
-        else:
-            high = middle - 1
-    return low

@@ -1,0 +1,98 @@
+"""Router replicas share what they route through the conductor they ask (``/routed``): a
+burst of requests sharing a new prefix, spread over two replicas, lands on one engine
+before any of its events could be indexed; without the sharing the replicas split it. A
+replica whose conductor cannot be reached routes on its own and says so."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+import aiohttp
+
+from tests.router.inprocess import ServedRouter
+from tests.router.sim_fleet import Fleet, complete
+from tests.router.test_router_service import indexed_everywhere, metric
+from tests.support.api import eventually, get
+from tests.support.processes import ConductorProcess
+
+ENGINES = ["a", "b", "c"]
+PREFIX = " ".join(f"w{i}" for i in range(400))  # new to every engine
+SLOW = 40.0  # the engines' time scale: a prefill of the prefix takes seconds
+
+
+async def replicas(fleet: Fleet, serve: Any, http: aiohttp.ClientSession, **conductor: Any):
+    """Two router replicas in front of slow engines, the second having routed one request
+    already (so that, on their own, their first choices among equal engines differ). The
+    longest prefix wins: one router alone keeps such a burst on one engine (``ttft`` may
+    spread it, weighing the queue the first request left against its prefix)."""
+    for name in ENGINES:
+        fleet.engine(name, time_scale=SLOW)
+    config = fleet.config(ENGINES, policy="max_prefix")
+    config["conductor"] |= conductor
+    routers = [await serve(config), await serve(config)]
+    await indexed_everywhere(http, fleet, ENGINES)
+    assert (await complete(http, routers[1], "hi", max_tokens=1))[0] == 200
+    return routers
+
+
+async def burst(http: aiohttp.ClientSession, routers: list[ServedRouter], size: int) -> list[str]:
+    """The engine each request of a burst sharing ``PREFIX`` went to: the first request
+    alone, then the others at once, alternately to each replica."""
+
+    async def send(i: int) -> str:
+        status, headers, _ = await complete(
+            http, routers[i % 2], f"{PREFIX} question {i}", max_tokens=1
+        )
+        assert status == 200
+        return headers["x-conductor-prefill-instance"]
+
+    first = asyncio.create_task(send(0))
+    await asyncio.sleep(0.3)  # routed and reported; its prefill takes seconds more
+    rest = await asyncio.gather(*(send(i) for i in range(1, size)))
+    return [await first, *rest]
+
+
+async def test_a_burst_over_two_replicas_lands_on_one_engine(fleet, serve, http):
+    routers = await replicas(fleet, serve, http)
+    chosen = await burst(http, routers, 8)
+    assert set(chosen) == {chosen[0]}, chosen
+    assert await metric(http, routers[1], "router_routed_reports_total") >= 4
+    assert await metric(http, fleet.conductor, "conductor_routed_raised_total") >= 4
+
+
+async def test_without_sharing_the_replicas_split_the_burst(fleet, serve, http):
+    routers = await replicas(fleet, serve, http, share_routed=False)
+    chosen = await burst(http, routers, 8)
+    assert len(set(chosen)) == 2, chosen  # each replica keeps to the engine it chose
+    assert await metric(http, fleet.conductor, "conductor_routed_prompts") == 0
+
+
+async def test_a_replica_that_cannot_reach_its_conductor_routes_alone_and_says_so(
+    fleet, serve, http
+):
+    fleet.engine("a")
+    served = await serve(fleet.config(["a"]))
+    await indexed_everywhere(http, fleet, ["a"])
+    assert (await complete(http, served, "before"))[0] == 200
+    sharing = f'router_routed_sharing{{conductor="{fleet.conductor.url}"}}'
+    assert await metric(http, served, sharing) == 1
+
+    port = int(fleet.conductor.url.rsplit(":", 1)[1])
+    fleet.conductor.stop()
+    status, headers, _ = await complete(http, served, "while it is down")
+    assert (status, headers["x-conductor-fallback"]) == (200, "conductor_unavailable")
+    _, health = await eventually(
+        lambda: get(http, f"{served.url}/health"),
+        lambda answer: any("does not take routed prompts" in r for r in answer[1]["reasons"]),
+    )
+    assert health["status"] == "degraded"
+    failed = f'router_routed_reports_total{{conductor="{fleet.conductor.url}",outcome="failed"}}'
+    assert await metric(http, served, failed) >= 1
+    assert await metric(http, served, sharing) == 0
+
+    fleet.conductor = ConductorProcess(fleet.tmp_path, port=port)
+    fleet.conductor.wait_ready()
+    await eventually(
+        lambda: get(http, f"{served.url}/health"), lambda answer: answer[1]["status"] == "ok"
+    )
