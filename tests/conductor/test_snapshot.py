@@ -202,3 +202,63 @@ async def test_a_conductor_killed_mid_snapshot_restarts_from_the_previous_one(
     assert answer["default"]["engine-a"]["longest_matched"] == len(prompt)
     _, health = await get(http, f"{second.url}/health")
     assert health["blocks"] == blocks
+
+
+async def test_a_snapshot_taken_while_batches_flow_agrees_with_its_sequence_numbers(
+    conductor_factory, http, publisher_factory, tmp_path
+):
+    """Blocks of a batch after the snapshot's sequence number would be stored twice (once
+    from the snapshot, once replayed) and outlive their removal. A big engine's blocks,
+    written before the churning one's, make the build last many steps."""
+    peer = conductor_factory("--state-file", "")
+    big, churning = publisher_factory(), publisher_factory()
+    await register_and_connect(http, peer.url, big, "engine-big")
+    await register_and_connect(http, peer.url, churning, "engine-a")
+    static = 400_000
+    for start in range(0, static, 10_000):
+        hashes = list(range(10**9 + start + 1, 10**9 + start + 10_001))
+        await big.publish(
+            [
+                stored(
+                    hashes,
+                    [t % 60_000 for t in range(start * 4, (start + 10_000) * 4)],
+                    start and 10**9 + start or None,
+                )
+            ]
+        )
+    await eventually(
+        lambda: get(http, f"{peer.url}/health"), lambda answer: answer[1]["blocks"] == static
+    )
+    size, batches = 2_000, 40
+
+    def tokens(batch: int) -> list[int]:
+        return list(range(10**6 + batch * size * 4, 10**6 + (batch + 1) * size * 4))
+
+    async def churn() -> None:
+        for batch in range(batches):  # each batch replaces the one before
+            hashes = list(range(batch * size + 1, (batch + 1) * size + 1))
+            gone = [removed([h - size for h in hashes])] if batch else []
+            await churning.publish([*gone, stored(hashes, tokens(batch))])
+            await asyncio.sleep(0.002)
+
+    flowing = asyncio.create_task(churn())
+    await asyncio.sleep(0.08)
+    async with http.get(f"{peer.url}/snapshot") as response:
+        data = await response.read()
+    await flowing
+    path = tmp_path / "taken.snapshot"
+    path.write_bytes(data)
+    assert 0 < read_file(path).sequences["engine-a|default|0"] < batches - 1
+
+    async def held(url: str) -> list[int]:
+        answers = [await query(http, url, tokens(batch)[:8]) for batch in range(batches)]
+        return [answer["default"]["engine-a"]["longest_matched"] for answer in answers]
+
+    expected = [0] * (batches - 1) + [8]
+    await eventually(lambda: held(peer.url), lambda hits: hits == expected)
+    second = conductor_factory(*snapshot_flags(path))
+    await eventually(lambda: held(second.url), lambda hits: hits == expected)
+    await eventually(
+        lambda: get(http, f"{second.url}/health"),
+        lambda answer: answer[1]["blocks"] == static + size,
+    )
