@@ -215,17 +215,11 @@ async def test_a_snapshot_taken_while_batches_flow_agrees_with_its_sequence_numb
     await register_and_connect(http, peer.url, big, "engine-big")
     await register_and_connect(http, peer.url, churning, "engine-a")
     static = 400_000
-    for start in range(0, static, 10_000):
-        hashes = list(range(10**9 + start + 1, 10**9 + start + 10_001))
-        await big.publish(
-            [
-                stored(
-                    hashes,
-                    [t % 60_000 for t in range(start * 4, (start + 10_000) * 4)],
-                    start and 10**9 + start or None,
-                )
-            ]
-        )
+    for start in range(0, static, 10_000):  # one chain, 10,000 blocks a batch
+        first = 10**9 + start
+        hashes = list(range(first + 1, first + 10_001))
+        chunk = [t % 60_000 for t in range(start * 4, (start + 10_000) * 4)]
+        await big.publish([stored(hashes, chunk, first if start else None)])
     await eventually(
         lambda: get(http, f"{peer.url}/health"), lambda answer: answer[1]["blocks"] == static
     )
