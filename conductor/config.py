@@ -98,8 +98,8 @@ def admin_url(value: str) -> str:
 def _peer_urls(value: Any) -> Any:
     """A flag or env var lists peers comma-separated; the config file may give a list."""
     if isinstance(value, str):
-        return [entry.strip() for entry in value.split(",") if entry.strip()]
-    return value
+        return tuple(entry.strip() for entry in value.split(",") if entry.strip())
+    return tuple(value) if isinstance(value, list) else value
 
 
 def _peer_url(value: str) -> str:

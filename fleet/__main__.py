@@ -71,34 +71,42 @@ class Fleet:
         return await wait_until_healthy(children, http, deadline, self.say, self.report_crash)
 
     async def _subscribed(self, http: aiohttp.ClientSession) -> bool:
-        """Until the conductor holds a connected stream for every engine (the router
-        registers them when it starts)."""
+        """Until every conductor holds a connected stream for every engine (the routers
+        register them with each when they start)."""
         wanted = {engine.name for engine in self.plan.engines}
-        connected: set[str] = set()
+        missing = {conductor.name: wanted for conductor in self.plan.conductors}
         deadline = time.monotonic() + REGISTRATION_TIMEOUT_S
         while time.monotonic() < deadline:
             for child in self.children.values():
                 if child.exit_code is not None:
                     self.report_crash(child)
                     return False
-            try:
-                url = f"{self.plan.conductor.url}/services"
-                async with http.get(url, timeout=HEALTH_TIMEOUT) as response:
-                    services = (await response.json())["services"]
-                connected = {s["InstanceID"] for s in services if s["State"] == "connected"}
-            except (aiohttp.ClientError, TimeoutError, ValueError, KeyError, TypeError):
-                pass  # a conductor that misbehaves shows as a crash or as this timeout
-            if wanted <= connected:
+            for conductor in self.plan.conductors:
+                missing[conductor.name] = wanted - await self._connected(http, conductor.url)
+            if not any(missing.values()):
                 return True
             await asyncio.sleep(0.25)
-        self.say(f"the conductor did not subscribe to {sorted(wanted - connected)} in time")
+        for name, engines in missing.items():
+            if engines:
+                self.say(f"the {name} did not subscribe to {sorted(engines)} in time")
         return False
+
+    async def _connected(self, http: aiohttp.ClientSession, conductor: str) -> set[str]:
+        """The instances whose streams ``conductor`` has connected (none while it fails)."""
+        try:
+            async with http.get(f"{conductor}/services", timeout=HEALTH_TIMEOUT) as response:
+                services = (await response.json())["services"]
+            return {s["InstanceID"] for s in services if s["State"] == "connected"}
+        except (aiohttp.ClientError, TimeoutError, ValueError, KeyError, TypeError):
+            return set()  # a conductor that misbehaves shows as a crash or as this timeout
 
     async def up(self) -> int:
         """Runs the fleet until a signal (0) or a crash (1)."""
         engines = [engine.name for engine in self.plan.engines]
         store = [[s.master.name], [s.store.name]] if (s := self.plan.store) else []
-        stages = [["conductor"], *store, engines, ["router"]]  # each waits for the one before
+        conductors = [conductor.name for conductor in self.plan.conductors]
+        routers = [router.name for router in self.plan.routers]
+        stages = [conductors, *store, engines, routers]  # each waits for the one before
         async with aiohttp.ClientSession() as http:
             try:
                 await self.watchdog.start()
@@ -169,7 +177,8 @@ class Fleet:
         stop), the store, the conductor."""
         store = [[s.store.name], [s.master.name]] if (s := self.plan.store) else []
         engines = [engine.name for engine in self.plan.engines]
-        stages = [["router"], engines, *store, ["conductor"]]
+        conductors = [conductor.name for conductor in self.plan.conductors]
+        stages = [[router.name for router in self.plan.routers], engines, *store, conductors]
         running = [
             [self.children[name] for name in stage if self.children[name].process]
             for stage in stages

@@ -49,16 +49,24 @@ KV_EVENTS_TOPIC = "kv-events"
 
 @dataclass(frozen=True)
 class FleetPlan:
-    conductor: ServicePlan
+    conductors: list[ServicePlan]
     engines: list[ServicePlan]
-    router: ServicePlan
+    routers: list[ServicePlan]
     run_dir: Path
     store: StorePlan | None = None
 
     @property
+    def conductor(self) -> ServicePlan:
+        return self.conductors[0]
+
+    @property
+    def router(self) -> ServicePlan:
+        return self.routers[0]
+
+    @property
     def services(self) -> list[ServicePlan]:
         store = [self.store.master, self.store.store] if self.store else []
-        return [self.conductor, *store, *self.engines, self.router]
+        return [*self.conductors, *store, *self.engines, *self.routers]
 
 
 def _http_args(host: str, port: int) -> list[str]:
@@ -296,7 +304,7 @@ def _model_entry(
 
 def router_config(
     spec: FleetSpec,
-    conductor_url: str,
+    conductor_urls: list[str],
     engines: list[ServicePlan],
     kv_store: str,
     model_dir: Path | None = None,
@@ -316,7 +324,7 @@ def router_config(
 
     keys = {"keys": {"file": str(spec.keys)}} if spec.keys is not None else {}
     common = {
-        "conductor": {"address": conductor_url},
+        "conductor": {"address": conductor_urls},
         "routing": {"policy": spec.router.policy},
         **keys,
     }
@@ -352,51 +360,53 @@ def make_plan(spec: FleetSpec, run_dir: Path, model_dir: Path | None) -> FleetPl
         )
         for engine in spec.engines
     ]
-    conductor_port = spec.conductor.port or free_port()
-    conductor_url = f"http://{spec.host}:{conductor_port}"
+    conductor_ports = _ports(spec.conductor.port, spec.conductor.replicas)
+    conductor_urls = [f"http://{spec.host}:{port}" for port in conductor_ports]
     # the router registers every engine's stream (and re-registers after a conductor
     # restart): one registration path, so the conductor starts with no instances
     # where the conductor checks that the store still holds the blocks it indexed
     admin = {"kv_store_admin_urls": {store.address.master: store.admin_url}} if store else {}
     # the engines' event sockets live in the run directory, their replay ports on the host
     allow = {"register_allow": [f"ipc://{run_dir}/", "127.0.0.0/8", "::1/128", spec.host]}
-    conductor_config = write_json(
-        run_dir / "conductor_config.json",
-        {"kvevent_instance": {}, "http_server_port": conductor_port, **admin, **allow},
-    )
-    conductor = ServicePlan(
-        name="conductor",
-        kind="conductor",
-        argv=[
-            sys.executable,
-            "-m",
-            "conductor",
-            *_http_args(spec.host, conductor_port),
-            "--config",
-            str(conductor_config),
-            *spec.conductor.args,
-        ],
-        url=conductor_url,
-    )
-    router_port = spec.router.port or free_port()
+    conductors = []
+    for n, (port, url) in enumerate(zip(conductor_ports, conductor_urls, strict=True)):
+        name = _replica_name("conductor", n)
+        # replicas restore the newest of their own snapshot and each other's at start
+        peers = [other for other in conductor_urls if other != url]
+        recovery = {"snapshot_path": str(run_dir / f"{name}.snapshot"), "peers": peers}
+        config = write_json(
+            run_dir / f"{name}_config.json",
+            {
+                "kvevent_instance": {},
+                "http_server_port": port,
+                **admin,
+                **allow,
+                **(recovery if spec.conductor.replicas > 1 else {}),
+            },
+        )
+        argv = [sys.executable, "-m", "conductor", *_http_args(spec.host, port)]
+        argv += ["--config", str(config), *spec.conductor.args]
+        conductors.append(ServicePlan(name=name, kind="conductor", argv=argv, url=url))
     kv_store = store.address.master if store else ""
     router_path = write_json(
-        run_dir / "router.json", router_config(spec, conductor_url, engines, kv_store, model_dir)
+        run_dir / "router.json", router_config(spec, conductor_urls, engines, kv_store, model_dir)
     )
-    router = ServicePlan(
-        name="router",
-        kind="router",
-        argv=[
-            sys.executable,
-            "-m",
-            "router",
-            *_http_args(spec.host, router_port),
-            "--config",
-            str(router_path),
-            *spec.router.args,
-        ],
-        url=f"http://{spec.host}:{router_port}",
-    )
+    routers = []
+    for n, port in enumerate(_ports(spec.router.port, spec.router.replicas)):
+        argv = [sys.executable, "-m", "router", *_http_args(spec.host, port)]
+        argv += ["--config", str(router_path), *spec.router.args]
+        name, url = _replica_name("router", n), f"http://{spec.host}:{port}"
+        routers.append(ServicePlan(name=name, kind="router", argv=argv, url=url))
     return FleetPlan(
-        conductor=conductor, engines=engines, router=router, run_dir=run_dir, store=store
+        conductors=conductors, engines=engines, routers=routers, run_dir=run_dir, store=store
     )
+
+
+def _ports(first: int | None, count: int) -> list[int]:
+    """``count`` ports: ``first`` (a free one when absent), then free ones."""
+    return [first or free_port(), *(free_port() for _ in range(count - 1))]
+
+
+def _replica_name(service: str, n: int) -> str:
+    """``router``, ``router-1``, ...: the first replica keeps the service's own name."""
+    return service if n == 0 else f"{service}-{n}"

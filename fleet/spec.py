@@ -79,8 +79,11 @@ class FleetModel(ModelSection):
 
 
 class ServiceSection(_Section):
-    port: int | None = Field(default=None, ge=1, le=65535)  # absent: a free port
+    port: int | None = Field(default=None, ge=1, le=65535)  # absent: a free port (the first's)
     args: list[str] = Field(default_factory=list)  # extra command-line flags
+    # how many run side by side: conductors take each other's snapshots at start (peers),
+    # routers share the conductors and what they route (each on a port of its own)
+    replicas: int = Field(default=1, ge=1, le=16)
 
 
 class RouterSection(ServiceSection):
@@ -150,7 +153,12 @@ class FleetSpec(_Section):
         names = [engine.name for engine in self.engines]
         if len(names) != len(set(names)):
             raise ValueError("engine names must be unique")
-        if taken := sorted(set(RESERVED_NAMES) & set(names)):
+        replicas = [
+            f"{service}-{n}"
+            for service, section in (("conductor", self.conductor), ("router", self.router))
+            for n in range(1, section.replicas)
+        ]
+        if taken := sorted({*RESERVED_NAMES, *replicas} & set(names)):
             raise ValueError(f"{', '.join(taken)}: names of the fleet's own services")
         if self.models and "model" in self.model_fields_set:
             raise ValueError("give `model` (one model) or `models`, not both")
