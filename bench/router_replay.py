@@ -44,6 +44,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import itertools
 import json
 import math
 import signal
@@ -154,6 +155,8 @@ class ReplaySetup:
     tokenizer: Path | None = None  # the engines' HF tokenizer directory (None: stand-in)
     embedded: bool = False  # ours indexes the events itself (conductor.embedded), no service
     part: str = ""  # which of a mixed replay's runs: "mixed", or the one name replayed alone
+    replica_runs: tuple[int, ...] = (1,)  # each policy with this many router replicas
+    replicas: int = 1  # this run's routers; the client sends request i to router i mod N
 
     @property
     def routers(self) -> tuple[str, ...]:
@@ -215,6 +218,7 @@ def build_setup(args: argparse.Namespace) -> ReplaySetup:
         engine_speed=args.engine_speed,
         block_size=args.block_size,
         store_runs=STORE_MODES[args.store],
+        replica_runs=tuple(args.replicas),
         store_mb=args.store_mb,
         peers=args.peer_binaries,
         words=prompt_words(args.prompts, args.tokenizer),
@@ -293,6 +297,7 @@ def describe(setup: ReplaySetup) -> dict[str, Any]:
         "slos_s": list(setup.slos_s),
         "reject_slo_ms": setup.reject_slo_ms,
         "store_runs": list(setup.store_runs),
+        "replica_runs": list(setup.replica_runs),
         "store_segment_mb": setup.store_mb,
     }
 
@@ -401,10 +406,12 @@ class Engine:
     model: ServedModel  # what it serves
 
 
-def run_label(policy: str, store: bool, part: str = "") -> str:
-    """``policy``, ``policy+store``; a mixed replay's runs add ``@mixed`` or ``@NAME``."""
+def run_label(policy: str, store: bool, part: str = "", replicas: int = 1) -> str:
+    """``policy``, ``policy+store``; a mixed replay's runs add ``@mixed`` or ``@NAME``,
+    several router replicas ``xN``."""
     label = f"{policy}+store" if store else policy
-    return f"{label}@{part}" if part else label
+    label = f"{label}@{part}" if part else label
+    return f"{label}x{replicas}" if replicas > 1 else label
 
 
 class Fleet:
@@ -421,7 +428,7 @@ class Fleet:
     def __init__(self, setup: ReplaySetup, policy: str, log_dir: Path, store: bool) -> None:
         self.setup, self.policy, self.log_dir = setup, policy, log_dir
         self.peer = PEERS.get(policy)
-        self.label = run_label(policy, store, setup.part)
+        self.label = run_label(policy, store, setup.part, setup.replicas)
         self.store: LocalStore | None = None
         if store:
             store_dir = log_dir / f"{self.label}-store"
@@ -430,7 +437,12 @@ class Fleet:
         self.services: list[LocalService] = []
         self.engines: list[Engine] = []
         self.conductor: LocalService | None = None
-        self.router: LocalService | None = None
+        self.routers: list[LocalService] = []  # ours: the replicas; a peer: its one process
+
+    @property
+    def router(self) -> LocalService | None:
+        """The first router: the one the warm-up and the metrics read."""
+        return self.routers[0] if self.routers else None
 
     def __enter__(self) -> Fleet:
         try:
@@ -463,10 +475,12 @@ class Fleet:
             return
         config_path = self.log_dir / f"router-{self.label}.json"
         config_path.write_text(json.dumps(self.router_config(), indent=2))
-        self.router = self._spawn(
-            "router", "router", "--config", str(config_path), "--log-level", "WARNING"
-        )
-        self.router.wait_ready(STARTUP_TIMEOUT_S)  # it listens once it has registered every stream
+        for n in range(self.setup.replicas):  # replicas share one config and conductor
+            name = "router" if n == 0 else f"router-{n}"
+            args = ("--config", str(config_path), "--log-level", "WARNING")
+            self.routers.append(self._spawn(name, "router", *args))
+        for router in self.routers:
+            router.wait_ready(STARTUP_TIMEOUT_S)  # it listens once it registered every stream
 
     def _start_peer(self) -> None:
         """The peer's binary in front of the engines, ready once it has registered them."""
@@ -474,9 +488,10 @@ class Fleet:
         engines = [PeerEngine(e.service.url, e.endpoint, e.replay_endpoint) for e in self.engines]
         arguments = self.peer.arguments(engines, self.setup.block_size, MODEL)
         binary = str(self.setup.peers[self.policy])
-        self.router = self._spawn("router", "bench.peer_routers", binary, *arguments)
-        self.router.wait_ready(STARTUP_TIMEOUT_S)
-        wait_peer_ready(self.router.url + self.peer.ready_path, STARTUP_TIMEOUT_S)
+        router = self._spawn("router", "bench.peer_routers", binary, *arguments)
+        self.routers.append(router)
+        router.wait_ready(STARTUP_TIMEOUT_S)
+        wait_peer_ready(router.url + self.peer.ready_path, STARTUP_TIMEOUT_S)
 
     def _spawn(
         self, name: str, module: str, *args: str, env: dict[str, str] | None = None
@@ -612,7 +627,7 @@ class Fleet:
         """CPU seconds the routing side has used so far: the router's process tree and, for
         ours, the conductor's (a peer that indexes KV events does so in its own process)."""
         total = 0.0
-        for service in (self.router, self.conductor):
+        for service in (*self.routers, self.conductor):
             if service is None:
                 continue
             with contextlib.suppress(psutil.Error):
@@ -732,10 +747,13 @@ async def send(
         outcome.error = f"{type(error).__name__}: {error}"
 
 
-async def replay(setup: ReplaySetup, router_url: str, bodies: list[bytes]) -> list[Outcome]:
-    """Send every request at its (compressed) arrival time; at most ``concurrency`` in
-    flight (a request over the bound waits, and its lateness is recorded)."""
-    url = f"{router_url}/v1/completions"
+async def replay(
+    setup: ReplaySetup, router_urls: Sequence[str], bodies: list[bytes]
+) -> list[Outcome]:
+    """Send every request at its (compressed) arrival time, request i to router i mod N
+    (as a load balancer in front of replicas would); at most ``concurrency`` in flight (a
+    request over the bound waits, and its lateness is recorded)."""
+    urls = [f"{router}/v1/completions" for router in router_urls]
     outcomes = [Outcome(r.index) for r in setup.requests]
     bound = asyncio.Semaphore(setup.concurrency)
     connector = aiohttp.TCPConnector(limit=setup.concurrency)
@@ -746,7 +764,7 @@ async def replay(setup: ReplaySetup, router_url: str, bodies: list[bytes]) -> li
     async def one(request: TraceRequest, body: bytes, outcome: Outcome) -> None:
         async with bound:
             outcome.send_lag_s = loop.time() - (start + request.arrival_s)
-            await send(session, url, body, outcome, setup.speedup)
+            await send(session, urls[request.index % len(urls)], body, outcome, setup.speedup)
 
     async with aiohttp.ClientSession(connector=connector, timeout=timeout) as session:
         tasks = []
@@ -1010,7 +1028,7 @@ def run_policy(
             raise RuntimeError(f"{fleet.label}: warm-up failed: {error}\n{fleet.logs()}") from None
         cpu_before = fleet.routing_cpu_s()
         replay_started = time.perf_counter()
-        outcomes = asyncio.run(replay(setup, fleet.router.url, bodies))
+        outcomes = asyncio.run(replay(setup, [r.url for r in fleet.routers], bodies))
         replay_s = time.perf_counter() - replay_started
         cpu_s = fleet.routing_cpu_s() - cpu_before
         summary = summarize(fleet.label, outcomes, setup, [e.instance_id for e in fleet.engines])
@@ -1018,7 +1036,7 @@ def run_policy(
         summary["routing_cpu_ms_per_request"] = cpu_s * 1000 / len(outcomes)
         summary["store_loaded_tokens"] = asyncio.run(store_loaded_tokens(fleet))
         if fleet.peer is None and summary["prompt_tokens"]:
-            forgone = asyncio.run(forgone_tokens(fleet.router.url))
+            forgone = sum(asyncio.run(forgone_tokens(r.url)) for r in fleet.routers)
             summary["forgone_hit_ratio"] = forgone / summary["prompt_tokens"]
         if len(set(setup.names)) > 1:
             summary["models"] = per_name(fleet, outcomes)
@@ -1042,6 +1060,17 @@ def per_name(fleet: Fleet, outcomes: Sequence[Outcome]) -> dict[str, dict[str, A
         )
         for name in setup.by_name()
     }
+
+
+def _counts(text: str) -> tuple[int, ...]:
+    """``1,2,4``: positive counts."""
+    try:
+        counts = tuple(int(part) for part in text.split(",") if part.strip())
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not comma-separated counts: {text!r}") from None
+    if not counts or min(counts) < 1:
+        raise argparse.ArgumentTypeError(f"counts must be 1 or more: {text!r}")
+    return counts
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
@@ -1123,6 +1152,13 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         f"{QUICK['policies']}, speedup {QUICK['speedup']:g} (explicit flags still win)",
     )
     add(
+        "--replicas",
+        type=_counts,
+        default=(1,),
+        help="router replicas in front of the engines, comma-separated: each policy runs "
+        "with each count, the client sending request i to replica i mod N",
+    )
+    add(
         "--store",
         choices=sorted(STORE_MODES),
         default="off",
@@ -1158,6 +1194,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         parser.error("--conductor embedded runs without a store (--store off)")
     if args.mixed and (args.peer_binaries or args.store != "off" or args.conductor != "service"):
         parser.error("--mixed runs ours with a conductor service: no --peers, --store or embedded")
+    if args.peer_binaries and args.replicas != (1,):
+        parser.error("--replicas runs replicas of ours: no --peers")
     if args.quick:
         keep_given(parser, args, QUICK)
     if args.mixed:
@@ -1203,9 +1241,10 @@ def run_all(setup: ReplaySetup, log_dir: Path | None) -> tuple[dict[str, Any], l
         logs = log_dir or Path(scratch)
         logs.mkdir(parents=True, exist_ok=True)
         for router in setup.routers:
-            for store in setup.store_runs:
+            for store, replicas in itertools.product(setup.store_runs, setup.replica_runs):
                 for part, part_bodies in zip(parts, bodies, strict=True):
-                    runs.append(run_policy(part, router, part_bodies, logs, store))
+                    run = replace(part, replicas=replicas)
+                    runs.append(run_policy(run, router, part_bodies, logs, store))
                     print(f"  {runs[-1]['policy']}: {runs[-1]['wall_s']:.1f} s", file=sys.stderr)
     return described, runs, time.perf_counter() - started
 

@@ -59,6 +59,17 @@ def test_a_replay_with_the_index_in_the_router_runs_no_conductor(tmp_path: Path)
     assert run["hit_ratio"] > 0
 
 
+def test_router_replicas_each_serve_their_share_of_the_requests(tmp_path: Path) -> None:
+    """``--replicas 1,2``: each policy runs with one router, then two sharing the
+    conductor, the client alternating between them."""
+    report = run_replay(tmp_path, "--quick", "--policies", "ttft", "--replicas", "1,2")
+    assert report["setup"]["replica_runs"] == [1, 2]
+    assert list(report["runs"]) == ["ttft", "ttftx2"]
+    for label, run in report["runs"].items():
+        assert run["errors"] == 0, (label, run["error_samples"])
+        assert run["served"] == run["requests"] == report["setup"]["requests"]
+
+
 def test_the_mixed_split_keeps_every_reused_prefix_within_one_name() -> None:
     """The split by conversation loses no hit the one-model replay could have: every
     request's longest prefix shared with an earlier one, beyond the conversation trace's
