@@ -397,18 +397,22 @@ def parse(data: bytes, source: str) -> Snapshot:
         unpacker.feed(data[body:-DIGEST_BYTES])
         snapshot = Snapshot(created, producer, source, [], {}, [])
         _read_records(unpacker, snapshot)
-    except (ValueError, TypeError, KeyError, IndexError, msgpack.UnpackException) as error:
+    except (ValueError, TypeError, LookupError, AttributeError, msgpack.UnpackException) as error:
         message = one_line(error) if isinstance(error, ValidationError) else str(error)
         raise SnapshotError(f"malformed content: {message}") from None
     return snapshot
 
 
 def _read_records(records: Iterator[Any], snapshot: Snapshot) -> None:
-    kind, meta = next(records)
-    if kind != "meta":
-        raise ValueError(f"the first record is {kind!r}, not 'meta'")
+    match next(records, None):
+        case ["meta", dict(meta)]:
+            pass
+        case first:
+            raise ValueError(f"the first record is {str(first)[:80]}, not the meta record")
     snapshot.registrations = [Registration.model_validate(r) for r in meta["registrations"]]
     snapshot.sequences = {str(key): int(seq) for key, seq in meta["sequences"].items()}
+    if not all(0 <= seq < 2**63 for seq in snapshot.sequences.values()):
+        raise ValueError("a sequence number is out of range")
     owners: list[OwnerBlocks] = []
     owner: OwnerBlocks | None = None
     for record in records:

@@ -5,9 +5,12 @@ truncated or corrupt snapshot is refused with a clear message and the previous o
 from __future__ import annotations
 
 import asyncio
+import hashlib
+import struct
 from pathlib import Path
 
 import aiohttp
+import msgpack
 
 from conductor.snapshot import SnapshotError, parse, read_file
 from tests.support.api import eventually, get, metric, query, register_and_connect
@@ -34,11 +37,12 @@ async def indexed_fleet(
     await first.publish([stored([21, 22], OTHER, medium="CPU")])
     await second.publish([stored([11, 12], PROMPT[:8]), stored([31, 32], OTHER)])
     await second.publish([removed([32])])
-    return await eventually(
+    expected = {(0, "engine-a"): 12, (0, "engine-b"): 8, (1, "engine-a"): 8, (1, "engine-b"): 4}
+    return await eventually(  # every batch applied before the first of the four queries
         lambda: answers(http, url),
-        lambda a: (
-            a[0]["default"]["engine-a"]["longest_matched"] == 12
-            and a[1]["default"]["engine-b"]["longest_matched"] == 4
+        lambda a: all(
+            a[prompt]["default"][name]["longest_matched"] == tokens
+            for (prompt, name), tokens in expected.items()
         ),
     )
 
@@ -153,7 +157,14 @@ async def test_an_unreadable_snapshot_never_stops_a_start(conductor_factory, htt
     _, health = await get(http, f"{conductor.url}/health")
     assert health["services"] == 0
     assert "not a conductor snapshot (wrong magic bytes)" in conductor.log()
-    for broken, reason in ((b"", "truncated"), (b"\x89CNDSNP\n\x00\x07" + bytes(60), "version 7")):
+    head = struct.pack(">8sHdH", b"\x89CNDSNP\n", 1, 0.0, 0)
+    valid_digest = head + msgpack.packb(["end"])
+    valid_digest += hashlib.sha256(valid_digest).digest()
+    for broken, reason in (
+        (b"", "truncated"),
+        (b"\x89CNDSNP\n\x00\x07" + bytes(60), "version 7"),
+        (valid_digest, "malformed content: the first record is ['end'], not the meta record"),
+    ):
         try:
             parse(broken, "test")
         except SnapshotError as error:
