@@ -13,6 +13,7 @@ import json
 import logging
 import os
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -78,7 +79,7 @@ class StateFile:
                 "registrations": [entry for _, entry in sorted(self._entries.items())],
             }
             try:
-                await asyncio.to_thread(_write_atomically, self.path, snapshot)
+                await asyncio.to_thread(_write_json, self.path, snapshot)
             except OSError as error:
                 reason = error.strerror or type(error).__name__
                 where = f" ({error.filename})" if error.filename else ""
@@ -87,16 +88,28 @@ class StateFile:
             self._written = changes
 
 
-def _write_atomically(path: Path, data: Any) -> None:
+def _write_json(path: Path, data: Any) -> None:
+    """Off the event loop: a thousand registrations take a while to serialize."""
+    write_atomically(path, json.dumps(data, indent=1).encode())
+
+
+def write_atomically(
+    path: Path, data: bytes, before_replace: Callable[[Path], None] | None = None
+) -> None:
+    """``data`` complete on disk (a fresh temporary file, fsynced) before it replaces
+    ``path`` in one step, and the directory fsynced after: a crash at any point leaves the
+    old file or the new one, whole. ``before_replace(path)`` runs just before the swap."""
     path.parent.mkdir(parents=True, exist_ok=True)
     descriptor, temporary = tempfile.mkstemp(
         prefix=f".{path.name}.", suffix=".tmp", dir=path.parent
     )
     try:
-        with os.fdopen(descriptor, "w", encoding="utf-8") as file:
-            json.dump(data, file, indent=1)
+        with os.fdopen(descriptor, "wb") as file:
+            file.write(data)
             file.flush()
             os.fsync(file.fileno())
+        if before_replace is not None:
+            before_replace(path)
         os.replace(temporary, path)
     except BaseException:
         with contextlib.suppress(OSError):

@@ -24,7 +24,6 @@ import logging
 import os
 import struct
 import sys
-import tempfile
 import time
 from array import array
 from collections.abc import Iterator, Sequence
@@ -42,6 +41,7 @@ from .config import Registration, one_line
 from .hashing import PrefixHash
 from .index import TIERS, ContextKey, PrefixCacheTable, _Slot
 from .manager import ServiceManager
+from .persistence import write_atomically
 from .wire.events import EngineHash, Tier
 
 log = logging.getLogger(__name__)
@@ -351,26 +351,7 @@ def _keep_previous(path: Path) -> None:
 def _write_atomically(path: Path, data: bytes) -> None:
     """The new file complete on disk before it replaces the old one, which is kept as
     ``<path>.previous``: a crash at any point leaves a complete snapshot behind."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    descriptor, temporary = tempfile.mkstemp(
-        prefix=f".{path.name}.", suffix=".tmp", dir=path.parent
-    )
-    try:
-        with os.fdopen(descriptor, "wb") as file:
-            file.write(data)
-            file.flush()
-            os.fsync(file.fileno())
-        _keep_previous(path)
-        os.replace(temporary, path)
-    except BaseException:
-        with contextlib.suppress(OSError):
-            os.unlink(temporary)
-        raise
-    directory = os.open(path.parent, os.O_RDONLY)
-    try:
-        os.fsync(directory)
-    finally:
-        os.close(directory)
+    write_atomically(path, data, before_replace=_keep_previous)
 
 
 def read_file(path: Path) -> Snapshot:

@@ -62,7 +62,7 @@ class InFlight:
         if added := routed.lookup.in_flight_hits.get(prefill.instance_id):
             self._metrics.in_flight_hit_tokens.inc(min(added, decision.cached_tokens))
         prompt = routed.lookup.prompt
-        if prompt is not None:
+        if prompt is not None and self._pending is not None:  # routing.in_flight_prefixes
             self._index.report_routed(prompt, prefill.instance_id)
         pending = (
             self._pending.add(prefill.instance_id, prompt.hashes, prompt.context.lora_name)

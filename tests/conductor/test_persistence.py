@@ -94,13 +94,13 @@ async def test_registrations_made_together_share_writes_and_all_persist(tmp_path
     """1,000 engines registering at once must not rewrite a growing file 1,000 times (it
     made registration O(n^2)); every registration is still on disk when its call returns."""
     writes: list[int] = []
-    real_write = persistence._write_atomically
+    real_write = persistence._write_json
 
     def counting_write(path, data) -> None:
         writes.append(len(data["registrations"]))
         real_write(path, data)
 
-    monkeypatch.setattr(persistence, "_write_atomically", counting_write)
+    monkeypatch.setattr(persistence, "_write_json", counting_write)
     state = persistence.StateFile(tmp_path / "state.json")
     registrations = [
         Registration.model_validate(
