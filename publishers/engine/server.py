@@ -510,6 +510,7 @@ class EngineApi:
 
     async def render_chat(self, request: web.Request) -> web.Response:
         body = await _parse_render(request, self.settings, ChatCompletionBody)
+        body.check()
         token_ids = self._chat_tokens(body.messages, body.add_generation_prompt)
         return web.json_response(self._rendered(body, token_ids, _chat_max_tokens(body), CHAT))
 

@@ -433,6 +433,29 @@ async def test_what_the_simulator_cannot_do_is_a_plain_400(
     assert answer["error"]["message"].startswith("the simulator does not support")
 
 
+REFUSED_BY_REQUEST_MODEL = [
+    ("/v1/chat/completions", {"messages": USER, "top_logprobs": 2}),
+    ("/v1/chat/completions", {"messages": USER, "prompt_logprobs": -2}),
+    ("/v1/completions", {"prompt": "x", "logprobs": -2}),
+]
+
+
+async def test_render_refuses_what_generation_refuses(
+    tmp_path: Path, http: aiohttp.ClientSession
+) -> None:
+    """vLLM's request models check a body whichever route it came to: a scale-out render
+    answers the same 400 as the generation route."""
+    engine = EngineSim(tmp_path, "render", "--enable-scale-out")
+    engine.wait_ready()
+    try:
+        for path, body in REFUSED_BY_REQUEST_MODEL:
+            generated = await post(http, engine.url + path, body)
+            assert generated[0] == 400, generated
+            assert await post(http, f"{engine.url}{path}/render", body) == generated
+    finally:
+        engine.stop()
+
+
 def test_the_fixture_is_the_capture_scripts() -> None:
     """The capture ran the script's requests, in its order (a stale fixture fails here)."""
     import importlib.util
