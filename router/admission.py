@@ -32,6 +32,7 @@ from .errors import ApiError
 from .keys import ClientKey
 
 QUEUE_SECONDS_BUCKETS = (0.001, 0.005, 0.02, 0.1, 0.5, 1, 2.5, 5, 10, 30)
+UNREGISTERED = "unregistered"  # the model label of requests for a model not registered
 
 
 class RateLimited(ApiError):
@@ -227,11 +228,14 @@ class _KeyState:
 
 
 class _ModelState:
-    """One model's gate and waiting room."""
+    """One model's gate, waiting room and ``router_admission_queued`` series."""
 
-    def __init__(self, name: str, max_concurrent: int | None, max_queued: int | None) -> None:
+    def __init__(
+        self, name: str, max_concurrent: int | None, max_queued: int | None, queued: Gauge
+    ) -> None:
         self.gate = PriorityGate(max_concurrent)
         self.room = WaitingRoom(max_queued)
+        self.queued = queued
         self.limit = _Limit(
             "model_queue_full",
             "model_queue_full",
@@ -259,7 +263,7 @@ class Ticket:
         self,
         key: _KeyState,
         model: _ModelState | None,
-        model_label: str,
+        queued: Gauge,
         priority: int,
         clock: Callable[[], float],
         metrics: _Metrics,
@@ -267,7 +271,7 @@ class Ticket:
         self._key, self._model, self._priority = key, model, priority
         self._clock, self._metrics = clock, metrics
         self._deadline = 0.0  # of the waiting now going on: set as it starts
-        self._queued_gauge = metrics.queued.labels(model_label)
+        self._queued_gauge = queued
         self._held: list[PriorityGate] = []
         self.queued_seconds = 0.0
 
@@ -421,16 +425,21 @@ class Admission:
         max_queued_requests: int | None = None,
     ) -> None:
         """A served model's limits (``None``: unlimited), for requests naming it."""
-        self._models[name] = _ModelState(name, max_concurrent_requests, max_queued_requests)
+        queued = self._metrics.queued.labels(name)
+        self._models[name] = _ModelState(name, max_concurrent_requests, max_queued_requests, queued)
 
     @contextlib.asynccontextmanager
     async def admit(self, key: ClientKey, model: str, priority: int) -> AsyncIterator[Ticket]:
         """Waits for the request's turn or raises ``RateLimited``; the request holds its
         slots for the block: ``async with admission.admit(key, model, priority) as t:``."""
         model_state = self._models.get(model)
-        label = model if model_state is not None else "unregistered"
+        if model_state is not None:
+            label, queued = model, model_state.queued
+        else:
+            label = UNREGISTERED
+            queued = self._metrics.queued.labels(label)
         ticket = Ticket(
-            self._key_state(key), model_state, label, priority, self._clock, self._metrics
+            self._key_state(key), model_state, queued, priority, self._clock, self._metrics
         )
         try:
             await ticket.enter()

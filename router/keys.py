@@ -66,11 +66,34 @@ class KeyLimits:
     max_queue_seconds: float = 10.0
 
 
+class TenantSalt:
+    """An isolated tenant's ``cache_salt``: ``HMAC-SHA256(secret, tenant "\\0" client_salt)`` in
+    hex. Made once per tenant when a keys file is loaded: the HMAC keyed and fed the tenant,
+    and the salt of requests that send none (most), so a request costs at most one copy of
+    it. Neither the secret nor a salt shows in the repr."""
+
+    __slots__ = ("_keyed", "_unsalted")
+
+    def __init__(self, secret: bytes, tenant: str) -> None:
+        self._keyed = hmac.new(secret, f"{tenant}\0".encode(), hashlib.sha256)
+        self._unsalted = self._keyed.hexdigest()
+
+    def of(self, client_salt: str) -> str:
+        if not client_salt:
+            return self._unsalted
+        salted = self._keyed.copy()
+        salted.update(client_salt.encode())
+        return salted.hexdigest()
+
+    def __repr__(self) -> str:
+        return "TenantSalt(...)"
+
+
 @dataclass(frozen=True, slots=True)
 class ClientKey:
     """An authenticated client: its key's ``id`` (never the key), tenant, priority class
     (``priority``: lower is served first), model allow-list (``None``: every model) and
-    limits. ``salt_secret`` (an isolated tenant's) is left out of the repr."""
+    limits. ``salt``: an isolated tenant's (``None``: a shared tenant)."""
 
     id: str
     tenant: str = DEFAULT_TENANT
@@ -78,8 +101,12 @@ class ClientKey:
     priority: int = DEFAULT_PRIORITY_CLASSES[DEFAULT_PRIORITY_CLASS]
     models: frozenset[str] | None = None
     limits: KeyLimits = KeyLimits()
-    isolated: bool = False
-    salt_secret: bytes = field(default=b"", repr=False)
+    salt: TenantSalt | None = field(default=None, repr=False)
+
+    @property
+    def isolated(self) -> bool:
+        """Whether its requests share cached prefixes only with its tenant's."""
+        return self.salt is not None
 
     def allows(self, model: str) -> bool:
         """Whether the key may use ``model`` (the request's ``model``: a model or an adapter)."""
@@ -101,10 +128,7 @@ def effective_cache_salt(key: ClientKey, client_salt: str) -> str:
     tenant can send it or guess it, and every router reading the same file derives the same
     one (its hits land on the same cached blocks wherever the request is routed).
     """
-    if not key.isolated:
-        return client_salt
-    message = f"{key.tenant}\0{client_salt}".encode()
-    return hmac.new(key.salt_secret, message, hashlib.sha256).hexdigest()
+    return client_salt if key.salt is None else key.salt.of(client_salt)
 
 
 def key_digest(key: str) -> str:
@@ -249,12 +273,20 @@ class KeysFile(_Strict):
                 raise ValueError(f"keys: {first} and {entry.id} are the same key")
 
     def client_keys(self) -> dict[str, ClientKey]:
-        """digest → the key it authenticates."""
-        return {entry.digest(): self._client_key(entry) for entry in self.keys}
+        """digest → the key it authenticates; an isolated tenant's salt is made once."""
+        salts = {
+            name: TenantSalt(self._secret(tenant), name)
+            for name, tenant in self.tenants.items()
+            if tenant.isolated
+        }
+        return {entry.digest(): self._client_key(entry, salts) for entry in self.keys}
 
-    def _client_key(self, entry: KeyEntry) -> ClientKey:
-        tenant = self.tenants.get(entry.tenant, TenantEntry())
+    def _secret(self, tenant: TenantEntry) -> bytes:
         secret = tenant.cache_salt or self.salt_secret
+        assert secret is not None  # validated: an isolated tenant has one
+        return secret.get_secret_value().encode()
+
+    def _client_key(self, entry: KeyEntry, salts: dict[str, TenantSalt]) -> ClientKey:
         return ClientKey(
             id=entry.id,
             tenant=entry.tenant,
@@ -262,8 +294,7 @@ class KeysFile(_Strict):
             priority=self.priority_classes[entry.priority_class],
             models=None if entry.models is None else frozenset(entry.models),
             limits=entry.limits(),
-            isolated=tenant.isolated,
-            salt_secret=secret.get_secret_value().encode() if tenant.isolated and secret else b"",
+            salt=salts.get(entry.tenant),
         )
 
 
