@@ -317,17 +317,22 @@ async def test_the_clients_sampling_decision_is_followed(
         assert sent == {"traceparent": traceparent}
 
 
-async def test_exported_and_failed_spans_are_counted(receiver: OtlpReceiver) -> None:
+@pytest.mark.parametrize(("refusing", "counts"), [(False, (5, 0)), (True, (0, 5))])
+async def test_exported_and_failed_spans_are_counted(
+    refusing: bool, counts: tuple[int, int]
+) -> None:
     registry = CollectorRegistry()
-    tracer = make_tracer(TracingSection(otlp_endpoint=receiver.url))
-    tracer.register_metrics(registry)
-    traced_request(tracer.begin(headers()))
-    await tracer.shutdown()
+    async with OtlpReceiver(refusing=refusing) as collector:
+        tracer = make_tracer(TracingSection(otlp_endpoint=collector.url))
+        tracer.register_metrics(registry)
+        traced_request(tracer.begin(headers()))
+        await tracer.shutdown()
+        assert collector.requests == 1
 
     def count(result: str) -> float | None:
         return registry.get_sample_value("router_trace_spans_total", {"result": result})
 
-    assert (count("exported"), count("failed")) == (5, 0)
+    assert (count("exported"), count("failed")) == counts
 
 
 async def test_shutdown_is_bounded_when_the_collector_hangs() -> None:

@@ -4,7 +4,8 @@ OpenTelemetry's own protobuf classes (``opentelemetry-proto``, which the exporte
 ``POST /v1/traces`` takes an ``ExportTraceServiceRequest`` (protobuf) and answers an empty
 ``ExportTraceServiceResponse``; the spans are kept in arrival order for assertions. With
 ``stalled`` set the receiver holds every export unanswered until it closes (a hung
-collector).
+collector); with ``refusing`` set it answers every export 400 (a collector that rejects
+them: the exporter gives up without retrying).
 """
 
 from __future__ import annotations
@@ -68,10 +69,11 @@ def _received(span: Span, service_name: str) -> ReceivedSpan:
 class OtlpReceiver:
     """``async with OtlpReceiver() as receiver``: listening on 127.0.0.1 at ``receiver.url``."""
 
-    def __init__(self, stalled: bool = False) -> None:
+    def __init__(self, stalled: bool = False, refusing: bool = False) -> None:
         self.spans: list[ReceivedSpan] = []
         self.requests = 0
         self._stalled = stalled
+        self._refusing = refusing
         self._closing = asyncio.Event()
         app = web.Application()
         app.router.add_post("/v1/traces", self._export)
@@ -106,12 +108,15 @@ class OtlpReceiver:
         self.requests += 1
         if self._stalled:
             await self._closing.wait()
+        if self._refusing:
+            return web.Response(status=400, text="refused")
         try:
             export = ExportTraceServiceRequest.FromString(await request.read())
         except DecodeError:
             return web.Response(status=400, text="not an ExportTraceServiceRequest")
         for resource_spans in export.resource_spans:
-            service = _attributes(list(resource_spans.resource.attributes)).get("service.name")
+            resource = _attributes(list(resource_spans.resource.attributes))
+            service = str(resource.get("service.name", ""))
             for scope_spans in resource_spans.scope_spans:
                 self.spans.extend(_received(span, service) for span in scope_spans.spans)
         body = ExportTraceServiceResponse().SerializeToString()
