@@ -561,7 +561,7 @@ class ConductorApi:
         routed = self.routed.match(key, body.token_ids, body.cache_salt or "")
         if not routed:
             return matches
-        raised, count = raise_hits(matches, routed, key.block_size, body.instance_id)
+        raised, count = raise_hits(matches, routed, key.block_size)
         self.metrics.routed_raised.inc(count)
         return raised
 

@@ -698,17 +698,27 @@ class PrefixCacheTable:
     ) -> tuple[PrefixContext, _Slot] | None:
         """The slot a snapshot's owner is restored into, made and linked to its registered
         ``streams`` as their stored events made and linked it; None when none of them is
-        registered, or the context is keyed by another hash profile. A kv_store pool is
-        made by the engine slots saving to it: they are restored first."""
+        registered, or when none of them could have stored it: a slot of another instance,
+        a context of another tenant, model or block size, a DP rank < 0, one slot or
+        context more than the stream's limits, a context keyed by another hash profile (a
+        snapshot may come from a peer, and is held to what ``_store`` allows). A kv_store
+        pool is made by the engine slots saving to it: they are restored first."""
         instance_id, dp_rank = slot_key
         if dp_rank == STORE_POOL_RANK:
             context = self.contexts.get(context_key)
             pool = context.slots.get(slot_key) if context is not None else None
             return (context, pool) if context is not None and pool is not None else None
+        if dp_rank < 0:
+            return None
         target = None
         for key in streams:
             source = self._sources.get(key)
-            if source is None or source.instance_id != instance_id:
+            if (
+                source is None
+                or source.instance_id != instance_id
+                or source.context_key(context_key.lora_name) != context_key
+                or self._over_limit(source, context_key, dp_rank)
+            ):
                 continue
             known = self.contexts.get(context_key)
             if known is not None and known.profile != source.hash_profile:

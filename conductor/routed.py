@@ -151,22 +151,20 @@ class RoutedPrompts:
 
 
 def raise_hits(
-    matches: dict[str, InstanceMatch],
-    routed: dict[str, int],
-    block_size: int,
-    instance_id: str | None,
+    matches: dict[str, InstanceMatch], routed: dict[str, int], block_size: int
 ) -> tuple[dict[str, InstanceMatch], int]:
     """``matches`` with each instance's hits raised to the blocks a routed prompt there
-    shares (every tier: a block on the GPU counts on all), for ``instance_id`` only when
-    the query names one; and how many instances it raised. The index's answers are shared
-    objects: raised ones are copies."""
+    shares (every tier: a block on the GPU counts on all), and how many instances it
+    raised. Only the instances the answer lists are raised (those of the context, or the
+    one the query names): a report naming another adds none. The index's answers are
+    shared objects: raised ones are copies."""
     raised = dict(matches)
     count = 0
     for name, blocks in routed.items():
-        if instance_id is not None and name != instance_id:
+        match = raised.get(name)
+        if match is None:
             continue
         tokens = blocks * block_size
-        match = raised.get(name, InstanceMatch())
         if tokens > match.gpu:
             raised[name] = replace(
                 match,

@@ -17,7 +17,10 @@ from aiohttp import web
 
 from .config import Registration
 
-MUTATING_ROUTES = frozenset({"/register", "/unregister", "/instance_down", "/instance_up"})
+# what changes the index or the answers (/routed: a routed prompt counts as a hit for a while)
+MUTATING_ROUTES = frozenset(
+    {"/register", "/unregister", "/instance_down", "/instance_up", "/routed"}
+)
 OPEN_ROUTES = frozenset({"/health"})
 LOOPBACK = ("127.0.0.0/8", "::1/128", "localhost")
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]

@@ -21,6 +21,7 @@ import contextlib
 import hashlib
 import itertools
 import logging
+import math
 import os
 import struct
 import sys
@@ -51,6 +52,9 @@ FORMAT_VERSION = 1
 _HEAD = struct.Struct(">8sHdH")  # magic, format version, created (Unix time), producer length
 DIGEST_BYTES = 32  # SHA-256 of everything before it
 HASHES_PER_RECORD = 16_384  # block pairs per "blocks" record: about 2 ms to build
+# physical copies of one block beyond the first that a snapshot may restore (an engine makes
+# one per request computing the block at once): a larger count is malformed
+MAX_COPIES = 65_536
 PAUSE_TIMEOUT_S = 5.0  # batches being applied when a snapshot begins finish within this
 SHUTDOWN_WRITE_S = 10.0  # the snapshot written at shutdown, at most
 PREVIOUS_SUFFIX = ".previous"
@@ -367,6 +371,8 @@ def parse(data: bytes, source: str) -> Snapshot:
         raise SnapshotError("not a conductor snapshot (wrong magic bytes)")
     if version != FORMAT_VERSION:
         raise SnapshotError(f"format version {version}; this conductor reads {FORMAT_VERSION}")
+    if not math.isfinite(created):  # the newest snapshot is chosen by it
+        raise SnapshotError(f"malformed content: creation time {created}")
     if hashlib.sha256(data[:-DIGEST_BYTES]).digest() != data[-DIGEST_BYTES:]:
         raise SnapshotError(
             f"checksum mismatch over {len(data)} bytes: the snapshot is truncated or corrupt"
@@ -412,7 +418,9 @@ def _read_records(records: Iterator[Any], snapshot: Snapshot) -> None:
                 held[0].extend(engines)
                 held[1].extend(prefixes)
             case ["copies", int(tier), bytes(engine), list(counts)] if owner is not None:
-                copies = zip(_u64_list(engine), map(int, counts), strict=True)
+                if not all(type(count) is int and 0 < count <= MAX_COPIES for count in counts):
+                    raise ValueError(f"a copy count is not an int in 1..{MAX_COPIES}")
+                copies = zip(_u64_list(engine), counts, strict=True)
                 owner.copies.setdefault(Tier(tier), []).extend(copies)
             case ["end"]:
                 return
@@ -434,15 +442,22 @@ def restore_blocks(table: PrefixCacheTable, snapshot: Snapshot, resumed: set[str
             if target is None:
                 continue
             context, slot = target
+            # a pool holds the CPU blocks saved to its store, an engine any tier's
+            tiers = (Tier.CPU,) if slot.kv_store else TIERS
             for tier, (engines, prefixes) in owner.blocks.items():
-                restored += context.hold(
-                    slot, tier, cast(list[EngineHash], engines), cast(list[PrefixHash], prefixes)
-                )
+                if tier in tiers:
+                    restored += context.hold(
+                        slot,
+                        tier,
+                        cast(list[EngineHash], engines),
+                        cast(list[PrefixHash], prefixes),
+                    )
             for tier, copies in owner.copies.items():
                 mapping = slot.holdings[tier].by_engine_hash
                 for engine_hash, count in copies:
                     prefix_hash = mapping.get(EngineHash(engine_hash))
-                    if prefix_hash is not None:
-                        for _ in range(count):
-                            context.hold(slot, tier, [EngineHash(engine_hash)], [prefix_hash])
+                    if prefix_hash is not None:  # one more hold of a held block: one more copy
+                        context.hold(
+                            slot, tier, [EngineHash(engine_hash)] * count, [prefix_hash] * count
+                        )
     return restored

@@ -40,6 +40,9 @@ async def test_a_routed_prompt_counts_on_its_instance_until_its_time_ends(
     assert await matched(http, base, PROMPT, "b", lora_name="x") == 0  # another context
     assert await metric(http, base, "conductor_routed_raised_total") >= 2
     assert await metric(http, base, "conductor_routed_prompts") == 1
+    # a report naming no instance of the context adds none to the answers
+    assert (await post(http, f"{base}/routed", routed("ghost", PROMPT)))[0] == 200
+    assert sorted((await query(http, base, PROMPT))["default"]) == ["a", "b"]
 
     await asyncio.sleep(1.1)
     assert await matched(http, base, PROMPT, "b") == 0

@@ -30,6 +30,9 @@ async def test_mutating_routes_need_the_token(serve_conductor, http, publisher_f
             assert response.headers["WWW-Authenticate"] == "Bearer"
     async with http.post(f"{base}/unregister", json={"instance_id": "a"}) as response:
         assert response.status == 401
+    routed = {"model": "m", "block_size": 4, "token_ids": [1] * 8, "instance_id": "a"}
+    async with http.post(f"{base}/routed", json=routed) as response:  # it changes answers
+        assert response.status == 401
     good = {"Authorization": f"Bearer {TOKEN}"}
     async with http.post(f"{base}/register", json=body, headers=good) as response:
         assert response.status == 200

@@ -11,8 +11,20 @@ from pathlib import Path
 
 import aiohttp
 import msgpack
+import pytest
 
-from conductor.snapshot import SnapshotError, parse, read_file
+from conductor.hashing import PrefixHash
+from conductor.index import ContextKey, PrefixCacheTable, StreamSource
+from conductor.snapshot import (
+    OwnerBlocks,
+    Snapshot,
+    SnapshotError,
+    _records,
+    parse,
+    read_file,
+    restore_blocks,
+)
+from conductor.wire.events import EngineHash, Tier
 from tests.support.api import eventually, get, metric, query, register_and_connect
 from tests.support.wire_publisher import WirePublisher, removed, stored
 
@@ -267,3 +279,75 @@ async def test_a_snapshot_taken_while_batches_flow_agrees_with_its_sequence_numb
         lambda: get(http, f"{second.url}/health"),
         lambda answer: answer[1]["blocks"] == static + size,
     )
+
+
+# -- a snapshot is untrusted input (a peer's): what parsing and restoring refuse ----------
+STREAM = "a|default|0"
+OWN = ContextKey("default", "m", "", 4)
+
+
+def framed(*records: object, created: float = 0.0) -> bytes:
+    """A snapshot's bytes around these records, with a valid header and digest."""
+    data = struct.pack(">8sHdH", b"\x89CNDSNP\n", 1, created, 0)
+    data += b"".join(msgpack.packb(record) for record in records)
+    return data + hashlib.sha256(data).digest()
+
+
+def engine_table(max_dp_ranks: int = 16) -> PrefixCacheTable:
+    table = PrefixCacheTable(max_dp_ranks=max_dp_ranks)
+    table.add_stream(StreamSource(STREAM, "a", "default", "m", "", 4, kv_store="store:1"))
+    return table
+
+
+def owner(instance_id: str, dp_rank: int, first: int, tier: Tier = Tier.GPU) -> OwnerBlocks:
+    blocks = {tier: ([first, first + 1], [first + 100, first + 101])}
+    return OwnerBlocks(instance_id, dp_rank, (STREAM,), blocks)
+
+
+def test_a_restore_takes_only_what_the_streams_events_could_have_stored() -> None:
+    table = engine_table(max_dp_ranks=2)
+    lora = ContextKey("default", "m", "x", 4)
+    contexts = [
+        (
+            OWN,
+            [
+                owner("a", 0, 1),
+                owner("a", 1, 11),
+                owner("a", 2, 21),  # a third DP rank: over the stream's limit
+                owner("a", -3, 31),  # no DP rank
+                owner("b", 0, 41),  # another instance's slot
+                owner("store:1", -1, 51, Tier.GPU),  # a pool holds CPU blocks only
+                owner("store:1", -1, 61, Tier.CPU),
+            ],
+        ),
+        (lora, [owner("a", 0, 71)]),  # a LoRA context its events may make
+        (ContextKey("other", "m", "", 4), [owner("a", 0, 81)]),  # another tenant's
+        (ContextKey("default", "n", "", 4), [owner("a", 0, 91)]),  # another model's
+        (ContextKey("default", "m", "", 16), [owner("a", 0, 101)]),  # another block size
+    ]
+    snapshot = Snapshot(0.0, "peer", "peer", [], {}, contexts)
+    assert restore_blocks(table, snapshot, {STREAM}) == 8
+    assert set(table.contexts) == {OWN, lora}
+    assert table.block_count() == 8
+    assert sorted(table.contexts[OWN].slots) == [("a", 0), ("a", 1), ("store:1", -1)]
+
+
+def test_copies_round_trip_and_bad_counts_are_refused() -> None:
+    table = engine_table()
+    context, slot = table.restored_slot(OWN, ("a", 0), [STREAM]) or pytest.fail("no slot")
+    for _ in range(3):  # one block, two more physical copies
+        context.hold(slot, Tier.GPU, [EngineHash(7)], [PrefixHash(107)])
+    snapshot = parse(framed(*(msgpack.unpackb(r) for r in _records(table, [], {}))), "test")
+    restored = engine_table()
+    assert restore_blocks(restored, snapshot, {STREAM}) == 1
+    assert restored.contexts[OWN].slots[("a", 0)].holdings[Tier.GPU].count() == 3
+
+    meta = ["meta", {"registrations": [], "sequences": {}}]
+    context_record = ["context", "default", "m", "", 4, None]
+    for count in (0, -1, 10**9, "2"):
+        copies = ["copies", 0, struct.pack("<Q", 7), [count]]
+        body = (meta, context_record, ["owner", "a", 0, [STREAM]], copies, ["end"])
+        with pytest.raises(SnapshotError, match="copy count"):
+            parse(framed(*body), "test")
+    with pytest.raises(SnapshotError, match="creation time"):
+        parse(framed(meta, ["end"], created=float("inf")), "test")
