@@ -310,7 +310,11 @@ def _no_repeated_names(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
 def parse_keys_file(content: bytes) -> KeysFile:
     """The file's content, validated; raises ValueError (ValidationError is one) naming the
     problem, never a key."""
-    return KeysFile.model_validate(json.loads(content, object_pairs_hook=_no_repeated_names))
+    try:
+        data = json.loads(content, object_pairs_hook=_no_repeated_names)
+    except RecursionError:  # nested past the interpreter's limit
+        raise ValueError("the keys file is nested too deeply to be a keys file") from None
+    return KeysFile.model_validate(data)
 
 
 @dataclass(frozen=True, slots=True)

@@ -158,6 +158,9 @@ def test_a_file_that_is_no_json_or_missing_is_refused(
     with pytest.raises(KeysFileError) as refused:
         KeyRing(path, registry)
     assert "line 1" in str(refused.value) and PROD_KEY not in str(refused.value)
+    path.write_text("[" * 100_000 + "]" * 100_000)  # past the interpreter's recursion limit
+    with pytest.raises(KeysFileError, match="nested too deeply"):
+        KeyRing(path, registry)
 
 
 # -- authentication ------------------------------------------------------------------------
