@@ -61,14 +61,13 @@ class InFlight:
         ticket = self._pool.claim(prefill, new_tokens)
         if added := routed.lookup.in_flight_hits.get(prefill.instance_id):
             self._metrics.in_flight_hit_tokens.inc(min(added, decision.cached_tokens))
-        prompt = routed.lookup.prompt
+        prompt, pending = routed.lookup.prompt, None
         if prompt is not None and self._pending is not None:  # routing.in_flight_prefixes
-            self._index.report_routed(prompt, prefill.instance_id)
-        pending = (
-            self._pending.add(prefill.instance_id, prompt.hashes, prompt.context.lora_name)
-            if self._pending is not None and prompt is not None
-            else None
-        )
+            pending = self._pending.add(
+                prefill.instance_id, prompt.hashes, prompt.context.lora_name
+            )
+            if pending is not None:  # a complete block to share: the other replicas too
+                self._index.report_routed(prompt, prefill.instance_id)
         queued_before = prefill.queued_prefill_tokens - new_tokens
         self._metrics.in_flight.labels(prefill.instance_id).inc()
         try:

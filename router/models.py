@@ -110,8 +110,11 @@ class Catalog:
 
     def _find(self, requested: Any, may_use: Callable[[str], bool]) -> Target | None:
         if requested is None:  # the default model, or the first the key may use
-            usable = [m for m in self.models.values() if may_use(m.name)]
-            served = self.default if self.default in usable else next(iter(usable), None)
+            served = (
+                self.default
+                if may_use(self.default.name)
+                else next((m for m in self.models.values() if may_use(m.name)), None)
+            )
             return None if served is None else Target(served, served.name, served.section.lora_name)
         if (model := self.models.get(requested)) is not None:
             return Target(model, requested, model.section.lora_name)

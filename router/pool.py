@@ -5,6 +5,7 @@ tasks feed it."""
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import time
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
@@ -207,12 +208,20 @@ class InstancePool:
     def serves_nowhere(self, model: Any, base: str | None = None) -> bool:
         """True only when no upstream (of the ``base`` model's, when given) serves ``model``
         and every one that could take the request has said what it serves: an unknown list
-        never rejects a request."""
-        upstreams = [up for up in self.all() if base in (None, up.model)]
-        if any(up.healthy and up.models is None for up in upstreams):
-            return False
-        known = [up for up in upstreams if up.models is not None]
-        return bool(known) and not any(up.may_serve(model) for up in known)
+        never rejects a request. Asked per request (``models.Catalog.resolve``): one pass,
+        ended by the first upstream that serves it or has not said."""
+        known = False
+        for up in itertools.chain(self.prefill.values(), self.decode.values()):
+            if base is not None and up.model != base:
+                continue
+            if up.models is None:
+                if up.healthy:
+                    return False
+            elif up.may_serve(model):
+                return False
+            else:
+                known = True
+        return known
 
     def base_of(self, name: str) -> tuple[str, bool] | None:
         """The base model of the upstreams whose list names ``name``, and whether it is an

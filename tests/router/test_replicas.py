@@ -74,13 +74,15 @@ async def test_a_replica_that_cannot_reach_its_conductor_routes_alone_and_says_s
     fleet.engine("a")
     served = await serve(fleet.config(["a"]))
     await indexed_everywhere(http, fleet, ["a"])
-    assert (await complete(http, served, "before"))[0] == 200
+    assert (await complete(http, served, "hi"))[0] == 200  # shorter than a block:
+    assert await metric(http, served, "router_routed_reports_total") == 0  # nothing to share
+    assert (await complete(http, served, "before it goes down " * 4))[0] == 200
     sharing = f'router_routed_sharing{{conductor="{fleet.conductor.url}"}}'
     assert await metric(http, served, sharing) == 1
 
     port = int(fleet.conductor.url.rsplit(":", 1)[1])
     fleet.conductor.stop()
-    status, headers, _ = await complete(http, served, "while it is down")
+    status, headers, _ = await complete(http, served, "while it is down " * 4)
     assert (status, headers["x-conductor-fallback"]) == (200, "conductor_unavailable")
     _, health = await eventually(
         lambda: get(http, f"{served.url}/health"),

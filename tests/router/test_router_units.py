@@ -219,6 +219,15 @@ def test_a_model_is_unknown_only_when_every_upstream_that_could_serve_it_said_so
     assert not pool.serves_nowhere("alias")
 
 
+def test_a_model_is_looked_for_among_its_base_models_upstreams_alone():
+    pool = InstancePool.build([("a", "http://a"), ("b", "http://b")], models={"a": "m", "b": "n"})
+    pool.prefill["a"].models = ({"id": "m"},)
+    assert pool.serves_nowhere("x", "m")  # "b" has not said, but it serves "n"
+    assert not pool.serves_nowhere("x") and not pool.serves_nowhere("m", "m")
+    pool.prefill["b"].models = ({"id": "n"},)
+    assert pool.serves_nowhere("m", "n") and pool.serves_nowhere("x")
+
+
 def test_a_request_goes_only_where_its_model_may_be_served():
     pool = InstancePool.build([("a", "http://a"), ("b", "http://b"), ("c", "http://c")])
     pool.prefill["a"].models = ({"id": "m"},)
