@@ -13,12 +13,14 @@ Prompts are compared by the conductor's chained block hashes (``prefix_hashes``,
 with the request's ``cache_salt``) within their context, one list per report: a query
 hashes its first block, looks at the reports sharing it (the ``MAX_PER_FIRST_BLOCK`` most
 recent) and only then hashes the rest; each comparison is a binary search. Memory is
-bounded: at most ``max_entries`` reports (the oldest go first, counted).
+bounded: at most ``max_entries`` reports holding ``max_hashes`` block hashes in all, 8 bytes
+each (the oldest go first, counted): a report may carry a whole maximum-size prompt.
 """
 
 from __future__ import annotations
 
 import time
+from array import array
 from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import replace
@@ -33,6 +35,7 @@ from .index import ContextKey, InstanceMatch
 DEFAULT_TTL_S = 5.0
 MAX_TTL_S = 60.0
 MAX_ENTRIES = 65_536
+MAX_HASHES = 1 << 24  # block hashes held over all reports: 128 MiB
 MAX_PER_FIRST_BLOCK = 64  # reports compared per first block: the most recent ones
 
 
@@ -58,9 +61,7 @@ class _Routed:
 
     __slots__ = ("instance_id", "hashes", "first", "expires", "held")
 
-    def __init__(
-        self, instance_id: str, hashes: list[PrefixHash], first: _First, expires: float
-    ) -> None:
+    def __init__(self, instance_id: str, hashes: array[int], first: _First, expires: float) -> None:
         self.instance_id = instance_id
         self.hashes = hashes
         self.first = first
@@ -75,9 +76,14 @@ class RoutedPrompts:
     """The reports still counting, by context and first block, and in arrival order."""
 
     def __init__(
-        self, max_entries: int = MAX_ENTRIES, clock: Callable[[], float] = time.monotonic
+        self,
+        max_entries: int = MAX_ENTRIES,
+        max_hashes: int = MAX_HASHES,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.max_entries = max_entries
+        self.max_hashes = max_hashes
+        self._hashes = 0  # block hashes of the reports in _order
         self._clock = clock
         self._by_first: dict[_First, list[_Routed]] = {}
         self._order: deque[_Routed] = deque()
@@ -94,14 +100,16 @@ class RoutedPrompts:
             return False
         now = self._clock()
         self._expire(now)
-        report = _Routed(request.instance_id, hashes, (key, hashes[0]), now + request.ttl_s)
+        first = (key, hashes[0])
+        report = _Routed(request.instance_id, array("Q", hashes), first, now + request.ttl_s)
         reports = self._by_first.setdefault(report.first, [])
         reports.append(report)
         if len(reports) > MAX_PER_FIRST_BLOCK:
             reports.pop(0).held = False
         self._order.append(report)
-        while len(self._order) > self.max_entries:
-            oldest = self._order.popleft()
+        self._hashes += len(hashes)
+        while len(self._order) > self.max_entries or self._hashes > self.max_hashes:
+            oldest = self._pop_oldest()
             if oldest.held and oldest.expires > now:
                 self.dropped += 1
             self._unhold(oldest)
@@ -111,7 +119,12 @@ class RoutedPrompts:
         """Forget the oldest reports whose time is over (a report with a longer time ahead
         of them holds the later ones back: each is checked when compared anyway)."""
         while self._order and self._order[0].expires <= now:
-            self._unhold(self._order.popleft())
+            self._unhold(self._pop_oldest())
+
+    def _pop_oldest(self) -> _Routed:
+        oldest = self._order.popleft()
+        self._hashes -= len(oldest.hashes)
+        return oldest
 
     def _unhold(self, report: _Routed) -> None:
         if not report.held:

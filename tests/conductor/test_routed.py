@@ -119,3 +119,15 @@ def test_the_table_is_bounded_and_counts_what_it_pushed_out() -> None:
     now[0] = 10.0  # past the default time: expired, not dropped
     report("i5", 5)
     assert len(table) == 1 and table.dropped == 2
+
+
+def test_the_table_holds_at_most_max_hashes_block_hashes() -> None:
+    """A report may carry a maximum-size prompt: the hashes in all are bounded too."""
+    table = RoutedPrompts(max_hashes=5)
+    key = RoutedRequest(model="m", block_size=4, token_ids=b"", instance_id="a").context_key()
+    for first in range(3):  # two blocks each: the third pushes the first out
+        tokens = token_bytes([first, 2, 3, 4, 5, 6, 7, 8])
+        assert table.add(RoutedRequest(model="m", block_size=4, token_ids=tokens, instance_id="a"))
+    assert len(table) == 2 and table.dropped == 1
+    assert table.match(key, token_bytes([0, 2, 3, 4, 5, 6, 7, 8]), "") == {}
+    assert table.match(key, token_bytes([2, 2, 3, 4, 5, 6, 7, 8]), "") == {"a": 2}
