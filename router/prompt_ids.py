@@ -110,6 +110,7 @@ class PromptTokenizer:
         # the endpoints whose prompts the local tokenizer encodes: once an engine agreed
         self.trusted: set[Endpoint] = set()
         self._unverified: set[Endpoint] = set()
+        self._unloadable: set[Path] = set()  # engines' directories tried in vain, once each
         if self.directory is not None:
             # raises TokenizerUnavailable (a ValueError) for a directory it cannot read
             self._adopt(LocalTokenizer.load(self.directory, self._settings.chunk_cache_tokens))
@@ -136,13 +137,14 @@ class PromptTokenizer:
             return True
         for root in self._pool.roots(self._modelname):
             directory = Path(root).expanduser()
-            if not (directory / "tokenizer.json").is_file():
+            if directory in self._unloadable or not (directory / "tokenizer.json").is_file():
                 continue
             try:
                 local = await asyncio.to_thread(
                     LocalTokenizer.load, directory, self._settings.chunk_cache_tokens
                 )
-            except TokenizerUnavailable as error:
+            except TokenizerUnavailable as error:  # said once, not at every round
+                self._unloadable.add(directory)
                 log.warning("model=%s: cannot load the tokenizer in %s", self._modelname, error)
                 continue
             self.directory = directory

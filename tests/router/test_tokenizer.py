@@ -19,6 +19,7 @@ from aiohttp.test_utils import TestServer
 
 from fleet.tiny_model import CHAT_TEMPLATE
 from publishers.engine.tokenizer import ModelTokenizer
+from router import upkeep
 from router.__main__ import main as router_main
 from tests.router.inprocess import MODEL, layout
 from tests.support.api import eventually, metric
@@ -358,6 +359,22 @@ async def test_a_router_without_a_tokenizer_loads_the_one_its_engines_name(
     tokenizer = (await (await http.get(f"{url}/health")).json())["models"][MODEL]["tokenizer"]
     assert tokenizer["directory"] == str(model_dir) and "note" not in tokenizer
     assert await _route(http, url, "/v1/completions", {"prompt": "Hello, world!"}) == "local"
+
+
+async def test_an_engines_directory_the_router_cannot_load_is_said_once(
+    serve, engine, tmp_path, http, caplog, monkeypatch
+):
+    """Its tokenizer.json is broken: a warning, not one every round of the upkeep."""
+    monkeypatch.setattr(upkeep, "MODELS_RETRY_S", 0.01)
+    broken = tmp_path / "broken"
+    broken.mkdir()
+    (broken / "tokenizer.json").write_text("not json")
+    engine.root = str(broken)
+    router, url = await serve(layout([engine.url]))
+    await asyncio.sleep(0.5)  # many rounds
+    assert caplog.text.count("cannot load the tokenizer") == 1
+    assert router.catalog.default.tokenizer.local is None
+    assert await _route(http, url, "/v1/completions", {"prompt": "Hello, world!"}) == "engine"
 
 
 async def test_health_names_the_setting_while_engines_tokenize(serve, engine, http):
