@@ -28,6 +28,7 @@ from pydantic import (
 )
 
 from conductor.config import one_line
+from publishers.engine.models import MAX_LORA_RANKS  # what vLLM's --max-lora-rank takes
 from router.config import PolicyName, RoutingSection
 from router.keys import parse_keys_file
 
@@ -39,7 +40,6 @@ DEFAULT_SGLANG_PYTHON = "~/.cache/mooncake/sglang-cpu/bin/python"
 REAL_KINDS = ("vllm", "sglang")  # engines that load the model and run it
 LORA_KINDS = ("vllm", "sim")  # engines the fleet gives LoRA adapters to
 DEFAULT_TINY_MODEL_DIR = "~/.cache/mooncake/tiny-model"
-MAX_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)  # what vLLM's --max-lora-rank takes
 
 
 class _Section(BaseModel):
