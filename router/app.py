@@ -177,7 +177,12 @@ class Router:
             # tokenizes the first one only, and the key pays for what the engines compute
             await admitted.charge_tokens(tokenized.count * len(client.prompts))
             with trace.span("index.query") as span:
-                lookup = await self.lookup.find(tokenized.tokens, target.context, client.cache_salt)
+                lookup = await self.lookup.find(
+                    tokenized.tokens,
+                    target.context,
+                    client.cache_salt,
+                    target.served.in_flight_prefixes,
+                )
                 if lookup.fallback:
                     span.set(fallback=lookup.fallback)
             # the router's own time: what it waited for the key's or the model's turn is not

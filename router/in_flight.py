@@ -62,7 +62,12 @@ class InFlight:
         if added := routed.lookup.in_flight_hits.get(prefill.instance_id):
             self._metrics.in_flight_hit_tokens.inc(min(added, decision.cached_tokens))
         prompt, pending = routed.lookup.prompt, None
-        if prompt is not None and self._pending is not None:  # routing.in_flight_prefixes
+        # the model's routing.in_flight_prefixes (the table exists when some model's is on)
+        if (
+            prompt is not None
+            and self._pending is not None
+            and routed.target.served.in_flight_prefixes
+        ):
             pending = self._pending.add(
                 prefill.instance_id, prompt.hashes, prompt.context.lora_name
             )

@@ -44,10 +44,15 @@ class IndexLookup:
         self._metrics = metrics
 
     async def find(
-        self, tokens: list[int] | None, context: IndexContext, cache_salt: str
+        self,
+        tokens: list[int] | None,
+        context: IndexContext,
+        cache_salt: str,
+        in_flight: bool,
     ) -> Lookup:
         """The index's answer for the prompt in ``context`` with the prompts in flight
-        counted, or no hits and why (``router_fallbacks_total``)."""
+        counted (``in_flight``: the model's ``routing.in_flight_prefixes``), or no hits and
+        why (``router_fallbacks_total``)."""
         if tokens is None:
             lookup = Lookup({}, "tokenize_failed", {}, None)
         else:
@@ -56,7 +61,8 @@ class IndexLookup:
             if hits is None:
                 lookup = Lookup({}, "conductor_unavailable", {}, prompt)
             else:
-                lookup = Lookup(hits, None, self._add_in_flight(hits, prompt), prompt)
+                added = self._add_in_flight(hits, prompt) if in_flight else {}
+                lookup = Lookup(hits, None, added, prompt)
         if lookup.fallback:
             self._metrics.fallbacks.labels(lookup.fallback).inc()
         return lookup

@@ -47,6 +47,8 @@ class ServedModel:
         self.section = section
         self.name = section.modelname
         self.params = section.routing_params()
+        # its prompts count where they were sent while in flight (routing.in_flight_prefixes)
+        self.in_flight_prefixes = section.routing.in_flight_prefixes
         self.learner = CostLearner(self.params.cost) if section.routing.learn_cost_model else None
         self.decider = Decider(self.params, self.learner, pool, metrics, base=self.name)
         # raises TokenizerUnavailable (a ValueError) for a directory it cannot read

@@ -114,6 +114,21 @@ async def test_an_adapters_prefix_counts_for_the_adapter_only(
     assert (headers["x-conductor-cached-tokens"], engine_cached(answer)) == ("0", 0)
 
 
+async def test_a_models_own_in_flight_setting_holds(fleet, two_models, serve, http):
+    """``routing.in_flight_prefixes: false`` on beta alone: beta's prompts are not held as
+    in flight nor reported to the conductor for other replicas; alpha's are."""
+    two_models["models"][1]["routing"]["in_flight_prefixes"] = False
+    router = await serve(two_models)
+    reports = "router_routed_reports_total"
+    status, _, answer = await ask(http, router.url, "beta")
+    assert status == 200, answer
+    await asyncio.sleep(0.3)  # a report would have been sent by now
+    assert await metric(http, router.url, reports) == 0
+    status, _, answer = await ask(http, router.url, "alpha")
+    assert status == 200, answer
+    await eventually(lambda: metric(http, router.url, reports), lambda sent: sent == 1)
+
+
 async def models_listed(http: aiohttp.ClientSession, url: str, key: str | None = None) -> list[str]:
     headers = {"Authorization": f"Bearer {key}"} if key else {}
     async with http.get(f"{url}/v1/models", headers=headers) as response:
