@@ -92,9 +92,14 @@ class Forwarder:
             if not failed:
                 self._metrics.proxy_seconds.observe(time.perf_counter() - routed.started)
             try:
-                attempt = len(failed) + 1
-                instance = choice.prefill.instance_id
-                with trace.span("upstream", attempt=attempt, instance_id=instance) as call:
+                prefill = choice.prefill
+                with trace.span(
+                    "upstream",
+                    attempt=len(failed) + 1,
+                    instance_id=prefill.instance_id,
+                    server_address=prefill.host,
+                    server_port=prefill.port,
+                ) as call:
                     if choice.decode is not None:
                         call.set(decode_instance_id=choice.decode.instance_id)
                     response = await self._serve(request, routed, choice, call.upstream_headers())

@@ -11,6 +11,8 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from yarl import URL
+
 from .policy import Candidate, PrefillCostModel
 from .store_loads import StoreLoads
 
@@ -28,6 +30,8 @@ class Upstream:
     instance_id: str
     url: str
     model: str = ""  # the base model it serves, as configured ("": any, in unit tests)
+    host: str = field(init=False)  # of ``url``, once: a trace's upstream span names them
+    port: int = field(init=False)
     in_flight: int = 0
     queued_prefill_tokens: int = 0
     engine_in_flight: int = 0  # running + waiting, as the engine's /metrics last said
@@ -38,6 +42,10 @@ class Upstream:
     models: tuple[dict[str, Any], ...] | None = None
     kv_store: str = ""  # the Mooncake store master it saves to and loads from ("": none)
     store_loads: StoreLoads | None = None  # its store-load counters at the last scrape
+
+    def __post_init__(self) -> None:
+        url = URL(self.url)
+        self.host, self.port = url.host or "", url.port or 0
 
     @property
     def load(self) -> int:

@@ -252,6 +252,8 @@ async def test_a_request_is_traced_from_the_client_to_the_engine(recording_engin
     upstream = spans["upstream"]
     assert seen[0]["traceparent"] == f"00-{TRACE_ID}-{upstream.span_id}-01"
     assert upstream.attributes["conductor.instance_id"] == "e0"
+    assert upstream.attributes["server.address"] == "127.0.0.1"
+    assert upstream.attributes["server.port"] == int(url.rsplit(":", 1)[1])
     assert spans["decision"].attributes["conductor.policy"] == "least_loaded"  # no index
     assert spans["index.query"].attributes["conductor.fallback"] == "conductor_unavailable"
     assert spans["tokenize"].attributes["conductor.tokenized_by"] == "engine"
