@@ -109,6 +109,12 @@ def _peer_url(value: str) -> str:
     return value.rstrip("/")
 
 
+# other conductors' (or embedded-index routers') URLs: a list, or comma-separated
+PeerUrls = Annotated[
+    tuple[Annotated[str, AfterValidator(_peer_url)], ...], BeforeValidator(_peer_urls)
+]
+
+
 def _log_level(value: str) -> str:
     try:
         return log_level(value)
@@ -518,9 +524,7 @@ class Settings(_Strict):
     snapshot_interval_s: float = Field(
         default=60.0, gt=0, le=86_400, description="seconds between two snapshot writes"
     )
-    peers: Annotated[
-        tuple[Annotated[str, AfterValidator(_peer_url)], ...], BeforeValidator(_peer_urls)
-    ] = Field(
+    peers: PeerUrls = Field(
         default=(),
         description="other conductors' URLs, comma-separated: at start the newest snapshot "
         "of the file's and theirs is restored",

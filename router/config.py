@@ -28,7 +28,7 @@ from pydantic import (
     model_validator,
 )
 
-from conductor.config import master_address, one_line
+from conductor.config import PeerUrls, master_address, one_line
 from conductor.runtime import port_number
 from tokenization.prompt_encoder import CHUNK_CACHE_TOKENS
 from tokenization.tokenizer import hub_cache_directory
@@ -84,6 +84,14 @@ class ConductorSection(_Section):
     # ours: index the engines' events inside the router (router/embedded.py) instead of
     # asking a conductor service; the addresses are then unused
     embedded: bool = False
+    # ours, with ``embedded``: the embedded index's snapshot, as a conductor's settings of
+    # the same names (docs/operations.md, "Snapshots"): the file written every
+    # ``snapshot_interval_s`` and at shutdown and read at start ("": none), and the
+    # conductors' (or embedded-index routers') URLs a snapshot is taken from at start
+    snapshot_path: str = ""
+    snapshot_interval_s: float = Field(default=60.0, gt=0, le=86_400)
+    peers: PeerUrls = ()
+    peer_timeout_s: float = Field(default=10.0, gt=0, le=600)
     # ours: report each routed prompt to the conductors (``/routed``), where the other router
     # replicas' queries count it for this long; false for a conductor without the route
     share_routed: bool = True
@@ -98,6 +106,11 @@ class ConductorSection(_Section):
     def _some_address(self) -> ConductorSection:
         if not self.urls():
             raise ValueError("conductor.address: give at least one conductor address")
+        if not self.embedded and (self.snapshot_path or self.peers):
+            raise ValueError(
+                "conductor.snapshot_path and conductor.peers are the embedded index's "
+                "(conductor.embedded: true); a conductor service has its own"
+            )
         return self
 
 
