@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import logging
 import os
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
 
 from aiohttp import web
@@ -111,18 +111,17 @@ def _running(
         """Registrations indexed (and a snapshot restored) before the first request;
         everything stopped after the last one, and a last snapshot written. A conflicting
         config file raises here, and the app does not start."""
+
+        async def registering(recovery: Recovery) -> None:
+            for registration in registrations:
+                await recovery.register(registration)
+            if state is not None:
+                await restore(recovery, state, allowlist)
+            if recovery.snapshot is not None:
+                await adopt(recovery, recovery.snapshot, state, allowlist)
+
         try:
-            snapshot = await snapshots.newest()
-            async with manager.ingest_paused(PAUSE_TIMEOUT_S):  # nothing applied yet
-                recovery = Recovery(manager, snapshot)
-                for registration in registrations:
-                    await recovery.register(registration)
-                if state is not None:
-                    await restore(recovery, state, allowlist)
-                if snapshot is not None:
-                    await adopt(recovery, snapshot, state, allowlist)
-                    recovery.restore_blocks(snapshots)
-            snapshots.start()
+            await recover(manager, snapshots, registering)
             lag.start()
             gc_pauses.start()
             yield
@@ -133,6 +132,27 @@ def _running(
             await manager.close()
 
     return running
+
+
+async def recover(
+    manager: ServiceManager,
+    snapshots: Snapshots,
+    registering: Callable[[Recovery], Awaitable[None]],
+) -> Snapshot | None:
+    """A start from the newest snapshot (``Snapshots.newest``: the file, its previous one,
+    the peers'), the conductor service's and a router's embedded index's alike: before any
+    batch is applied, the registrations ``registering`` makes through the ``Recovery``
+    (each resuming from the snapshot's sequence number when the snapshot has the very same
+    registration) and the blocks of the streams that resume; then the periodic writes.
+    Returns the snapshot restored (None: none was found)."""
+    snapshot = await snapshots.newest()
+    async with manager.ingest_paused(PAUSE_TIMEOUT_S):  # nothing applied yet
+        recovery = Recovery(manager, snapshot)
+        await registering(recovery)
+        if snapshot is not None:
+            recovery.restore_blocks(snapshots)
+    snapshots.start()
+    return snapshot
 
 
 class Recovery:
