@@ -30,6 +30,7 @@ from aiohttp.typedefs import Handler
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from conductor.runtime import LoopLagMonitor
+from conductor.security import BearerAuth, Unauthorized
 
 from .admission import Admission
 from .client_request import read_completion, read_tokenize
@@ -143,7 +144,7 @@ class Router:
 
     def _connect_index(self) -> IndexClient:
         if self.config.conductor.embedded:
-            return EmbeddedConductor()
+            return EmbeddedConductor(self.config.conductor)
         return ConductorClient.connect(self.config.conductor, self.notices)
 
     async def stop(self) -> None:
@@ -254,6 +255,8 @@ class Router:
         }
         if self.upkeep.store_states:
             body["kv_stores"] = self.upkeep.store_states
+        if isinstance(self.index, EmbeddedConductor):  # as a conductor's /health has them
+            body["streams"] = self.index.streams()
         return web.json_response(body, status=200 if healthy else 503)
 
     def _model_health(self, served: ServedModel) -> dict[str, Any]:
@@ -269,6 +272,27 @@ class Router:
             "default": served is self.catalog.default,
             "tokenizer": served.tokenizer.health(),
         }
+
+    async def snapshot(self, request: web.Request) -> web.Response:
+        """The embedded index as a snapshot (docs/wire.md), built now by the conductor's
+        own code: what a conductor or another router with ``peers`` restores from. With
+        ``conductor.auth_token`` it needs that bearer token; a router with keys needs one
+        set (the index holds every client's prompts' block hashes)."""
+        if not isinstance(self.index, EmbeddedConductor):
+            raise ApiError(404, "no embedded index here: the conductors serve /snapshot")
+        token = self.config.conductor.auth_token
+        if not token and self.keys.enabled:
+            raise ApiError(403, "set conductor.auth_token to serve the index's snapshot")
+        try:
+            BearerAuth(token, all_routes=True).check(request)
+        except Unauthorized:
+            raise ApiError(401, "needs conductor.auth_token as the bearer token") from None
+        try:
+            data = await self.index.snapshots.build()
+        except (TimeoutError, RuntimeError) as error:
+            reason = error or "batches did not pause"
+            raise ApiError(503, f"snapshot not built: {reason}") from None
+        return web.Response(body=data, content_type="application/octet-stream")
 
     async def prometheus(self, request: web.Request) -> web.Response:
         body = generate_latest(self.metrics.registry) + self.index.exposition()
@@ -325,6 +349,7 @@ def create_app(router: Router) -> web.Application:
             web.get("/v1/models", router.models),
             web.get("/health", router.health),
             web.get("/metrics", router.prometheus),
+            web.get("/snapshot", router.snapshot),
         ]
     )
 
