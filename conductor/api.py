@@ -61,6 +61,15 @@ from .dialect import (
 from .hash_profile import HashProfile
 from .http_guard import ConnectionGuard
 from .index import ContextKey, ContextView, InstanceMatch
+from .loads import (
+    LOADS_HEADER,
+    MAX_INSTANCES,
+    REPLICA_HEADER,
+    LoadReport,
+    ReplicaLoads,
+    TooManyReplicas,
+    loads_header,
+)
 from .manager import (
     CapacityExceeded,
     RegistrationConflict,
@@ -82,6 +91,7 @@ GLOBAL_VIEW_MAX_HASHES = 10_000
 SMALL_BODY_BYTES = 64 * 1024  # registrations and other small bodies
 JSON_BYTES_PER_TOKEN = 12  # "-2147483648,"
 JSON_BYTES_PER_HASH = 21  # "18446744073709551615,"
+JSON_BYTES_PER_LOAD = 384  # an instance's entry in a /loads report, a 256-character name
 NOT_AN_OBJECT = "request body must be an object"
 CAPACITY_RETRY_AFTER_S = 5
 CONFLICT_LOG_INTERVAL_S = 60.0
@@ -192,6 +202,7 @@ class HttpLimits:
             "/query": self.max_query_tokens * JSON_BYTES_PER_TOKEN,
             "/routed": self.max_query_tokens * JSON_BYTES_PER_TOKEN,
             "/query_by_hash": self.max_query_hashes * JSON_BYTES_PER_HASH,
+            "/loads": MAX_INSTANCES * JSON_BYTES_PER_LOAD,
         }.get(path, 0)
         return min(self.max_body_bytes, items + SMALL_BODY_BYTES)
 
@@ -472,12 +483,15 @@ class ConductorApi:
         self.refusals = RateLimitedLog()
         self.routed = RoutedPrompts()  # what routers sent where, not indexed yet
         self.metrics.routed_prompts.routed = self.routed
+        self.loads = ReplicaLoads()  # what each router replica has queued where
+        self.metrics.routed_prompts.loads = self.loads
 
     def routes(self) -> list[web.RouteDef]:
         return [
             web.post("/query", self.query),
             web.post("/query_by_hash", self.query_by_hash),
             web.post("/routed", self.routed_report),
+            web.post("/loads", self.loads_report),
             web.post("/register", self.register),
             web.post("/unregister", self.unregister),
             web.post("/instance_down", self.instance_down),
@@ -550,6 +564,9 @@ class ConductorApi:
         response = self._answer(request, body, matches)
         if PROGRESS_HEADER in request.headers:
             response.headers[INDEXED_UNTIL_HEADER] = self._progress(request, body.tenant_id)
+        if (replica := request.headers.get(REPLICA_HEADER)) is not None:
+            others = self.loads.others(replica, matches or ())
+            response.headers[LOADS_HEADER] = loads_header(others)
         self.metrics.query_seconds.labels("/query").observe(time.perf_counter() - started)
         return response
 
@@ -574,6 +591,16 @@ class ConductorApi:
         recorded = self.routed.add(body)
         self.metrics.routed_reports.labels("recorded" if recorded else "no_block").inc()
         return reply(request, {"status": "recorded" if recorded else "no complete block"})
+
+    async def loads_report(self, request: web.Request) -> web.Response:
+        """A router replica's load per instance: the other replicas' queries see it (see
+        ``conductor.loads``) until ``ttl_s`` ends or its next report."""
+        body = await parse_body(request, LoadReport, self.options.limits)
+        try:
+            self.loads.report(body)
+        except TooManyReplicas as error:
+            raise ApiError(429, str(error), "replica", headers={"Retry-After": "1"}) from None
+        return reply(request, {"status": "recorded", "replicas": len(self.loads)})
 
     def _progress(self, request: web.Request, tenant: str) -> str:
         """The indexing progress of the instances the progress header names, as JSON (what

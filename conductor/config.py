@@ -122,7 +122,7 @@ def _log_level(value: str) -> str:
         raise ValueError(str(error)) from None
 
 
-class _Strict(BaseModel):
+class StrictModel(BaseModel):
     """Wrong JSON types are errors (no "16" -> 16); unknown fields are ignored like Go."""
 
     model_config = ConfigDict(strict=True, extra="ignore", frozen=True)
@@ -140,7 +140,7 @@ def _cache_group_zero(value: int | None) -> int | None:
     return value
 
 
-class Registration(_Strict):
+class Registration(StrictModel):
     """One event stream: a ``/register`` body or a ``kvevent_instance`` entry."""
 
     endpoint: str = Field(min_length=1)
@@ -233,7 +233,7 @@ class Registration(_Strict):
         }
 
 
-class UnregisterRequest(_Strict):
+class UnregisterRequest(StrictModel):
     instance_id: str = Field(min_length=1)
     tenant_id: str = "default"
     dp_rank: RankGoInt = 0
@@ -245,7 +245,7 @@ class UnregisterRequest(_Strict):
         return f"{self.instance_id}|{self.tenant_id}|{self.dp_rank}"
 
 
-class InstanceUpRequest(_Strict):
+class InstanceUpRequest(StrictModel):
     """``POST /instance_up``: count every stream (DP rank) of the instance again."""
 
     instance_id: str = Field(min_length=1)
@@ -262,7 +262,7 @@ class InstanceDownRequest(InstanceUpRequest):
     ttl_s: float = Field(default=60.0, gt=0, le=3600)
 
 
-class QueryBase(_Strict):
+class QueryBase(StrictModel):
     model: str = Field(min_length=1)
     block_size: PositiveGoInt
     tenant_id: str = "default"
@@ -330,7 +330,7 @@ class QueryByHashRequest(QueryBase):
     seq_hashes: list[EngineHash] = Field(validation_alias=AliasChoices("seq_hashes", "block_hash"))
 
 
-class ConductorConfig(_Strict):
+class ConductorConfig(StrictModel):
     """``conductor_config.json``; the map key is the instance id unless one is given.
 
     Unknown keys, top-level or per instance, are errors naming the key (a misspelt key
@@ -440,7 +440,7 @@ def _problem(detail: ErrorDetails) -> str:
     return f"{where}: {message}" if where else message
 
 
-class Settings(_Strict):
+class Settings(StrictModel):
     """Process settings. Each is a config-file key (the field name), an env var and a flag
     (``conductor.__main__.parse_settings``): flag > env > file > default."""
 

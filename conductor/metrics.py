@@ -26,6 +26,7 @@ from prometheus_client.metrics import MetricWrapperBase
 from prometheus_client.registry import Collector
 
 from .index import ApplyStats, PrefixCacheTable
+from .loads import ReplicaLoads
 from .routed import RoutedPrompts
 from .states import StoreState, SubscriberState
 from .stream_metrics import Family, StreamMetrics
@@ -59,14 +60,16 @@ class _IndexCollector(Collector):
 
 
 class RoutedCollector(Collector):
-    """The routed prompts the query answers count (``conductor.routed``), read at scrape
-    time: those held, and those the table's cap pushed out before their time."""
+    """What router replicas report, read at scrape time: the routed prompts the query
+    answers count (``conductor.routed``), those held and those the table's cap pushed out
+    before their time; and how many replicas' loads count (``conductor.loads``)."""
 
     def __init__(self) -> None:
-        self.routed: RoutedPrompts | None = None  # the API's table, once it has one
+        self.routed: RoutedPrompts | None = None  # the API's tables, once it has them
+        self.loads: ReplicaLoads | None = None
 
     def collect(self) -> Iterable[Metric]:
-        if self.routed is None:
+        if self.routed is None or self.loads is None:
             return
         held = GaugeMetricFamily(
             "conductor_routed_prompts", "Prompts routers reported routed, still counted"
@@ -77,8 +80,14 @@ class RoutedCollector(Collector):
             "Routed prompts forgotten before their time: the table was full",
         )
         dropped.add_metric([], self.routed.dropped)
+        replicas = GaugeMetricFamily(
+            "conductor_router_replicas",
+            "Router replicas whose load report still counts (POST /loads)",
+        )
+        replicas.add_metric([], len(self.loads))
         yield held
         yield dropped
+        yield replicas
 
 
 STREAM_FAMILIES = (

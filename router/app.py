@@ -145,7 +145,7 @@ class Router:
     def _connect_index(self) -> IndexClient:
         if self.config.conductor.embedded:
             return EmbeddedConductor(self.config.conductor)
-        return ConductorClient.connect(self.config.conductor, self.notices)
+        return ConductorClient.connect(self.config.conductor, self.notices, self.pool)
 
     async def stop(self) -> None:
         await asyncio.gather(self.upkeep.stop(), self.lag.stop())

@@ -51,6 +51,7 @@ from prometheus_client import generate_latest
 
 from conductor.api import HITS_ONLY_HEADER, INDEXED_UNTIL_HEADER, PROGRESS_HEADER
 from conductor.failures import describe
+from conductor.loads import LOADS_HEADER
 from conductor.states import StoreState
 
 from .config import ConductorSection, ModelSection
@@ -61,9 +62,12 @@ from .index_client import (
     Hits,
     IndexContext,
     PromptBlocks,
+    answer_text,
 )
 from .metrics import ReplicaMetrics
 from .notices import Notices
+from .pool import InstancePool
+from .replica_load import LoadSharing
 
 log = logging.getLogger(__name__)
 
@@ -88,6 +92,7 @@ class ConductorClient:
         session: aiohttp.ClientSession,
         section: ConductorSection,
         notices: Notices,
+        pool: InstancePool,
     ) -> None:
         self._session = session
         self._section = section
@@ -107,19 +112,30 @@ class ConductorClient:
         self._reporter: asyncio.Task[None] | None = None
         self._report_errors: dict[str, str] = {}  # conductor -> why it took no report
         self._no_route: set[str] = set()  # conductors without /routed (the Go service)
+        self._loads: LoadSharing | None = None
+        if section.share_load:
+            self._loads = LoadSharing(
+                pool, self.urls, self._post, section.share_load_ttl_seconds,
+                self._control_timeout(), self.replica_metrics, notices,
+            )  # fmt: skip
+            self._loads.start()
 
     @classmethod
-    def connect(cls, section: ConductorSection, notices: Notices) -> ConductorClient:
+    def connect(
+        cls, section: ConductorSection, notices: Notices, pool: InstancePool
+    ) -> ConductorClient:
         """A client with a connection pool of its own, uncapped: a query never queues behind
         other calls for a connection."""
         session = aiohttp.ClientSession(
             connector=aiohttp.TCPConnector(limit=0, keepalive_timeout=60)
         )
-        return cls(session, section, notices)
+        return cls(session, section, notices, pool)
 
     async def close(self) -> None:
         if self._reporter is not None:
             self._reporter.cancel()
+        if self._loads is not None:
+            await self._loads.close()
         await self._session.close()
 
     def exposition(self) -> bytes:
@@ -166,6 +182,10 @@ class ConductorClient:
             f"conductor {url} does not take routed prompts ({why}): the other replicas do "
             "not see this one's, it routes on what it sent itself"
             for url, why in self._report_errors.items()
+        ] + [
+            f"conductor {url} does not take this replica's load ({why}): the other replicas "
+            "do not see it, and it prices queues from what it sent itself"
+            for url, why in (self._loads.errors if self._loads else {}).items()
         ]
         if any(url in self._registered and not self._notices.failing(url) for url in self.urls):
             return sharing
@@ -192,6 +212,8 @@ class ConductorClient:
             timeout=aiohttp.ClientTimeout(total=timeout),
         ) as response:
             self._learn_progress(response.headers.get(INDEXED_UNTIL_HEADER))
+            if path == "/query" and self._loads is not None and response.status == 200:
+                self._loads.learn(response.headers.get(LOADS_HEADER))
             raw = await response.read()
             try:
                 return response.status, msgpack.unpackb(raw)
@@ -251,6 +273,8 @@ class ConductorClient:
         self._registration_errors.pop(url, None)
         self._report_errors.pop(url, None)  # it answers: its next reports will say
         self._no_route.discard(url)  # asked again: it may have been upgraded
+        if self._loads is not None:
+            self._loads.retry(url)
         self._notices.recovered(f"register {url}", "conductor %s accepts the registrations", url)
         self._up(url)
         level = logging.DEBUG if url in self._registered else logging.INFO
@@ -444,6 +468,8 @@ class ConductorClient:
         if cache_salt:
             body["cache_salt"] = cache_salt
         headers = {HITS_ONLY_HEADER: "1"}  # instances left out have no hit (Go: all listed)
+        if self._loads is not None:
+            headers |= self._loads.query_headers
         if asked := self._progress_turn(list(progress_of)):
             headers[PROGRESS_HEADER] = json.dumps(asked)
 
@@ -459,15 +485,6 @@ class ConductorClient:
             return parse_hits(answer, context.tenant_id)
 
         return await self._ask("query", ask)
-
-
-def answer_text(answer: Any) -> str:
-    """A conductor's answer for a log line: its error message, else its text (cut short)."""
-    if isinstance(answer, dict) and "error" in answer:
-        answer = answer["error"]
-    if isinstance(answer, bytes):
-        answer = answer.decode(errors="replace")
-    return str(answer)[:300]
 
 
 def registration_bodies(model: ModelSection) -> list[dict[str, Any]]:

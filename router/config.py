@@ -96,6 +96,10 @@ class ConductorSection(_Section):
     # replicas' queries count it for this long; false for a conductor without the route
     share_routed: bool = True
     share_routed_ttl_seconds: float = Field(default=10.0, gt=0, le=60)
+    # ours: report this router's load per instance to the conductors (``/loads``) and add
+    # the other replicas' to it (router/replica_load.py); a report counts for this long
+    share_load: bool = True
+    share_load_ttl_seconds: float = Field(default=3.0, gt=0, le=60)
 
     def urls(self) -> list[str]:
         """Every conductor, in failover order, each once."""

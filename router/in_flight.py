@@ -73,7 +73,7 @@ class InFlight:
             )
             if pending is not None:  # a complete block to share: the other replicas too
                 self._index.report_routed(prompt, prefill.instance_id)
-        queued_before = prefill.queued_prefill_tokens - new_tokens
+        queued_before = prefill.queue_tokens - new_tokens
         self._metrics.in_flight.labels(prefill.instance_id).inc()
         try:
             yield Claim(ticket, new_tokens, queued_before)

@@ -13,7 +13,7 @@ from __future__ import annotations
 from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 from enum import StrEnum
-from typing import Protocol
+from typing import Any, Protocol
 
 from conductor.hashing import PrefixHash, prefix_hashes
 from conductor.states import StoreState
@@ -124,3 +124,12 @@ class IndexClient(Protocol):
     async def close(self) -> None:
         """Release its connections or subscriptions."""
         ...
+
+
+def answer_text(answer: Any) -> str:
+    """A conductor's answer for a log line: its error message, else its text (cut short)."""
+    if isinstance(answer, dict) and "error" in answer:
+        answer = answer["error"]
+    if isinstance(answer, bytes):
+        answer = answer.decode(errors="replace")
+    return str(answer)[:300]

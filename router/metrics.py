@@ -278,6 +278,20 @@ class ReplicaMetrics:
             "Routed prompts never reported: the queue of reports was full (conductors slow)",
             registry=self.registry,
         )
+        self.load_reports = Counter(
+            "router_load_reports_total",
+            "Reports of this router's load per instance to each conductor (POST /loads), by "
+            "outcome: sent, or failed (the other replicas do not see its load there)",
+            ["conductor", "outcome"],
+            registry=self.registry,
+        )
+        self.load_sharing = Gauge(
+            "router_load_sharing",
+            "1 while the conductor takes this router's load reports, 0 while they fail (the "
+            "router then prices queues from what it sent itself)",
+            ["conductor"],
+            registry=self.registry,
+        )
         self.sharing = Gauge(
             "router_routed_sharing",
             "1 while the conductor takes this router's routed prompts, 0 while its reports "

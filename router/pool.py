@@ -7,7 +7,7 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import time
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -34,6 +34,9 @@ class Upstream:
     port: int = field(init=False)
     in_flight: int = 0
     queued_prefill_tokens: int = 0
+    # the other router replicas' load on it, as the conductor last said (replica_load.py)
+    others_in_flight: int = 0
+    others_queued_prefill_tokens: int = 0
     engine_in_flight: int = 0  # running + waiting, as the engine's /metrics last said
     healthy: bool = True
     requests: int = 0
@@ -49,8 +52,14 @@ class Upstream:
 
     @property
     def load(self) -> int:
-        """In-flight requests: ours, or the engine's own count when others use it too."""
-        return max(self.in_flight, self.engine_in_flight)
+        """In-flight requests: the router replicas', or the engine's own count when others
+        use it too."""
+        return max(self.in_flight + self.others_in_flight, self.engine_in_flight)
+
+    @property
+    def queue_tokens(self) -> int:
+        """Uncached prompt tokens the router replicas sent and the engine has not prefilled."""
+        return self.queued_prefill_tokens + self.others_queued_prefill_tokens
 
     def model_names(self) -> list[str]:
         return [card["id"] for card in self.models or ()]
@@ -66,6 +75,7 @@ class Ticket:
 
     upstream: Upstream
     prefill_tokens: int
+    changed: Callable[[], None] | None = None  # the pool's load listener
     prefilled: bool = False
     released: bool = False
 
@@ -73,12 +83,16 @@ class Ticket:
         if not self.prefilled:
             self.prefilled = True
             self.upstream.queued_prefill_tokens -= self.prefill_tokens
+            if self.changed is not None:
+                self.changed()
 
     def release(self) -> None:
         if not self.released:
             self.first_token()
             self.released = True
             self.upstream.in_flight -= 1
+            if self.changed is not None:
+                self.changed()
 
 
 @dataclass(slots=True)
@@ -138,7 +152,10 @@ class InstancePool:
     decode: dict[str, Upstream] = field(default_factory=dict)
     stores_down: set[str] = field(default_factory=set)  # stores the conductor reports down
     retry_after_s: float = RETRY_AFTER_FAILURE_S  # how soon a failed upstream is probed
+    # called whenever this router's own load on an upstream changes (replica_load.py)
+    load_listener: Callable[[], None] | None = None
     _retry_at: dict[str, float] = field(default_factory=dict)
+    _others: set[str] = field(default_factory=set)  # upstreams the other replicas load
 
     @classmethod
     def build(
@@ -198,7 +215,7 @@ class InstancePool:
                     cpu,
                     disk,
                     in_flight=up.load,
-                    queued_prefill_tokens=up.queued_prefill_tokens,
+                    queued_prefill_tokens=up.queue_tokens,
                     store=store,
                 )
             )
@@ -274,7 +291,28 @@ class InstancePool:
         upstream.in_flight += 1
         upstream.requests += 1
         upstream.queued_prefill_tokens += prefill_tokens
-        return Ticket(upstream, prefill_tokens)
+        if self.load_listener is not None:
+            self.load_listener()
+        return Ticket(upstream, prefill_tokens, self.load_listener)
+
+    def own_loads(self) -> dict[str, tuple[int, int]]:
+        """This router's (queued prefill tokens, in-flight requests) per upstream it loads."""
+        return {
+            up.instance_id: (up.queued_prefill_tokens, up.in_flight)
+            for up in self.all()
+            if up.queued_prefill_tokens or up.in_flight
+        }
+
+    def set_others(self, loads: Mapping[str, tuple[int, int]]) -> None:
+        """The other router replicas' (queued prefill tokens, in-flight requests) per
+        upstream; those not named carry none."""
+        for name in self._others - loads.keys():
+            if (up := self.prefill.get(name) or self.decode.get(name)) is not None:
+                up.others_queued_prefill_tokens = up.others_in_flight = 0
+        for name, (queued, in_flight) in loads.items():
+            if (up := self.prefill.get(name) or self.decode.get(name)) is not None:
+                up.others_queued_prefill_tokens, up.others_in_flight = queued, in_flight
+        self._others = set(loads)
 
     def mark_failed(self, upstream: Upstream, now: float | None = None) -> None:
         """Take it out of rotation; the health prober brings it back."""

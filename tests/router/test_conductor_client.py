@@ -22,6 +22,7 @@ from router.conductor_client import ConductorClient, ConductorUnavailable
 from router.config import ConductorSection
 from router.index_client import IndexContext
 from router.notices import Notices
+from router.pool import InstancePool
 
 ANSWER = {"default": {"e0": {"GPU": 32, "CPU": 32, "DISK": 32}}}
 
@@ -63,7 +64,8 @@ CONTEXT = IndexContext("default", "m", "", 16)
 
 def client(session: aiohttp.ClientSession, url: str) -> ConductorClient:
     section = ConductorSection(address=url, query_timeout_seconds=0.1)
-    return ConductorClient(session, section, Notices(logging.getLogger("test")))
+    pool = InstancePool.build([])
+    return ConductorClient(session, section, Notices(logging.getLogger("test")), pool)
 
 
 async def test_a_late_answer_keeps_its_connection_for_the_next_query(slow):

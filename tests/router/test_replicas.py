@@ -1,7 +1,8 @@
 """Router replicas share what they route through the conductor they ask (``/routed``): a
 burst of requests sharing a new prefix, spread over two replicas, lands on one engine
-before any of its events could be indexed; without the sharing the replicas split it. A
-replica whose conductor cannot be reached routes on its own and says so."""
+before any of its events could be indexed; without the sharing the replicas split it.
+They share their load too (``/loads``): a replica prices the queue another one left on an
+engine. A replica whose conductor cannot be reached routes on its own and says so."""
 
 from __future__ import annotations
 
@@ -68,6 +69,43 @@ async def test_without_sharing_the_replicas_split_the_burst(fleet, serve, http):
     assert await metric(http, fleet.conductor, "conductor_routed_prompts") == 0
 
 
+async def first_choices(
+    fleet: Fleet, serve: Any, http: aiohttp.ClientSession, **conductor: Any
+) -> tuple[str, str]:
+    """Two fresh replicas (``ttft``), two idle engines: the engine of a long prompt sent
+    to the first replica, and of another, as long, sent to the second while the first is
+    still being prefilled. On its own each replica's first choice between equal engines
+    is the same one."""
+    for name in ENGINES[:2]:
+        fleet.engine(name, time_scale=SLOW)
+    config = fleet.config(ENGINES[:2])
+    config["conductor"] |= conductor
+    routers = [await serve(config), await serve(config)]
+    await indexed_everywhere(http, fleet, ENGINES[:2])
+
+    async def send(router: ServedRouter, text: str) -> str:
+        status, headers, _ = await complete(http, router, text, max_tokens=1)
+        assert status == 200
+        return headers["x-conductor-prefill-instance"]
+
+    first = asyncio.create_task(send(routers[0], PREFIX))
+    await asyncio.sleep(0.3)  # sent and its load reported; its prefill takes seconds more
+    second = await send(routers[1], PREFIX.replace("w", "v"))
+    if conductor.get("share_load", True):
+        assert await metric(http, routers[0], "router_load_reports_total") >= 1
+    return await first, second
+
+
+async def test_a_replica_prices_the_queue_another_one_left(fleet, serve, http):
+    first, second = await first_choices(fleet, serve, http)
+    assert first != second
+
+
+async def test_without_sharing_load_a_replica_sees_only_its_own_queue(fleet, serve, http):
+    first, second = await first_choices(fleet, serve, http, share_load=False)
+    assert first == second
+
+
 async def test_a_replica_that_cannot_reach_its_conductor_routes_alone_and_says_so(
     fleet, serve, http
 ):
@@ -86,9 +124,14 @@ async def test_a_replica_that_cannot_reach_its_conductor_routes_alone_and_says_s
     assert (status, headers["x-conductor-fallback"]) == (200, "conductor_unavailable")
     _, health = await eventually(
         lambda: get(http, f"{served.url}/health"),
-        lambda answer: any("does not take routed prompts" in r for r in answer[1]["reasons"]),
+        lambda answer: (
+            any("does not take routed prompts" in r for r in answer[1]["reasons"])
+            and any("does not take this replica's load" in r for r in answer[1]["reasons"])
+        ),
     )
     assert health["status"] == "degraded"
+    load_failed = f'router_load_reports_total{{conductor="{fleet.conductor.url}",outcome="failed"}}'
+    assert await metric(http, served, load_failed) >= 1
     failed = f'router_routed_reports_total{{conductor="{fleet.conductor.url}",outcome="failed"}}'
     assert await metric(http, served, failed) >= 1
     assert await metric(http, served, sharing) == 0

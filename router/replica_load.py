@@ -1,0 +1,153 @@
+"""This router's load on each instance, shared with the other router replicas through the
+conductors (``conductor.share_load``).
+
+A router prices an instance's queue from the prefill work it sent there itself; behind a
+load balancer each of N replicas would see about 1/N of the queue and send work to
+instances it believes idle (bench/results/router-replay.md measured what that costs). So
+every replica reports its whole load to every conductor (``POST /loads``: per instance,
+the uncached prompt tokens sent and not prefilled yet and the requests not finished) as
+soon as it changes (one report at a time, the next one carrying everything that changed
+meanwhile) and at least every third of ``share_load_ttl_seconds`` while it carries any;
+and each of its queries names it (``X-Conductor-Replica``) so that the answer carries the
+other replicas' loads on the query's instances, which the pool adds to its own
+(``InstancePool.set_others``) before the decision. A conductor that takes no report
+(unreachable, or without the route: the Go service) is retried and said in ``/health``;
+the replica then routes on its own load there.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import time
+import uuid
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+import aiohttp
+
+from conductor.failures import describe
+from conductor.loads import REPLICA_HEADER
+
+from .index_client import answer_text
+from .metrics import ReplicaMetrics
+from .notices import Notices
+from .pool import InstancePool
+
+MIN_INTERVAL_S = 0.005  # between two reports: a burst of changes goes out as one
+Post = Callable[[str, str, dict[str, Any], float], Awaitable[tuple[int, Any]]]
+
+
+class LoadSharing:
+    def __init__(
+        self,
+        pool: InstancePool,
+        urls: list[str],
+        post: Post,
+        ttl_s: float,
+        timeout_s: float,
+        metrics: ReplicaMetrics,
+        notices: Notices,
+    ) -> None:
+        self.replica = uuid.uuid4().hex  # this process: a restarted one is a new replica
+        self.query_headers = {REPLICA_HEADER: self.replica}
+        self._pool = pool
+        self._urls = urls
+        self._post = post
+        self._ttl_s = ttl_s
+        self._timeout_s = timeout_s
+        self._metrics = metrics
+        self._notices = notices
+        self._changed = asyncio.Event()
+        self._task: asyncio.Task[None] | None = None
+        self.errors: dict[str, str] = {}  # conductor -> why it takes no report
+        self._no_route: set[str] = set()  # conductors without /loads
+        pool.load_listener = self._changed.set
+
+    def start(self) -> None:
+        self._task = asyncio.get_running_loop().create_task(self._run())
+
+    async def close(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+
+    def retry(self, url: str) -> None:
+        """``url`` accepted a registration: it may have been upgraded, ask it again."""
+        self._no_route.discard(url)
+        self._changed.set()
+
+    def learn(self, header: str | None) -> None:
+        """The other replicas' loads from a query's answer (none named: none)."""
+        loads: dict[str, tuple[int, int]] = {}
+        try:
+            parsed = json.loads(header) if header else {}
+        except ValueError:
+            parsed = {}
+        for instance, load in parsed.items() if isinstance(parsed, dict) else ():
+            if (
+                isinstance(load, list)
+                and len(load) == 2
+                and all(type(n) is int and 0 <= n < 1 << 48 for n in load)
+            ):
+                loads[instance] = (load[0], load[1])
+        self._pool.set_others(loads)
+
+    async def _run(self) -> None:
+        """Report whenever the load changed, and before the last report expires while
+        there is any (nothing once an empty report went out)."""
+        sent: dict[str, tuple[int, int]] | None = None
+        keepalive_s = self._ttl_s / 3
+        renew_at = 0.0
+        while True:
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(keepalive_s):
+                    await self._changed.wait()
+            self._changed.clear()
+            loads = self._pool.own_loads()
+            if loads == sent and (not loads or time.monotonic() < renew_at):
+                continue
+            renew_at = time.monotonic() + keepalive_s
+            body = {
+                "replica": self.replica,
+                "ttl_s": self._ttl_s,
+                "instances": {
+                    name: {"queued_prefill_tokens": queued, "in_flight": in_flight}
+                    for name, (queued, in_flight) in loads.items()
+                },
+            }
+            urls = [url for url in self._urls if url not in self._no_route]
+            results = await asyncio.gather(*(self._send(url, body) for url in urls))
+            sent = loads if all(results) else None  # a failed report is sent again
+            await asyncio.sleep(MIN_INTERVAL_S)
+
+    async def _send(self, url: str, body: dict[str, Any]) -> bool:
+        try:
+            status, answer = await self._post(url, "/loads", body, self._timeout_s)
+        except (aiohttp.ClientError, TimeoutError) as error:
+            status, answer = 0, describe(error)
+        key = f"/loads {url}"
+        if status == 200:
+            self._metrics.load_reports.labels(url, "sent").inc()
+            self._metrics.load_sharing.labels(url).set(1)
+            self.errors.pop(url, None)
+            self._notices.recovered(key, "conductor %s takes this replica's load again", url)
+            return True
+        self._metrics.load_reports.labels(url, "failed").inc()
+        self._metrics.load_sharing.labels(url).set(0)
+        if status in (404, 405):  # no such route: not a fault of this router's
+            self._no_route.add(url)
+            self._notices.fault(
+                key, "conductor %s has no /loads: router replicas do not share their load "
+                "through it (conductor.share_load: false stops trying)", url,
+            )  # fmt: skip
+            return True
+        why = f"{status or 'unreachable'} {answer_text(answer)}".strip()
+        self.errors[url] = why
+        self._notices.fault(
+            key, "conductor %s takes no load report (%s): the other router replicas do "
+            "not see this one's load", url, why,
+        )  # fmt: skip
+        return False
