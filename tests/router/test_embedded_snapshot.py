@@ -17,7 +17,7 @@ from router import config as router_config
 from router.conductor_client import registration_bodies
 from router.config import RouterConfig
 from tests.router.inprocess import layout
-from tests.support.api import eventually, get, metric, post
+from tests.support.api import eventually, get, metric, post, query
 from tests.support.wire_publisher import WirePublisher, removed, stored
 
 PROMPT = list(range(1, 13))  # three blocks of four
@@ -298,3 +298,45 @@ async def test_the_snapshot_route_is_the_embedded_index_s(serve, http):
     async with http.get(f"{served.url}/snapshot") as response:
         assert response.status == 200
         assert parse(await response.read(), "route").registrations == []
+
+
+async def test_a_router_with_keys_serves_its_snapshot_only_behind_a_token(serve, http, tmp_path):
+    """The snapshot holds every client's prompts' block hashes: with a keys file it is
+    refused until ``conductor.auth_token`` is set, then needs that token."""
+    keys = tmp_path / "keys.json"
+    keys.write_text(json.dumps({"keys": [{"id": "k1", "key": "sk-client-key-0123456789"}]}))
+    config = layout(["http://127.0.0.1:1"], keys={"file": str(keys)})
+    config["conductor"] = {"embedded": True}
+    served = await serve(config)
+    async with http.get(f"{served.url}/snapshot") as response:
+        assert response.status == 403
+        assert "set conductor.auth_token" in await response.text()
+    config["conductor"] = {"embedded": True, "auth_token": TOKEN}
+    served = await serve(config)
+    client = {"Authorization": "Bearer sk-client-key-0123456789"}
+    for headers, status in ((client, 401), ({"Authorization": f"Bearer {TOKEN}"}, 200)):
+        async with http.get(f"{served.url}/snapshot", headers=headers) as response:
+            assert response.status == status
+
+
+async def test_a_conductor_takes_a_routers_snapshot(
+    routers, conductor_factory, engine_sims, publisher_factory, http
+):
+    """A router's embedded index as a conductor's peer: the conductor adopts its streams
+    and answers from its blocks, its engines' buffers rolled over."""
+    engines, publishers = fleet(engine_sims, publisher_factory)
+    router = routers(embedded_config(engines, publishers))
+    router.wait_ready()
+    await streams_connected(http, router.url)
+    await index_the_fleet(http, router.url, publishers)
+    recycle(publishers)
+
+    conductor = conductor_factory("--state-file", "", "--peers", router.url)
+    answer = await query(http, conductor.url, [*PROMPT, 77])
+    assert answer["default"]["engine-a"]["longest_matched"] == 12
+    assert answer["default"]["engine-b"]["longest_matched"] == 8
+    await publishers["engine-a"].publish([stored([61, 62], NEW)])  # seq 2 follows
+    await eventually(
+        lambda: query(http, conductor.url, NEW),
+        lambda a: a["default"]["engine-a"]["longest_matched"] == 8,
+    )
