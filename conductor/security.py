@@ -17,9 +17,10 @@ from aiohttp import web
 
 from .config import Registration
 
-# what changes the index or the answers (/routed: a routed prompt counts as a hit for a while)
+# what changes the index or the answers (/routed: a routed prompt counts as a hit for a
+# while; /loads: a replica's load is in the other replicas' answers)
 MUTATING_ROUTES = frozenset(
-    {"/register", "/unregister", "/instance_down", "/instance_up", "/routed"}
+    {"/register", "/unregister", "/instance_down", "/instance_up", "/routed", "/loads"}
 )
 OPEN_ROUTES = frozenset({"/health"})
 LOOPBACK = ("127.0.0.0/8", "::1/128", "localhost")

@@ -33,6 +33,8 @@ async def test_mutating_routes_need_the_token(serve_conductor, http, publisher_f
     routed = {"model": "m", "block_size": 4, "token_ids": [1] * 8, "instance_id": "a"}
     async with http.post(f"{base}/routed", json=routed) as response:  # it changes answers
         assert response.status == 401
+    async with http.post(f"{base}/loads", json={"replica": "r"}) as response:  # so does it
+        assert response.status == 401
     good = {"Authorization": f"Bearer {TOKEN}"}
     async with http.post(f"{base}/register", json=body, headers=good) as response:
         assert response.status == 200
