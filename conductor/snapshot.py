@@ -27,10 +27,10 @@ import struct
 import sys
 import time
 from array import array
-from collections.abc import Iterator, Sequence
+from collections.abc import Awaitable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, cast
+from typing import Any, TypeVar, cast
 
 import aiohttp
 import msgpack
@@ -58,6 +58,7 @@ MAX_COPIES = 65_536
 PAUSE_TIMEOUT_S = 5.0  # batches being applied when a snapshot begins finish within this
 SHUTDOWN_WRITE_S = 10.0  # the snapshot written at shutdown, at most
 PREVIOUS_SUFFIX = ".previous"
+T = TypeVar("T")
 
 
 class SnapshotError(Exception):
@@ -164,7 +165,10 @@ class SnapshotMetrics:
             "conductor_snapshot_bytes", "Size of the last snapshot built", registry=registry
         )
         self.blocks = Gauge(
-            "conductor_snapshot_blocks", "Blocks in the last snapshot built", registry=registry
+            "conductor_snapshot_blocks",
+            "Blocks indexed when the last snapshot was built, each once however many owners "
+            "hold it",
+            registry=registry,
         )
         self.build_seconds = Gauge(
             "conductor_snapshot_build_seconds",
@@ -188,7 +192,7 @@ class SnapshotMetrics:
         )
         self.restored_blocks = Gauge(
             "conductor_snapshot_restored_blocks",
-            "Blocks restored from a snapshot at start",
+            "Blocks restored from a snapshot at start, once per owner holding them",
             registry=registry,
         )
 
@@ -283,28 +287,40 @@ class Snapshots:
     # -- reading --------------------------------------------------------------------------
     async def newest(self) -> Snapshot | None:
         """The newest valid snapshot among the file, its previous one and the peers'; what
-        is missing, unreachable or invalid is logged and skipped."""
-        found: list[Snapshot] = []
+        is missing, unreachable or invalid is logged and skipped.
+
+        Every source is read at once (a peer that hangs costs ``peer_timeout_s``, not that
+        on top of the others), and only the newest by its header is decoded: the next one
+        only when it is invalid, so a restart holds one decoded index, not one per source.
+        """
+        sources: list[tuple[str, Awaitable[bytes]]] = []
         if self.path is not None:
             for path in (self.path, _previous(self.path)):
                 if path.exists():
-                    found += await _skip_invalid(asyncio.to_thread(read_file, path), str(path))
-        for peer in self.peers:
-            found += await _skip_invalid(self._from_peer(peer), peer)
-        if not found:
-            return None
-        newest = max(found, key=lambda snapshot: snapshot.created)
-        log.info(
-            "snapshot chosen source=%s created=%.3f blocks=%d (of %d valid)",
-            newest.source,
-            newest.created,
-            newest.block_count(),
-            len(found),
-        )
-        return newest
+                    sources.append((str(path), asyncio.to_thread(path.read_bytes)))
+        urls = [f"{peer.rstrip('/')}/snapshot" for peer in self.peers]
+        sources += [(url, self._from_peer(url)) for url in urls]
+        read = await asyncio.gather(*(_skip_invalid(data, name) for name, data in sources))
+        candidates = sorted(
+            ((created, name, data) for (name, _), data in zip(sources, read, strict=True)
+             if data is not None and (created := _created(data, name)) is not None),
+            key=lambda candidate: candidate[0],
+            reverse=True,
+        )  # fmt: skip
+        for _, name, data in candidates:
+            snapshot = await _skip_invalid(asyncio.to_thread(parse, data, name), name)
+            if snapshot is not None:
+                log.info(
+                    "snapshot chosen source=%s created=%.3f blocks=%d (of %d sources)",
+                    snapshot.source,
+                    snapshot.created,
+                    snapshot.block_count(),
+                    len(sources),
+                )
+                return snapshot
+        return None
 
-    async def _from_peer(self, peer: str) -> Snapshot:
-        url = f"{peer.rstrip('/')}/snapshot"
+    async def _from_peer(self, url: str) -> bytes:
         headers = {"Authorization": f"Bearer {self.auth_token}"} if self.auth_token else {}
         timeout = aiohttp.ClientTimeout(total=self.peer_timeout_s)
         try:
@@ -314,20 +330,29 @@ class Snapshots:
             ):
                 if response.status != 200:
                     raise SnapshotError(f"{url} answered HTTP {response.status}")
-                data = await response.read()
+                return await response.read()
         except (aiohttp.ClientError, TimeoutError) as error:
             raise SnapshotError(f"{url} unreachable: {_reason(error)}") from None
-        return await asyncio.to_thread(parse, data, url)
 
 
-async def _skip_invalid(reading: Any, source: str) -> list[Snapshot]:
+async def _skip_invalid(reading: Awaitable[T], source: str) -> T | None:
     try:
-        return [await reading]
+        return await reading
     except SnapshotError as error:
         log.warning("snapshot skipped source=%s: %s", source, error)
     except OSError as error:
         log.warning("snapshot skipped source=%s: %s", source, _reason(error))
-    return []
+    return None
+
+
+def _created(data: bytes, source: str) -> float | None:
+    """When the snapshot in ``data`` was made, from its header alone (None, logged, when
+    the header is not a snapshot's this conductor reads)."""
+    try:
+        return _header(data)
+    except SnapshotError as error:
+        log.warning("snapshot skipped source=%s: %s", source, error)
+        return None
 
 
 def _reason(error: BaseException) -> str:
@@ -362,22 +387,28 @@ def read_file(path: Path) -> Snapshot:
     return parse(path.read_bytes(), str(path))
 
 
-def parse(data: bytes, source: str) -> Snapshot:
-    """A snapshot's bytes checked and read; SnapshotError says what is wrong with them."""
+def _header(data: bytes) -> float:
+    """The creation time in a snapshot's header, once the header is checked."""
     if len(data) < _HEAD.size + DIGEST_BYTES:
         raise SnapshotError(f"truncated: {len(data)} bytes is shorter than any snapshot")
-    magic, version, created, producer_length = _HEAD.unpack_from(data)
+    magic, version, created, _ = cast("tuple[bytes, int, float, int]", _HEAD.unpack_from(data))
     if magic != MAGIC:
         raise SnapshotError("not a conductor snapshot (wrong magic bytes)")
     if version != FORMAT_VERSION:
         raise SnapshotError(f"format version {version}; this conductor reads {FORMAT_VERSION}")
     if not math.isfinite(created):  # the newest snapshot is chosen by it
         raise SnapshotError(f"malformed content: creation time {created}")
+    return created
+
+
+def parse(data: bytes, source: str) -> Snapshot:
+    """A snapshot's bytes checked and read; SnapshotError says what is wrong with them."""
+    created = _header(data)
     if hashlib.sha256(data[:-DIGEST_BYTES]).digest() != data[-DIGEST_BYTES:]:
         raise SnapshotError(
             f"checksum mismatch over {len(data)} bytes: the snapshot is truncated or corrupt"
         )
-    body = _HEAD.size + producer_length
+    body = _HEAD.size + _HEAD.unpack_from(data)[3]
     try:
         producer = data[_HEAD.size : body].decode()
         unpacker = msgpack.Unpacker(raw=False, strict_map_key=False, max_buffer_size=len(data))

@@ -107,6 +107,32 @@ async def test_a_conductor_started_with_a_peer_answers_like_the_peer(
         )
 
 
+async def test_peers_that_never_answer_cost_one_timeout_together(
+    conductor_factory, http, publisher_factory
+):
+    """Every source is asked at once: two hung peers before the live one delay the start
+    by one ``peer_timeout_s``, not one each."""
+    peer = conductor_factory("--state-file", "")
+    expected = await indexed_fleet(http, peer.url, [publisher_factory(), publisher_factory()])
+
+    async def never_answer(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await reader.read()  # until the conductor gives up and closes
+        writer.close()
+
+    hung = [await asyncio.start_server(never_answer, "127.0.0.1", 0) for _ in range(2)]
+    peers = [f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}" for server in hung]
+    started = asyncio.get_running_loop().time()
+    second = await asyncio.to_thread(
+        conductor_factory,
+        "--state-file", "", "--peer-timeout-s", "2", "--peers", ",".join([*peers, peer.url]),
+    )  # fmt: skip
+    assert asyncio.get_running_loop().time() - started < 3.9  # two timeouts would be 4 s
+    assert await answers(http, second.url) == expected
+    assert second.log().count("unreachable") == 2
+    for server in hung:
+        server.close()
+
+
 async def test_batches_the_replay_buffer_lost_are_reported_and_newer_ones_replayed(
     conductor_factory, http, publisher_factory, tmp_path
 ):
