@@ -38,6 +38,7 @@ from bench.trace_sim import (
     unbounded_block_hit_ratio,
     unbounded_token_hits,
 )
+from publishers.engine.timing import TimingModel
 from router.policy import RoutingParams
 
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
@@ -154,7 +155,8 @@ def format_table(report: dict[str, Any]) -> str:
     lines = [
         f"{report['trace']}: {meta['requests']:,} requests, {meta['instances']} instances × "
         f"{meta['gpu_blocks_per_instance']:,} GPU blocks of {meta['block_size']} tokens, "
-        f"store {meta['store_blocks']:,} blocks, arrivals × {meta['time_scale']:g}",
+        f"store {meta['store_blocks']:,} blocks, arrivals × {meta['time_scale']:g}"
+        + replicas_text(meta),
         f"  unbounded global cache: block hit ratio {report['unbounded']['block_hit_ratio']:.3f}"
         f" (trace ids), token hit ratio {report['unbounded']['token_hit_ratio']:.3f} (engine "
         f"rules); pooled LRU of equal capacity: "
@@ -176,6 +178,25 @@ def format_table(report: dict[str, Any]) -> str:
         )
     lines += [f"  {line}" for line in format_goals(report["goals"])]
     return "\n".join(lines)
+
+
+def replicas_text(meta: dict[str, Any]) -> str:
+    """What the setup line adds past the defaults: engine speed, replicas, router models."""
+    text = ""
+    if meta.get("engine_speed", 1.0) != 1.0:
+        text += f", engines × {meta['engine_speed']:g}"
+    if meta.get("replicas", 1) > 1:
+        lag = meta["load_lag_s"]
+        shared = "no load sharing" if math.isinf(lag) else f"loads seen {lag:g} s late"
+        text += f", {meta['replicas']} router replicas ({shared})"
+    if meta.get("in_flight_prefixes"):
+        text += ", in-flight prefixes"
+        if meta.get("replicas", 1) > 1:
+            lag = meta["routed_lag_s"]
+            text += " not shared" if math.isinf(lag) else f" seen {lag:g} s late"
+    if meta.get("learn_cost"):
+        text += ", learned cost model"
+    return text
 
 
 def format_goals(goals: dict[str, Any]) -> list[str]:
@@ -264,6 +285,17 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     add("--cold-start", action="store_true", help="no warm-up request on the instances")
     add("--queue-seconds", action="store_true", help="what-if: queue estimated seconds")
     add("--verify", action="store_true", help="check the index against the engines")
+    add("--engine-speed", type=float, default=1.0, help="GPU FLOPs relative to the "
+        "TimingModel's default engine (router_replay runs 2)")  # fmt: skip
+    add("--replicas", type=int, default=1, help="router replicas; request i goes to i mod N")
+    add("--load-lag-s", type=float, default=0.0, help="trace seconds until a replica sees "
+        "another's load (inf: no sharing); router_replay's wall seconds × its speedup")  # fmt: skip
+    add("--in-flight-prefixes", action="store_true", help="routed prompts count as hits on "
+        "their instance until their prefill starts (the router's pending prefixes)")  # fmt: skip
+    add("--learn-cost", action="store_true", help="each router replica learns its cost "
+        "model from its own TTFTs, as the router does by default (CostLearner)")  # fmt: skip
+    add("--routed-lag-s", type=float, help="with --in-flight-prefixes: trace seconds until "
+        "the other replicas see a routed prompt (default: --load-lag-s; inf: never)")  # fmt: skip
     add("--seed", type=int, default=0)
     add("--jobs", type=int, default=min(2, os.cpu_count() or 1))
     add("--json", type=Path, default=RESULTS_DIR / "trace_replay.json")
@@ -290,6 +322,12 @@ def config_from(args: argparse.Namespace) -> SimConfig:
         queue_seconds=args.queue_seconds,
         warm_start=not args.cold_start,
         verify=args.verify,
+        timing=replace(TimingModel(), gpu_flops=TimingModel().gpu_flops * args.engine_speed),
+        replicas=args.replicas,
+        load_lag_s=args.load_lag_s,
+        in_flight_prefixes=args.in_flight_prefixes,
+        routed_lag_s=args.routed_lag_s,
+        learn_cost=args.learn_cost,
     )
 
 
@@ -306,6 +344,12 @@ def trace_setup(trace: str, requests: list[TraceRequest], config: SimConfig, arg
             "block_size": config.block_size,
             "time_scale": args.time_scale,
             "limit": args.limit,
+            "engine_speed": args.engine_speed,
+            "replicas": config.replicas,
+            "load_lag_s": config.load_lag_s,
+            "in_flight_prefixes": config.in_flight_prefixes,
+            "routed_lag_s": config.routed_lag,
+            "learn_cost": config.learn_cost,
         },
         "unbounded": {
             "block_hit_ratio": unbounded_block_hit_ratio(requests),

@@ -35,12 +35,27 @@ always sees the engines' current caches; queueing at the router is not modelled.
 default every instance has served the trace's first request before the replay starts
 (``warm_start``): a fleet in service holds its system prompt.
 
+Router replicas (``replicas`` N > 1): N routers behind a load balancer, request i sent to
+replica i mod N. Each has its own ``InstancePool`` (its own claims, its own tie-breaking
+turn) and sees the other replicas' loads (``InstancePool.set_others``, what the
+conductor's ``/query`` answer carries) as they were ``load_lag_s`` trace seconds ago (inf:
+no load sharing, a replica prices only its own claims). The router's cost model is the
+fitted one in every replica: by default nothing is learned.
+``in_flight_prefixes`` (off by default, as before replicas existed) models the router's
+pending prefixes (``router.pending``): a prompt routed to an instance counts as a GPU hit
+there until its prefill starts (here the index has its blocks from then on), for its own
+replica at once and for the others ``routed_lag_s`` later (None: ``load_lag_s``; the
+conductor's ``/routed``). ``learn_cost`` (off by default) gives each replica production's
+``CostLearner``, started from the fitted model and fed, as the router feeds it, each of its
+own requests' TTFT with the tokens it expected to compute and the queue it saw.
+
 Run ``python -m bench.trace_report --help`` (the command line); bench/README.md "trace_sim"
 has its method and caveats, bench/results/trace-replay.md its results.
 """
 
 from __future__ import annotations
 
+import bisect
 import hashlib
 import heapq
 import json
@@ -55,6 +70,7 @@ from typing import Any
 
 from bench.harness import percentile
 from conductor.index import ContextKey, PrefixCacheTable, StreamSource
+from conductor.routed import common_prefix
 from conductor.wire.events import BlockRemoved, BlockStored, Event, EventBatch, Tier
 from publishers.engine.block_manager import Allocation, BlockManager
 from publishers.engine.timing import TimingModel
@@ -66,8 +82,9 @@ from router.policy import (
     RoutingParams,
     SloViolation,
     choose,
+    reusable_hits,
 )
-from router.pool import InstancePool, Ticket
+from router.pool import CostLearner, InstancePool, Ticket
 
 TRACE_BLOCK_SIZE = 512  # tokens per hash_id in the Mooncake traces
 TRACES_DIR = Path(__file__).resolve().parent / "traces"
@@ -227,6 +244,22 @@ class SimConfig:
     queue_seconds: bool = False  # what-if: the router queues estimated seconds, not tokens
     warm_start: bool = True  # every cache has served the trace's first request at t < 0
     verify: bool = False  # check the index against the block manager at every allocation
+    # router replicas: request i goes to replica i mod N, each with its own load accounting
+    replicas: int = 1
+    load_lag_s: float = 0.0  # trace s until a replica sees another's load (inf: never)
+    in_flight_prefixes: bool = False  # routed prompts count as hits until their prefill starts
+    routed_lag_s: float | None = None  # ... for the other replicas after this (None: load_lag_s)
+    learn_cost: bool = False  # each replica learns per_token_s from its TTFTs (CostLearner)
+
+    def __post_init__(self) -> None:
+        if self.replicas < 1:
+            raise ValueError("replicas must be at least 1")
+        if self.load_lag_s < 0 or (self.routed_lag_s is not None and self.routed_lag_s < 0):
+            raise ValueError("lags must not be negative")
+
+    @property
+    def routed_lag(self) -> float:
+        return self.load_lag_s if self.routed_lag_s is None else self.routed_lag_s
 
     def store_blocks_for(self, requests: Sequence[TraceRequest]) -> int:
         """The store's capacity (0: no store); never smaller than an instance's pool, so a
@@ -255,6 +288,44 @@ class Job:
     tokens: list[int]
     ticket: Ticket
     cached_tokens: int = 0
+    pending: PendingPrompt | None = None  # in_flight_prefixes: its prompt, until it starts
+    replica: int = 0  # the router replica that routed it
+    expected: tuple[int, int] = (0, 0)  # learn_cost: (new tokens, queued before), as claimed
+
+
+@dataclass(slots=True)
+class PendingPrompt:
+    """A routed prompt not in the index yet (its prefill has not started): who routed it,
+    when, where, and its chained block keys (complete blocks only)."""
+
+    replica: int
+    routed_at: float
+    instance_id: str
+    keys: list[int]
+
+
+class RouterReplica:
+    """One router process: its pool (its own claims), its tie-breaking turn and, when
+    replicas share their loads, the history of its own load the others read with a lag."""
+
+    def __init__(self, pool: InstancePool, learner: CostLearner | None = None) -> None:
+        self.pool = pool
+        self.learner = learner
+        self.turn = 0
+        self.times: list[float] = []  # when its own load changed ...
+        self.loads: list[dict[str, tuple[int, int]]] = []  # ... and to what
+
+    def record(self, now: float) -> None:
+        self.times.append(now)
+        self.loads.append(self.pool.own_loads())
+
+    def load_at(self, at: float) -> dict[str, tuple[int, int]]:
+        """Its own loads as they were at ``at`` (its last change at or before)."""
+        index = bisect.bisect_right(self.times, at) - 1
+        if index > 0:  # nothing older is read again: time only moves forward
+            del self.times[:index], self.loads[:index]
+            index = 0
+        return self.loads[index] if index >= 0 else {}
 
 
 @dataclass(slots=True)
@@ -372,7 +443,6 @@ class TraceSimulation:
         self.now = 0.0
         self._heap: list[tuple[float, int, int, object]] = []
         self._sequence = 0
-        self._turn = 0
         self.table = PrefixCacheTable()
         self.context = ContextKey(TENANT, MODEL, "", size)
         self.store: SharedStore | None = None
@@ -384,10 +454,21 @@ class TraceSimulation:
             )  # fmt: skip
             self.table.add_stream(self.store_source)
         self.instances = self._fleet(config.gpu_blocks_for(requests))
-        self.pool = InstancePool.build(
+        self.replicas = [self._replica() for _ in range(config.replicas)]
+        self.pool = self.replicas[0].pool  # the only one by default
+        self.pending: dict[int, PendingPrompt] = {}  # in_flight_prefixes: by request index
+
+    def _replica(self) -> RouterReplica:
+        pool = InstancePool.build(
             ((name, f"sim://{name}") for name in self.instances),
             kv_stores=dict.fromkeys(self.instances, STORE_INSTANCE) if self.store else None,
         )
+        replica = RouterReplica(
+            pool, CostLearner(self.params.cost) if self.config.learn_cost else None
+        )
+        if self.config.replicas > 1 and math.isfinite(self.config.load_lag_s):
+            pool.load_listener = lambda: replica.record(self.now)
+        return replica
 
     def _fleet(self, gpu_blocks: int) -> dict[str, PrefillInstance]:
         """The instances, registered with the conductor (and warmed up, if configured)."""
@@ -439,27 +520,92 @@ class TraceSimulation:
         matches = self.table.match_tokens(self.context, tokens) or {}
         return {name: (m.gpu, m.cpu, m.disk) for name, m in matches.items()}
 
-    def route(self, candidates: Sequence[Candidate], prompt_length: int) -> Decision:
-        self._turn += 1
+    def route(
+        self, candidates: Sequence[Candidate], prompt_length: int, replica: RouterReplica
+    ) -> Decision:
+        replica.turn += 1
         if self.policy == "random":
             chosen = self.rng.choice(candidates)
             return Decision(chosen.instance_id, "random", chosen.gpu_tokens)
-        return choose(self.params, candidates, self._turn, prompt_length, self.rng)
+        params = self.params
+        if replica.learner is not None:
+            params = replace(params, cost=replica.learner.model)
+        return choose(params, candidates, replica.turn, prompt_length, self.rng)
 
     def _arrive(self, request: TraceRequest) -> None:
         tokens = prompt_tokens(request)
-        candidates = self.pool.candidates(self.hits(tokens))
+        number = request.index % len(self.replicas)
+        replica = self.replicas[number]
+        self._share_loads(number)
+        hits = self.hits(tokens)
+        keys = self._block_keys(tokens) if self.config.in_flight_prefixes else []
+        if keys:
+            self._add_in_flight(hits, keys, len(tokens), number)
+        candidates = replica.pool.candidates(hits)
         try:
-            decision = self.route(candidates, len(tokens))
+            decision = self.route(candidates, len(tokens), replica)
         except SloViolation:
             self.result.rejected += 1
             return
-        upstream = self.pool.prefill[decision.instance_id]
-        ticket = self.pool.claim(upstream, self._queued_work(decision, len(tokens)))
+        upstream = replica.pool.prefill[decision.instance_id]
+        work = self._queued_work(decision, len(tokens))
+        ticket = replica.pool.claim(upstream, work)
         instance = self.instances[decision.instance_id]
-        instance.waiting.append(Job(request, tokens, ticket))
+        job = Job(request, tokens, ticket, replica=number)
+        if replica.learner is not None:  # router.in_flight's Claim
+            new_tokens = max(len(tokens) - decision.cached_tokens, 0)
+            job.expected = (new_tokens, upstream.queue_tokens - new_tokens)
+        if keys:
+            job.pending = PendingPrompt(number, self.now, decision.instance_id, keys)
+            self.pending[request.index] = job.pending
+        instance.waiting.append(job)
         if not instance.busy:
             self._start(instance)
+
+    def _share_loads(self, number: int) -> None:
+        """The other replicas' loads as the conductor would pass them to replica
+        ``number`` now: each as it was ``load_lag_s`` ago (none without sharing)."""
+        if len(self.replicas) == 1 or not math.isfinite(self.config.load_lag_s):
+            return
+        seen_at = self.now - self.config.load_lag_s
+        others: dict[str, tuple[int, int]] = {}
+        for index, other in enumerate(self.replicas):
+            if index == number:
+                continue
+            for name, (queued, in_flight) in other.load_at(seen_at).items():
+                total = others.get(name, (0, 0))
+                others[name] = (total[0] + queued, total[1] + in_flight)
+        self.replicas[number].pool.set_others(others)
+
+    def _block_keys(self, tokens: Sequence[int]) -> list[int]:
+        """Chained keys of the prompt's complete blocks (equal keys, equal prefixes): the
+        stand-in for the conductor's ``prefix_hashes`` that pending prompts compare."""
+        size = self.config.block_size
+        keys, key = [], 0
+        for start in range(0, len(tokens) // size * size, size):
+            key = hash((key, bytes(tokens[start : start + size])))
+            keys.append(key)
+        return keys
+
+    def _add_in_flight(
+        self, hits: dict[str, tuple[int, int, int]], keys: list[int], length: int, number: int
+    ) -> None:
+        """Raise each instance's GPU hit to the longest prefix of a prompt routed there and
+        not started yet that replica ``number`` knows of (``router.lookup``'s rule)."""
+        visible_until = self.now - self.config.routed_lag
+        matches: dict[str, int] = {}
+        for prompt in self.pending.values():
+            if prompt.replica != number and prompt.routed_at > visible_until:
+                continue
+            shared = common_prefix(prompt.keys, keys)
+            if shared > matches.get(prompt.instance_id, 0):
+                matches[prompt.instance_id] = shared
+        size = self.config.block_size
+        pending_hits = {name: (blocks * size,) * 3 for name, blocks in matches.items()}
+        for name, (pending, _, _) in reusable_hits(pending_hits, length, size).items():
+            gpu, cpu, disk = hits.get(name, (0, 0, 0))
+            if pending > gpu:
+                hits[name] = (pending, max(cpu, pending), max(disk, pending))
 
     def _queued_work(self, decision: Decision, prompt_length: int) -> int:
         """What the router adds to the instance's ``queued_prefill_tokens``: the tokens it
@@ -477,6 +623,9 @@ class TraceSimulation:
 
     def _start(self, instance: PrefillInstance) -> None:
         job = instance.waiting.popleft()
+        if job.pending is not None:  # its blocks are indexed from now on
+            del self.pending[job.request.index]
+            job.pending = None
         request_id = str(job.request.index)
         expected = self._indexed_hit(instance, job) if self.config.verify else None
         allocation = instance.blocks.allocate(request_id, job.tokens)
@@ -527,6 +676,9 @@ class TraceSimulation:
             )
         instance.blocks.free(str(request.index))
         job.ticket.release()  # first token out: the prefill request is done
+        learner = self.replicas[job.replica].learner
+        if learner is not None:
+            learner.observe(*job.expected, ttft)
         instance.busy = False
         if instance.waiting:
             self._start(instance)

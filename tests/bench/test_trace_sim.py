@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import subprocess
 import sys
 from dataclasses import replace
@@ -21,6 +22,7 @@ import pytest
 from bench.trace_report import evaluate_goals, plot_cdfs, run_names
 from bench.trace_sim import (
     TRACE_BLOCK_SIZE,
+    PendingPrompt,
     SimConfig,
     TraceRequest,
     TraceSimulation,
@@ -360,3 +362,122 @@ def test_the_command_line_runs_as_a_module(tmp_path: Path) -> None:
     )
     runs = json.loads(report.read_text())["traces"]["synthetic"]["runs"]
     assert runs["ttft"]["served"] == 40
+
+
+# -- router replicas ---------------------------------------------------------------------
+
+# one router, as before replicas existed: (policy, store blocks) -> reused tokens, computed
+# tokens per instance and the sum of the TTFTs, measured before the replica code went in
+ONE_ROUTER = {
+    ("ttft", 0): (346112, [1098732, 944476, 899803, 980848], 9794.358063944792),
+    ("least_loaded", 0): (231936, [1136256, 923735, 984392, 993652], 9771.40009605179),
+    ("ttft", 2000): (184832, [1075126, 977781, 970831, 1061401], 10236.56599991486),
+    ("least_loaded", 2000): (178688, [1170877, 989742, 959224, 971440], 9747.536573358404),
+}
+
+
+@pytest.mark.parametrize(("policy", "store"), list(ONE_ROUTER))
+def test_one_router_gives_the_figures_it_gave_before_replicas(
+    conversation_slice: list[TraceRequest], policy: str, store: int
+) -> None:
+    config = SimConfig(
+        num_instances=INSTANCES, store_blocks=store, gpu_blocks=600 if store else None
+    )
+    reused, computed, ttft_sum = ONE_ROUTER[(policy, store)]
+    for variant in (config, replace(config, load_lag_s=math.inf)):  # one router: no lag
+        result = TraceSimulation(conversation_slice, variant, policy).run()
+        assert result.reused_tokens == reused
+        assert result.instance_tokens == computed
+        assert sum(result.ttfts) == ttft_sum
+
+
+@pytest.mark.parametrize("lag", [0.0, math.inf])
+def test_replicas_price_their_own_claims_and_the_others_as_shared(
+    conversation_slice: list[TraceRequest], lag: float
+) -> None:
+    """At lag 0 every replica prices the fleet's whole queue, as one router does; without
+    sharing, only its own claims. Request i goes to replica i mod N."""
+    config = SimConfig(num_instances=INSTANCES, replicas=3, load_lag_s=lag)
+    simulation = TraceSimulation(conversation_slice[:120], config, "ttft")
+    own: list[dict[str, int]] = []
+    route = simulation.route
+
+    def recording(candidates, prompt_length, replica):  # type: ignore[no-untyped-def]
+        own.append({n: up.queued_prefill_tokens for n, up in replica.pool.prefill.items()})
+        total = {
+            name: sum(r.pool.prefill[name].queued_prefill_tokens for r in simulation.replicas)
+            for name in simulation.instances
+        }
+        expected = total if lag == 0 else own[-1]
+        assert {c.instance_id: c.queued_prefill_tokens for c in candidates} == expected
+        return route(candidates, prompt_length, replica)
+
+    simulation.route = recording  # type: ignore[method-assign]
+    result = simulation.run()
+    assert len(result.ttfts) == 120
+    assert [r.turn for r in simulation.replicas] == [40, 40, 40]
+    assert any(queued for loads in own for queued in loads.values())
+
+
+def test_a_replica_sees_the_others_loads_as_they_were_a_lag_ago() -> None:
+    """Two replicas, two idle instances; a long prompt at t = 0 on replica 0, a short one
+    at t = 0.01 s on replica 1. Seen at once, the short one goes to the other instance;
+    seen 0.05 s late (or never), both replicas pick the same idle-looking instance and
+    the short prompt waits behind the long one."""
+    requests = [
+        TraceRequest(0, 0.0, 20 * 512, 1, tuple(range(100, 120))),
+        TraceRequest(1, 0.01, 2 * 512, 1, (200, 201)),
+    ]
+    for lag, herded in ((0.0, False), (0.005, False), (0.05, True), (math.inf, True)):
+        config = SimConfig(num_instances=2, replicas=2, load_lag_s=lag, warm_start=False)
+        result = TraceSimulation(requests, config, "ttft").run()
+        assert (0 in result.instance_tokens) == herded, lag
+
+
+def test_in_flight_prefixes_count_for_their_replica_at_once_and_the_others_later() -> None:
+    """A prompt routed and not started counts as a GPU hit where it was sent (capped as
+    the engine caps a hit), for the replica that routed it now and for the others
+    ``routed_lag_s`` later; its prefill's start removes it (the index has it then)."""
+    prompt = request(list(range(300, 304)), 4 * 512)  # 4 complete blocks: 3 reusable
+    config = SimConfig(
+        num_instances=2, replicas=2, in_flight_prefixes=True, routed_lag_s=0.5, warm_start=False
+    )
+    simulation = TraceSimulation([prompt], config, "ttft")
+    tokens = prompt_tokens(prompt)
+    keys = simulation._block_keys(tokens)
+    assert len(keys) == 4 and keys[:2] == simulation._block_keys(tokens[:1100])
+    simulation.pending[7] = PendingPrompt(0, 1.0, "prefill-1", keys)
+    for now, replica, expected in ((1.0, 0, 1536), (1.0, 1, 0), (1.6, 1, 1536)):
+        simulation.now = now
+        hits: dict[str, tuple[int, int, int]] = {}
+        simulation._add_in_flight(hits, keys, len(tokens), replica)
+        assert hits.get("prefill-1", (0, 0, 0)) == (expected,) * 3
+    simulation.pending.clear()
+    simulation.run()
+    assert not simulation.pending
+
+
+def test_the_config_takes_at_least_one_replica_and_no_negative_lag() -> None:
+    assert SimConfig().replicas == 1 and not SimConfig().in_flight_prefixes
+    assert SimConfig(load_lag_s=0.2).routed_lag == 0.2
+    assert SimConfig(load_lag_s=0.2, routed_lag_s=math.inf).routed_lag == math.inf
+    for wrong in ({"replicas": 0}, {"load_lag_s": -1.0}, {"routed_lag_s": -0.1}):
+        with pytest.raises(ValueError):
+            SimConfig(**wrong)
+
+
+def test_each_replica_learns_its_cost_model_from_its_own_requests(
+    conversation_slice: list[TraceRequest],
+) -> None:
+    """``learn_cost``: production's CostLearner per replica, one sample per request it
+    routed; off by default, every replica prices with the fitted model."""
+    config = SimConfig(num_instances=INSTANCES, replicas=2, load_lag_s=0.2)
+    plain = TraceSimulation(conversation_slice[:100], config, "ttft")
+    plain.run()
+    assert all(replica.learner is None for replica in plain.replicas)
+    learning = TraceSimulation(conversation_slice[:100], replace(config, learn_cost=True), "ttft")
+    learning.run()
+    learners = [replica.learner for replica in learning.replicas]
+    assert [learner.samples for learner in learners if learner] == [50, 50]
+    fitted = learning.params.cost.per_token_s
+    assert all(learner and learner.model.per_token_s != fitted for learner in learners)
