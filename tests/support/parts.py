@@ -18,6 +18,7 @@ from pathlib import Path
 
 from bench.index_bench import dynamo_version
 from bench.peer_routers import PEERS, find_binary
+from tests.container.podman import image_missing
 from tests.support.store import store_skip_reason
 
 VLLM_PYTHON = Path(
@@ -76,6 +77,7 @@ PARTS: dict[str, Callable[[], str | None]] = {
     "store-wheel": store_wheel_missing,
     "peer-routers": peer_routers_missing,
     "dynamo": dynamo_missing,
+    "podman": image_missing,  # podman and the project's image built from this tree
 }
 
 
