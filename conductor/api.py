@@ -62,8 +62,11 @@ from .hash_profile import HashProfile
 from .http_guard import ConnectionGuard
 from .index import ContextKey, ContextView, InstanceMatch
 from .loads import (
+    DEFAULT_WAIT_S,
+    LEASE_HEADER,
     LOADS_HEADER,
     MAX_INSTANCES,
+    MAX_LEASE_NUMBER,
     REPLICA_HEADER,
     LoadReport,
     ReplicaLoads,
@@ -453,6 +456,20 @@ def _tiers(request: web.Request, default: frozenset[str]) -> frozenset[str]:
         raise ApiError(400, str(error), TIERS_HEADER, reason=INVALID_VALUE) from None
 
 
+def _lease_number(request: web.Request) -> int | None:
+    """A query's decision lease number (``conductor.loads``); None without one, a 400 for
+    one that is not a number in range."""
+    value = request.headers.get(LEASE_HEADER)
+    if value is None:
+        return None
+    if not value.isascii() or not value.isdigit() or int(value) > MAX_LEASE_NUMBER:
+        raise ApiError(
+            400, f"{LEASE_HEADER}: expected a whole number up to {MAX_LEASE_NUMBER}",
+            field=LEASE_HEADER, reason=INVALID_VALUE,
+        )  # fmt: skip
+    return int(value)
+
+
 def _hits(
     request: web.Request, matches: dict[str, InstanceMatch] | None
 ) -> dict[str, InstanceMatch]:
@@ -472,6 +489,7 @@ class ApiOptions:
     state: StateFile | None = None  # None: registrations are not persisted
     guard: ConnectionGuard | None = None
     snapshots: Snapshots | None = None  # None: no GET /snapshot
+    replica_wait_s: float = DEFAULT_WAIT_S  # see conductor.loads
 
 
 class ConductorApi:
@@ -483,7 +501,7 @@ class ConductorApi:
         self.refusals = RateLimitedLog()
         self.routed = RoutedPrompts()  # what routers sent where, not indexed yet
         self.metrics.routed_prompts.routed = self.routed
-        self.loads = ReplicaLoads()  # what each router replica has queued where
+        self.loads = ReplicaLoads(max_wait_s=options.replica_wait_s)  # replicas' loads
         self.metrics.routed_prompts.loads = self.loads
 
     def routes(self) -> list[web.RouteDef]:
@@ -556,6 +574,9 @@ class ConductorApi:
         limits = self.options.limits
         body = await parse_body(request, QueryRequest, limits, QueryRequest.from_plain_json)
         _at_most(len(body.token_ids) // 4, limits.max_query_tokens, "token_ids")
+        replica = request.headers.get(REPLICA_HEADER)
+        if replica is not None:  # after the other replicas' decisions on the model
+            await self.loads.decide(replica, body.model, _lease_number(request))
         matches = self.table.match_tokens(
             body.context_key(), body.token_ids, body.cache_salt or "", body.instance_id
         )
@@ -564,7 +585,7 @@ class ConductorApi:
         response = self._answer(request, body, matches)
         if PROGRESS_HEADER in request.headers:
             response.headers[INDEXED_UNTIL_HEADER] = self._progress(request, body.tenant_id)
-        if (replica := request.headers.get(REPLICA_HEADER)) is not None:
+        if replica is not None:
             others = self.loads.others(replica, matches or ())
             response.headers[LOADS_HEADER] = loads_header(others)
         self.metrics.query_seconds.labels("/query").observe(time.perf_counter() - started)

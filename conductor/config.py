@@ -532,6 +532,13 @@ class Settings(StrictModel):
     peer_timeout_s: float = Field(
         default=10.0, gt=0, le=600, description="seconds a peer's snapshot may take to arrive"
     )
+    replica_wait_s: float = Field(
+        default=0.01,
+        ge=0,
+        le=1,
+        description="seconds a router replica's /query waits at most for another replica's "
+        "decision on its model to be reported (0: never)",
+    )
 
     @field_validator("register_allow")
     @classmethod

@@ -10,6 +10,19 @@ that names its replica (``REPLICA_HEADER``) is answered, in ``LOADS_HEADER``, wi
 of the *other* replicas' loads on the query's instances. A report counts for its
 ``ttl_s``: a replica that stops reporting (stopped, or cut off) stops counting.
 
+However fast a report travels, replicas that decide at the same instant do not see each
+other's decisions: a burst of requests reaching every replica at once lands on the engine
+each believes idle, the same one (bench/results/trace-replay.md: any lag at all cost the
+conversation trace 1.3x mean TTFT in simulation, none cost nothing). So a query that names
+its replica takes a *decision lease* on its model (numbered by the replica,
+``LEASE_HEADER``): until a report of that replica lists the number among its ``decided``
+(the decision is in its load) or the lease expires, another replica's query on the model
+waits, at most ``max_wait_s`` (the ``replica_wait_s`` setting), and then sees the
+decision. A replica never waits for its own leases (it knows its own decisions).
+Decisions on one model are thus taken one after another across replicas, each a round
+trip apart (~1 ms on one host), and a waiting query answers at the bound anyway: under
+more concurrency than that, replicas fall back to seeing each other a report late.
+
 Memory and time are bounded: at most ``MAX_REPLICAS`` replicas and ``MAX_INSTANCES`` instances
 per report (the whole load of a replica in a few kB); an answer adds each replica's
 instances (a few per query), lists the most loaded first and fits in ``MAX_HEADER_BYTES``.
@@ -17,16 +30,20 @@ instances (a few per query), lists the most loaded first and fits in ``MAX_HEADE
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import json
 import time
-from collections.abc import Callable, Container
+from collections.abc import Callable, Collection, Container
 from dataclasses import dataclass
+from typing import Annotated
 
 from pydantic import Field
 
 from .config import StrictModel
 
 REPLICA_HEADER = "X-Conductor-Replica"  # a query's: the router replica asking
+LEASE_HEADER = "X-Conductor-Replica-Lease"  # a query's: its decision's number at the replica
 LOADS_HEADER = "X-Conductor-Replica-Loads"  # the answer's: the other replicas' loads
 DEFAULT_TTL_S = 3.0
 MAX_TTL_S = 60.0
@@ -36,6 +53,10 @@ MAX_REPLICA_CHARS = 256
 MAX_HEADER_BYTES = 6144  # well under a client's 8 KiB header line
 MAX_QUEUED_TOKENS = 1 << 40
 MAX_IN_FLIGHT = 1_000_000
+MAX_LEASE_NUMBER = (1 << 63) - 1
+DEFAULT_WAIT_S = 0.01  # a query waits at most this long for other replicas' decisions
+LEASE_S = 0.02  # a decision lease ends at its replica's report, or after this (or 2 waits)
+MAX_LEASED_MODELS = 1024  # past it, expired leases are swept before a new one
 
 
 class InstanceLoad(StrictModel):
@@ -52,6 +73,10 @@ class LoadReport(StrictModel):
     replica: str = Field(min_length=1, max_length=MAX_REPLICA_CHARS)
     ttl_s: float = Field(default=DEFAULT_TTL_S, gt=0, le=MAX_TTL_S, allow_inf_nan=False)
     instances: dict[str, InstanceLoad] = Field(default_factory=dict, max_length=MAX_INSTANCES)
+    # the leases whose decisions this load includes (their queries' LEASE_HEADER numbers)
+    decided: list[Annotated[int, Field(ge=0, le=MAX_LEASE_NUMBER)]] = Field(
+        default_factory=list, max_length=MAX_INSTANCES
+    )
 
 
 class TooManyReplicas(Exception):
@@ -64,15 +89,65 @@ class _Held:
     expires: float
 
 
+@dataclass(slots=True)
+class _Lease:
+    """A replica between a query on a model and the report of its decision."""
+
+    replica: str
+    number: int
+    until: float
+    reported: asyncio.Event
+
+
 class ReplicaLoads:
-    """Each replica's last report, until its time is over."""
+    """Each replica's last report, until its time is over; the decision leases."""
 
     def __init__(
-        self, max_replicas: int = MAX_REPLICAS, clock: Callable[[], float] = time.monotonic
+        self,
+        max_replicas: int = MAX_REPLICAS,
+        max_wait_s: float = DEFAULT_WAIT_S,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.max_replicas = max_replicas
+        self.max_wait_s = max_wait_s
+        self._lease_s = max(LEASE_S, 2 * max_wait_s)
         self._clock = clock
         self._held: dict[str, _Held] = {}
+        self._leases: dict[str, list[_Lease]] = {}  # model -> leases, oldest first
+        self.waits = 0  # queries that waited for another replica's decision
+        self.wait_timeouts = 0  # ... and answered at max_wait_s without it
+        self.wait_seconds = 0.0
+
+    async def decide(self, replica: str, model: str, number: int | None) -> None:
+        """Wait (at most ``max_wait_s``) until no other replica holds a decision lease on
+        ``model``, then take lease ``number`` (None: none) until the replica reports it."""
+        if len(self._leases) > MAX_LEASED_MODELS:
+            self._end_leases("", (), self._clock())  # only the expired ones go
+        deadline = self._clock() + self.max_wait_s
+        waited = False
+        while True:
+            now = self._clock()
+            leases = [lease for lease in self._leases.get(model, ()) if lease.until > now]
+            others = [lease for lease in leases if lease.replica != replica]
+            if not others or now >= deadline:
+                break
+            if not waited:
+                waited, began = True, now
+                self.waits += 1
+            first = others[0]
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(min(first.until, deadline) - now):
+                    await first.reported.wait()
+        if waited:
+            self.wait_seconds += self._clock() - began
+            if others:
+                self.wait_timeouts += 1
+        if number is not None:
+            leases.append(_Lease(replica, number, self._clock() + self._lease_s, asyncio.Event()))
+        if leases:
+            self._leases[model] = leases
+        else:
+            self._leases.pop(model, None)
 
     def __len__(self) -> int:
         """The replicas whose report still counts."""
@@ -95,6 +170,23 @@ class ReplicaLoads:
             if load.queued_prefill_tokens or load.in_flight
         }
         self._held[body.replica] = _Held(loads, now + body.ttl_s)
+        self._end_leases(body.replica, body.decided, now)
+
+    def _end_leases(self, replica: str, decided: Collection[int], now: float) -> None:
+        """The leases of ``replica`` numbered in ``decided`` end (their decisions are in its
+        load now), and the expired ones go."""
+        decided = set(decided)
+        for model, leases in list(self._leases.items()):
+            kept = []
+            for lease in leases:
+                if lease.replica == replica and lease.number in decided:
+                    lease.reported.set()
+                elif lease.until > now:
+                    kept.append(lease)
+            if kept:
+                self._leases[model] = kept
+            else:
+                del self._leases[model]
 
     def others(self, replica: str, instances: Container[str]) -> dict[str, tuple[int, int]]:
         """Per instance of ``instances``, the loads of every replica but ``replica``."""

@@ -85,9 +85,22 @@ class RoutedCollector(Collector):
             "Router replicas whose load report still counts (POST /loads)",
         )
         replicas.add_metric([], len(self.loads))
-        yield held
-        yield dropped
-        yield replicas
+        waits = CounterMetricFamily(
+            "conductor_replica_decision_waits",
+            "Queries that waited for another router replica's decision on their model",
+        )
+        waits.add_metric([], self.loads.waits)
+        timeouts = CounterMetricFamily(
+            "conductor_replica_decision_wait_timeouts",
+            "Of those, the queries answered at the wait's bound without it",
+        )
+        timeouts.add_metric([], self.loads.wait_timeouts)
+        seconds = CounterMetricFamily(
+            "conductor_replica_decision_wait_seconds",
+            "Time queries spent waiting for other router replicas' decisions",
+        )
+        seconds.add_metric([], self.loads.wait_seconds)
+        yield from (held, dropped, replicas, waits, timeouts, seconds)
 
 
 STREAM_FAMILIES = (

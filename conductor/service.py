@@ -86,6 +86,7 @@ def create_app(
         state=state_file,
         guard=guard,
         snapshots=snapshots,
+        replica_wait_s=settings.replica_wait_s,
     )
     app = api_app(manager, options)
     app[MANAGER] = manager

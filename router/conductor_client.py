@@ -445,8 +445,17 @@ class ConductorClient:
         return parse_store_states(await self._ask("health", health))
 
     async def hits(self, prompt: PromptBlocks, progress_of: Collection[str]) -> Hits:
-        """``query`` with the prompt's packed ids: the conductor hashes them itself."""
-        return await self.query(prompt.packed, prompt.context, prompt.cache_salt, progress_of)
+        """``query`` with the prompt's packed ids: the conductor hashes them itself. With
+        load sharing the query takes a decision lease, ``decided`` ends it."""
+        if self._loads is not None:
+            prompt.lease = self._loads.next_lease()
+        return await self.query(
+            prompt.packed, prompt.context, prompt.cache_salt, progress_of, prompt.lease
+        )
+
+    def decided(self, prompt: PromptBlocks) -> None:
+        if self._loads is not None and prompt.lease is not None:
+            self._loads.decided(prompt.lease)
 
     async def query(
         self,
@@ -454,10 +463,12 @@ class ConductorClient:
         context: IndexContext,
         cache_salt: str | None = None,
         progress_of: Collection[str] = (),
+        lease: int | None = None,
     ) -> Hits:
         """Cumulative (GPU, CPU, DISK) hit in tokens per instance of ``context``;
         ``packed``: the prompt as ``token_bytes`` gives it (int32, wrapped as the conductor
-        hashes them); ``progress_of``: instances whose indexing progress to learn too."""
+        hashes them); ``progress_of``: instances whose indexing progress to learn too;
+        ``lease``: the decision lease the query takes (with load sharing)."""
         body: dict[str, Any] = {
             "model": context.model,
             "block_size": context.block_size,
@@ -469,7 +480,7 @@ class ConductorClient:
             body["cache_salt"] = cache_salt
         headers = {HITS_ONLY_HEADER: "1"}  # instances left out have no hit (Go: all listed)
         if self._loads is not None:
-            headers |= self._loads.query_headers
+            headers |= self._loads.query_headers(lease)
         if asked := self._progress_turn(list(progress_of)):
             headers[PROGRESS_HEADER] = json.dumps(asked)
 

@@ -117,6 +117,9 @@ class EmbeddedConductor:
         """Nothing: no other router asks this index (the router's own prompts in flight
         cover its requests)."""
 
+    def decided(self, prompt: PromptBlocks) -> None:
+        """Nothing: no other router shares this index's loads."""
+
     async def store_states(self, timeout: float) -> dict[str, StoreState]:
         return {kv_store: view["state"] for kv_store, view in self.manager.stores.view().items()}
 

@@ -59,6 +59,8 @@ class InFlight:
         self._metrics.cached_tokens.inc(decision.cached_tokens)
         new_tokens = max(routed.tokenized.count - decision.cached_tokens, 0)
         ticket = self._pool.claim(prefill, new_tokens)
+        if routed.lookup.prompt is not None:
+            self._index.decided(routed.lookup.prompt)
         if added := routed.lookup.in_flight_hits.get(prefill.instance_id):
             self._metrics.in_flight_hit_tokens.inc(min(added, decision.cached_tokens))
         prompt, pending = routed.lookup.prompt, None

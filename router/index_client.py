@@ -52,12 +52,14 @@ class PromptBlocks:
     ``cache_salt`` (what the embedded index and the prompts in flight compare), hashed
     once, when first read."""
 
-    __slots__ = ("packed", "context", "cache_salt", "_hashes")
+    __slots__ = ("packed", "context", "cache_salt", "lease", "_hashes")
 
     def __init__(self, packed: bytes, context: IndexContext, cache_salt: str) -> None:
         self.packed = packed
         self.context = context
         self.cache_salt = cache_salt
+        # the decision lease its query took on the conductor (``conductor.loads``), if any
+        self.lease: int | None = None
         self._hashes: list[PrefixHash] | None = None
 
     @property
@@ -101,6 +103,12 @@ class IndexClient(Protocol):
     def report_routed(self, prompt: PromptBlocks, instance_id: str) -> None:
         """``prompt`` was sent to ``instance_id``: for the other router replicas, whose
         index counts it there until its events are indexed. Never waits, never raises."""
+        ...
+
+    def decided(self, prompt: PromptBlocks) -> None:
+        """``prompt``'s request was claimed on an instance: its decision is in this router's
+        load, for the other replicas (it ends the decision lease its query took). Never
+        waits, never raises."""
         ...
 
     async def store_states(self, timeout: float) -> dict[str, StoreState]:

@@ -10,15 +10,19 @@ soon as it changes (one report at a time, the next one carrying everything that 
 meanwhile) and at least every third of ``share_load_ttl_seconds`` while it carries any;
 and each of its queries names it (``X-Conductor-Replica``) so that the answer carries the
 other replicas' loads on the query's instances, which the pool adds to its own
-(``InstancePool.set_others``) before the decision. A conductor that takes no report
-(unreachable, or without the route: the Go service) is retried and said in ``/health``;
-the replica then routes on its own load there.
+(``InstancePool.set_others``) before the decision. The query also takes a decision lease
+that the next report ends: other replicas' queries on the model wait for it, a few ms at
+most (``conductor.loads``), so a burst reaching every replica at once is spread as one
+router would spread it. A conductor that takes no report (unreachable, or without the
+route: the Go service) is retried and said in ``/health``; the replica then routes on its
+own load there.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import itertools
 import json
 import time
 import uuid
@@ -28,14 +32,13 @@ from typing import Any
 import aiohttp
 
 from conductor.failures import describe
-from conductor.loads import REPLICA_HEADER
+from conductor.loads import LEASE_HEADER, MAX_INSTANCES, REPLICA_HEADER
 
 from .index_client import answer_text
 from .metrics import ReplicaMetrics
 from .notices import Notices
 from .pool import InstancePool
 
-MIN_INTERVAL_S = 0.005  # between two reports: a burst of changes goes out as one
 Post = Callable[[str, str, dict[str, Any], float], Awaitable[tuple[int, Any]]]
 
 
@@ -51,7 +54,8 @@ class LoadSharing:
         notices: Notices,
     ) -> None:
         self.replica = uuid.uuid4().hex  # this process: a restarted one is a new replica
-        self.query_headers = {REPLICA_HEADER: self.replica}
+        self._leases = itertools.count()
+        self._decided: list[int] = []  # leases whose decisions the next report carries
         self._pool = pool
         self._urls = urls
         self._post = post
@@ -73,6 +77,21 @@ class LoadSharing:
             self._task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await self._task
+
+    def next_lease(self) -> int:
+        return next(self._leases)
+
+    def query_headers(self, lease: int | None) -> dict[str, str]:
+        """What a query sends: this replica, and the decision lease it takes."""
+        headers = {REPLICA_HEADER: self.replica}
+        if lease is not None:
+            headers[LEASE_HEADER] = str(lease)
+        return headers
+
+    def decided(self, lease: int) -> None:
+        """The query's decision is in this router's load now: the next report says so."""
+        self._decided.append(lease)
+        self._changed.set()
 
     def retry(self, url: str) -> None:
         """``url`` accepted a registration: it may have been upgraded, ask it again."""
@@ -107,9 +126,10 @@ class LoadSharing:
                     await self._changed.wait()
             self._changed.clear()
             loads = self._pool.own_loads()
-            if loads == sent and (not loads or time.monotonic() < renew_at):
+            if loads == sent and not self._decided and (not loads or time.monotonic() < renew_at):
                 continue
             renew_at = time.monotonic() + keepalive_s
+            decided, self._decided = self._decided[:MAX_INSTANCES], self._decided[MAX_INSTANCES:]
             body = {
                 "replica": self.replica,
                 "ttl_s": self._ttl_s,
@@ -117,11 +137,11 @@ class LoadSharing:
                     name: {"queued_prefill_tokens": queued, "in_flight": in_flight}
                     for name, (queued, in_flight) in loads.items()
                 },
+                "decided": decided,
             }
             urls = [url for url in self._urls if url not in self._no_route]
             results = await asyncio.gather(*(self._send(url, body) for url in urls))
             sent = loads if all(results) else None  # a failed report is sent again
-            await asyncio.sleep(MIN_INTERVAL_S)
 
     async def _send(self, url: str, body: dict[str, Any]) -> bool:
         try:

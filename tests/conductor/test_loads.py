@@ -3,6 +3,7 @@ naming its replica is answered with the other replicas' loads on the query's ins
 
 from __future__ import annotations
 
+import asyncio
 import json
 from typing import Any
 
@@ -10,6 +11,8 @@ import aiohttp
 import pytest
 
 from conductor.loads import (
+    DEFAULT_WAIT_S,
+    LEASE_HEADER,
     LOADS_HEADER,
     MAX_HEADER_BYTES,
     REPLICA_HEADER,
@@ -23,11 +26,14 @@ from tests.support.api import metric, post, register_and_connect
 ALL = {"a", "b", "c"}
 
 
-def report(replica: str, ttl_s: float = 3.0, **instances: tuple[int, int]) -> LoadReport:
+def report(
+    replica: str, ttl_s: float = 3.0, decided: tuple[int, ...] = (), **instances: tuple[int, int]
+) -> LoadReport:
     return LoadReport.model_validate(
         {
             "replica": replica,
             "ttl_s": ttl_s,
+            "decided": list(decided),
             "instances": {
                 name: {"queued_prefill_tokens": queued, "in_flight": in_flight}
                 for name, (queued, in_flight) in instances.items()
@@ -83,6 +89,37 @@ def test_the_header_lists_the_most_queued_first_within_its_size() -> None:
     assert loads_header({"é\n": (1, 1)}).isascii()
 
 
+async def test_a_query_waits_for_another_replicas_decision_on_its_model() -> None:
+    """A's query took lease 7 on model m: B's query on m waits until A reports lease 7
+    decided, then sees A's decision; A's own next query and B's on another model do not."""
+    loads = ReplicaLoads()
+    loop = asyncio.get_running_loop()
+    await loads.decide("a", "m", 7)
+    await asyncio.wait_for(loads.decide("a", "m", 8), DEFAULT_WAIT_S / 2)  # its own: no wait
+    await asyncio.wait_for(loads.decide("b", "other", 1), DEFAULT_WAIT_S / 2)
+    waiting = asyncio.create_task(loads.decide("b", "m", 1))
+    await asyncio.sleep(0)
+    loads.report(report("a", decided=(1,), x=(10, 1)))  # another lease: still waiting
+    await asyncio.sleep(0)
+    assert not waiting.done()
+    loads.report(report("a", decided=(7, 8), x=(20, 2)))
+    await asyncio.wait_for(waiting, DEFAULT_WAIT_S / 2)
+    assert loads.others("b", {"x"}) == {"x": (20, 2)}
+    assert (loads.waits, loads.wait_timeouts) == (1, 0)
+
+    started = loop.time()  # b's lease 1 is unreported: a waits for it, at most DEFAULT_WAIT_S
+    await loads.decide("a", "m", 9)
+    assert DEFAULT_WAIT_S * 0.9 <= loop.time() - started < DEFAULT_WAIT_S * 5
+    assert (loads.waits, loads.wait_timeouts) == (2, 1)
+
+
+async def test_a_query_without_a_lease_number_takes_none() -> None:
+    loads = ReplicaLoads()
+    await loads.decide("a", "m", None)
+    await asyncio.wait_for(loads.decide("b", "m", None), DEFAULT_WAIT_S / 2)
+    assert loads.waits == 0
+
+
 def load_body(replica: Any, **instances: Any) -> dict[str, Any]:
     return {"replica": replica, "instances": instances}
 
@@ -114,6 +151,13 @@ async def test_queries_naming_a_replica_carry_the_others_loads(served, http, pub
     assert await query_loads(http, base, "r2") == {"a": [300, 2]}
     assert await query_loads(http, base, "r3") == {"a": [320, 3], "b": [20, 1]}
     assert await metric(http, base, "conductor_router_replicas") == 2
+
+    body = {"model": "m", "block_size": 4, "token_ids": list(range(8))}
+    for bad in ("-1", "x", "1.5", "٣", str(1 << 63)):
+        headers = {REPLICA_HEADER: "r1", LEASE_HEADER: bad}
+        async with http.post(f"{base}/query", json=body, headers=headers) as response:
+            assert response.status == 400, bad
+            assert LEASE_HEADER in (await response.json())["error"]
 
 
 @pytest.mark.parametrize(

@@ -106,6 +106,34 @@ async def test_without_sharing_load_a_replica_sees_only_its_own_queue(fleet, ser
     assert first == second
 
 
+async def test_requests_reaching_both_replicas_at_once_are_spread(tmp_path, serve, http):
+    """Two long prompts sent to two fresh replicas at the same instant: whichever query
+    reaches the conductor second waits for the first's decision (its lease) and sees its
+    queue, so they land on different engines, as one router would spread them. The wait's
+    bound is raised so that a slow machine cannot make the test pass or fail by chance."""
+    fleet = Fleet(tmp_path, conductor_config={"replica_wait_s": 1.0})
+    try:
+        for name in ENGINES[:2]:
+            fleet.engine(name, time_scale=SLOW)
+        config = fleet.config(ENGINES[:2])
+        routers = [await serve(config), await serve(config)]
+        await indexed_everywhere(http, fleet, ENGINES[:2])
+
+        async def send(router: ServedRouter, text: str) -> str:
+            status, headers, _ = await complete(http, router, text, max_tokens=1)
+            assert status == 200
+            return headers["x-conductor-prefill-instance"]
+
+        chosen = await asyncio.gather(
+            send(routers[0], PREFIX), send(routers[1], PREFIX.replace("w", "v"))
+        )
+        assert chosen[0] != chosen[1], chosen  # with replica_wait_s 0: the same engine
+        timeouts = "conductor_replica_decision_wait_timeouts_total"
+        assert await metric(http, fleet.conductor, timeouts) == 0
+    finally:
+        fleet.stop()
+
+
 async def test_a_replica_that_cannot_reach_its_conductor_routes_alone_and_says_so(
     fleet, serve, http
 ):
