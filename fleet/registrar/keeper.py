@@ -133,8 +133,10 @@ class ConductorKeeper:
             log.error("registration refused conductor=%s dp_rank=%d %s", self.url, rank, reason)
         return self._set(rank, REFUSED, reason)
 
-    async def unregister_all(self) -> None:
-        """Withdraws every stream (a stream the conductor does not know is gone too)."""
+    async def unregister_all(self) -> bool:
+        """Withdraws every stream (a stream the conductor does not know is gone too); True
+        when every one is."""
+        withdrawn = 0
         for body in self.bodies:
             rank = body["dp_rank"]
             try:
@@ -146,6 +148,7 @@ class ConductorKeeper:
                 )  # fmt: skip
                 continue
             if status in (200, 404):
+                withdrawn += 1
                 self.states[rank] = PENDING
                 log.info(
                     "unregistered conductor=%s instance_id=%s tenant_id=%s dp_rank=%d%s",
@@ -157,6 +160,7 @@ class ConductorKeeper:
                     "unregister refused conductor=%s dp_rank=%d status=%d %s",
                     self.url, rank, status, text.strip()[:300],
                 )  # fmt: skip
+        return withdrawn == len(self.bodies)
 
     async def _post(self, path: str, body: Mapping[str, Any]) -> tuple[int, str]:
         async with self._session.post(

@@ -180,12 +180,25 @@ class Registrar:
         """From every conductor at once, within ``unregister_timeout_s``."""
         limit = self.settings.unregister_timeout_s
         started = time.monotonic()
-        jobs = [keeper.unregister_all() for keeper in self.keepers]
-        try:
-            await asyncio.wait_for(asyncio.gather(*jobs), limit)
-        except TimeoutError:
-            log.warning("unregistering took over %g s: exiting with it unfinished", limit)
-        log.info("unregistered in %.0f ms", 1000 * (time.monotonic() - started))
+        jobs = [asyncio.ensure_future(keeper.unregister_all()) for keeper in self.keepers]
+        done, pending = await asyncio.wait(jobs, timeout=limit)
+        for job in pending:
+            job.cancel()
+        await asyncio.gather(*pending, return_exceptions=True)
+        withdrawn = [
+            keeper.url
+            for keeper, job in zip(self.keepers, jobs, strict=True)
+            if job in done and not job.cancelled() and job.exception() is None and job.result()
+        ]
+        if pending:
+            log.warning(
+                "unregistering took over %g s: gave up on %s", limit,
+                ", ".join(k.url for k, j in zip(self.keepers, jobs, strict=True) if j in pending),
+            )  # fmt: skip
+        log.info(
+            "unregistered from %d of %d conductors in %.0f ms",
+            len(withdrawn), len(self.keepers), 1000 * (time.monotonic() - started),
+        )  # fmt: skip
 
 
 def _wildcard(endpoint: str) -> bool:

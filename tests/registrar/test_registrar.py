@@ -138,6 +138,7 @@ async def test_registers_what_the_engine_serves_and_keeps_it_through_a_conductor
             assert await services(http, conductor) == []
             assert await gpu_hit(http, conductor, "e0", tokens) == 0
         assert registrar.log().count("unregistered conductor=") == 2
+        assert "unregistered from 2 of 2 conductors" in registrar.log()
     finally:
         registrar.terminate()
         engine.stop()
@@ -274,6 +275,42 @@ async def test_a_token_goes_along_and_a_refusal_shows_in_health(
         accepted.terminate()
         engine.stop()
         conductor.stop()
+
+
+async def test_a_conductor_that_hangs_cannot_hold_up_the_shutdown(
+    tmp_path: Path, http: aiohttp.ClientSession
+) -> None:
+    """SIGTERM unregisters from the conductors that answer and exits within the bound,
+    whatever a conductor that accepts connections and never answers does."""
+    engine = start_engine(tmp_path, "e4", events_config(free_port(), free_port()))
+    conductor = start_conductor(tmp_path)
+    with socket.socket() as hung:
+        hung.bind(("127.0.0.1", 0))
+        hung.listen(16)  # connections complete in the kernel; nothing ever reads them
+        hung_url = f"http://127.0.0.1:{hung.getsockname()[1]}"
+        registrar = RegistrarProcess(
+            tmp_path,
+            "--conductor", f"{conductor.url},{hung_url}",
+            "--engine-url", engine.url, "--instance-id", "e4",
+            "--request-timeout-s", "2", "--unregister-timeout-s", "1",
+        )  # fmt: skip
+        try:
+            _, view = await eventually(
+                lambda: registrar.health(http),
+                lambda a: a[0] == 200 and a[1]["conductors"][hung_url]["error"],
+                timeout=20,
+            )
+            assert view["conductors"][hung_url]["streams"] == {"0": "unreachable"}
+            started = time.monotonic()
+            assert registrar.terminate() == 0, registrar.log_tail()
+            assert time.monotonic() - started < 1 + 1.0
+            assert await services(http, conductor) == []
+            assert f"unregistering took over 1 s: gave up on {hung_url}" in registrar.log()
+            assert "unregistered from 1 of 2 conductors" in registrar.log()
+        finally:
+            registrar.terminate()
+            engine.stop()
+            conductor.stop()
 
 
 def test_bad_flags_and_env_vars_exit_2_naming_them(tmp_path: Path) -> None:
