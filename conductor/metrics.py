@@ -69,38 +69,27 @@ class RoutedCollector(Collector):
         self.loads: ReplicaLoads | None = None
 
     def collect(self) -> Iterable[Metric]:
-        if self.routed is None or self.loads is None:
+        routed, loads = self.routed, self.loads
+        if routed is None or loads is None:
             return
-        held = GaugeMetricFamily(
-            "conductor_routed_prompts", "Prompts routers reported routed, still counted"
-        )
-        held.add_metric([], len(self.routed))
-        dropped = CounterMetricFamily(
-            "conductor_routed_prompts_dropped",
-            "Routed prompts forgotten before their time: the table was full",
-        )
-        dropped.add_metric([], self.routed.dropped)
-        replicas = GaugeMetricFamily(
-            "conductor_router_replicas",
-            "Router replicas whose load report still counts (POST /loads)",
-        )
-        replicas.add_metric([], len(self.loads))
-        waits = CounterMetricFamily(
-            "conductor_replica_decision_waits",
-            "Queries that waited for another router replica's decision on their model",
-        )
-        waits.add_metric([], self.loads.waits)
-        timeouts = CounterMetricFamily(
-            "conductor_replica_decision_wait_timeouts",
-            "Of those, the queries answered at the wait's bound without it",
-        )
-        timeouts.add_metric([], self.loads.wait_timeouts)
-        seconds = CounterMetricFamily(
-            "conductor_replica_decision_wait_seconds",
-            "Time queries spent waiting for other router replicas' decisions",
-        )
-        seconds.add_metric([], self.loads.wait_seconds)
-        yield from (held, dropped, replicas, waits, timeouts, seconds)
+        gauge, counter = GaugeMetricFamily, CounterMetricFamily
+        for family, name, text, value in (
+            (gauge, "conductor_routed_prompts", "Prompts routers reported routed, still "
+             "counted", len(routed)),
+            (counter, "conductor_routed_prompts_dropped", "Routed prompts forgotten before "
+             "their time: the table was full", routed.dropped),
+            (gauge, "conductor_router_replicas", "Router replicas whose load report still "
+             "counts (POST /loads)", len(loads)),
+            (counter, "conductor_replica_decision_waits", "Queries that waited for another "
+             "router replica's decision on their model", loads.waits),
+            (counter, "conductor_replica_decision_wait_timeouts", "Of those, the queries "
+             "answered at the wait's bound without it", loads.wait_timeouts),
+            (counter, "conductor_replica_decision_wait_seconds", "Time queries spent waiting "
+             "for other router replicas' decisions", loads.wait_seconds),
+        ):  # fmt: skip
+            metric = family(name, text)
+            metric.add_metric([], value)
+            yield metric
 
 
 STREAM_FAMILIES = (

@@ -67,13 +67,23 @@ from .index_client import (
 from .metrics import ReplicaMetrics
 from .notices import Notices
 from .pool import InstancePool
+from .replica_load import WORDING as LOAD_WORDING
 from .replica_load import LoadSharing
+from .shared_route import SharedRoute, Wording
 
 log = logging.getLogger(__name__)
 
 MSGPACK = "application/msgpack"
 MAX_LATE_CALLS = 32  # late answers still read in the background; past it, calls are cut
 MAX_PROGRESS_OF = 64  # instances a query asks the indexing progress of
+ROUTED_WORDING = Wording(
+    taken="routed prompts",
+    refused="routed prompts",
+    shared="routed prompts",
+    setting="conductor.share_routed",
+    unseen="this one's",
+    alone="routes on what it sent itself",
+)
 MAX_REPORTS_QUEUED = 1024  # routed prompts waiting to be reported; past it the oldest go
 REPORTS_AT_ONCE = 16  # routed prompts reported concurrently
 T = TypeVar("T")
@@ -110,13 +120,18 @@ class ConductorClient:
         self.replica_metrics = ReplicaMetrics()
         self._reports: deque[tuple[PromptBlocks, str]] = deque()
         self._reporter: asyncio.Task[None] | None = None
-        self._report_errors: dict[str, str] = {}  # conductor -> why it took no report
-        self._no_route: set[str] = set()  # conductors without /routed (the Go service)
+        metrics = self.replica_metrics
+        self._routed = SharedRoute(
+            "/routed", ROUTED_WORDING, metrics.reports, metrics.sharing, notices
+        )
         self._loads: LoadSharing | None = None
         if section.share_load:
+            route = SharedRoute(
+                "/loads", LOAD_WORDING, metrics.load_reports, metrics.load_sharing, notices
+            )
             self._loads = LoadSharing(
                 pool, self.urls, self._post, section.share_load_ttl_seconds,
-                self._control_timeout(), self.replica_metrics, notices,
+                self._control_timeout(), route,
             )  # fmt: skip
             self._loads.start()
 
@@ -178,15 +193,7 @@ class ConductorClient:
     def degraded_reasons(self) -> list[str]:
         """Why no conductor can be asked, one line per conductor; empty while one has
         accepted the registrations and answers (until then requests are routed by load)."""
-        sharing = [
-            f"conductor {url} does not take routed prompts ({why}): the other replicas do "
-            "not see this one's, it routes on what it sent itself"
-            for url, why in self._report_errors.items()
-        ] + [
-            f"conductor {url} does not take this replica's load ({why}): the other replicas "
-            "do not see it, and it prices queues from what it sent itself"
-            for url, why in (self._loads.errors if self._loads else {}).items()
-        ]
+        sharing = self._routed.reasons() + (self._loads.route.reasons() if self._loads else [])
         if any(url in self._registered and not self._notices.failing(url) for url in self.urls):
             return sharing
         return [self._not_usable(url) for url in self.urls] + sharing
@@ -271,8 +278,7 @@ class ConductorClient:
             self._registered.discard(url)
             return False
         self._registration_errors.pop(url, None)
-        self._report_errors.pop(url, None)  # it answers: its next reports will say
-        self._no_route.discard(url)  # asked again: it may have been upgraded
+        self._routed.retry(url)  # it answers: its next reports will say
         if self._loads is not None:
             self._loads.retry(url)
         self._notices.recovered(f"register {url}", "conductor %s accepts the registrations", url)
@@ -348,7 +354,7 @@ class ConductorClient:
             batch = [
                 self._reports.popleft() for _ in range(min(REPORTS_AT_ONCE, len(self._reports)))
             ]
-            urls = [url for url in self.urls if url not in self._no_route]
+            urls = self._routed.urls(self.urls)
             await asyncio.gather(
                 *(self._send_report(url, *routed) for routed in batch for url in urls)
             )
@@ -366,32 +372,7 @@ class ConductorClient:
         }
         if prompt.cache_salt:
             body["cache_salt"] = prompt.cache_salt
-        try:
-            status, answer = await self._post(url, "/routed", body, self._control_timeout())
-        except (aiohttp.ClientError, TimeoutError) as error:
-            status, answer = 0, describe(error)
-        key = f"/routed {url}"
-        if status == 200:
-            self.replica_metrics.reports.labels(url, "sent").inc()
-            self.replica_metrics.sharing.labels(url).set(1)
-            self._report_errors.pop(url, None)
-            self._notices.recovered(key, "conductor %s takes routed prompts again", url)
-            return
-        self.replica_metrics.reports.labels(url, "failed").inc()
-        self.replica_metrics.sharing.labels(url).set(0)
-        if status in (404, 405):  # no such route: not a fault of this router's
-            self._no_route.add(url)
-            self._notices.fault(
-                key, "conductor %s has no /routed: router replicas do not share their "
-                "routed prompts through it (conductor.share_routed: false stops trying)", url,
-            )  # fmt: skip
-            return
-        why = f"{status or 'unreachable'} {answer_text(answer)}".strip()
-        self._report_errors[url] = why
-        self._notices.fault(
-            key, "conductor %s takes no routed prompts (%s): the other router replicas do "
-            "not see this one's", url, why,
-        )  # fmt: skip
+        await self._routed.send(self._post, url, body, self._control_timeout())
 
     def _control_timeout(self) -> float:
         return max(self._section.query_timeout_seconds, 1.0)

@@ -26,20 +26,20 @@ import itertools
 import json
 import time
 import uuid
-from collections.abc import Awaitable, Callable
-from typing import Any
 
-import aiohttp
-
-from conductor.failures import describe
 from conductor.loads import LEASE_HEADER, MAX_INSTANCES, REPLICA_HEADER
 
-from .index_client import answer_text
-from .metrics import ReplicaMetrics
-from .notices import Notices
 from .pool import InstancePool
+from .shared_route import Post, SharedRoute, Wording
 
-Post = Callable[[str, str, dict[str, Any], float], Awaitable[tuple[int, Any]]]
+WORDING = Wording(
+    taken="load reports",
+    refused="load reports",
+    shared="load",
+    setting="conductor.share_load",
+    unseen="this one's load",
+    alone="prices queues from what it sent itself",
+)
 
 
 class LoadSharing:
@@ -50,8 +50,7 @@ class LoadSharing:
         post: Post,
         ttl_s: float,
         timeout_s: float,
-        metrics: ReplicaMetrics,
-        notices: Notices,
+        route: SharedRoute,
     ) -> None:
         self.replica = uuid.uuid4().hex  # this process: a restarted one is a new replica
         self._leases = itertools.count()
@@ -61,12 +60,9 @@ class LoadSharing:
         self._post = post
         self._ttl_s = ttl_s
         self._timeout_s = timeout_s
-        self._metrics = metrics
-        self._notices = notices
+        self.route = route
         self._changed = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
-        self.errors: dict[str, str] = {}  # conductor -> why it takes no report
-        self._no_route: set[str] = set()  # conductors without /loads
         pool.load_listener = self._changed.set
 
     def start(self) -> None:
@@ -94,8 +90,8 @@ class LoadSharing:
         self._changed.set()
 
     def retry(self, url: str) -> None:
-        """``url`` accepted a registration: it may have been upgraded, ask it again."""
-        self._no_route.discard(url)
+        """``url`` accepted a registration: it may have been upgraded, report to it again."""
+        self.route.retry(url)
         self._changed.set()
 
     def learn(self, header: str | None) -> None:
@@ -139,35 +135,8 @@ class LoadSharing:
                 },
                 "decided": decided,
             }
-            urls = [url for url in self._urls if url not in self._no_route]
-            results = await asyncio.gather(*(self._send(url, body) for url in urls))
+            urls = self.route.urls(self._urls)
+            results = await asyncio.gather(
+                *(self.route.send(self._post, url, body, self._timeout_s) for url in urls)
+            )
             sent = loads if all(results) else None  # a failed report is sent again
-
-    async def _send(self, url: str, body: dict[str, Any]) -> bool:
-        try:
-            status, answer = await self._post(url, "/loads", body, self._timeout_s)
-        except (aiohttp.ClientError, TimeoutError) as error:
-            status, answer = 0, describe(error)
-        key = f"/loads {url}"
-        if status == 200:
-            self._metrics.load_reports.labels(url, "sent").inc()
-            self._metrics.load_sharing.labels(url).set(1)
-            self.errors.pop(url, None)
-            self._notices.recovered(key, "conductor %s takes this replica's load again", url)
-            return True
-        self._metrics.load_reports.labels(url, "failed").inc()
-        self._metrics.load_sharing.labels(url).set(0)
-        if status in (404, 405):  # no such route: not a fault of this router's
-            self._no_route.add(url)
-            self._notices.fault(
-                key, "conductor %s has no /loads: router replicas do not share their load "
-                "through it (conductor.share_load: false stops trying)", url,
-            )  # fmt: skip
-            return True
-        why = f"{status or 'unreachable'} {answer_text(answer)}".strip()
-        self.errors[url] = why
-        self._notices.fault(
-            key, "conductor %s takes no load report (%s): the other router replicas do "
-            "not see this one's load", url, why,
-        )  # fmt: skip
-        return False

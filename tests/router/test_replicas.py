@@ -154,7 +154,7 @@ async def test_a_replica_that_cannot_reach_its_conductor_routes_alone_and_says_s
         lambda: get(http, f"{served.url}/health"),
         lambda answer: (
             any("does not take routed prompts" in r for r in answer[1]["reasons"])
-            and any("does not take this replica's load" in r for r in answer[1]["reasons"])
+            and any("does not take load reports" in r for r in answer[1]["reasons"])
         ),
     )
     assert health["status"] == "degraded"
