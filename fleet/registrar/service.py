@@ -24,7 +24,7 @@ from conductor.failures import cannot_listen, describe
 from .engine import EngineNotHealthy, learn, wait_healthy
 from .keeper import ConductorKeeper
 from .settings import Settings
-from .streams import EngineFacts, StreamError, registration_bodies
+from .streams import EngineFacts, StreamError, is_wildcard, registration_bodies
 
 log = logging.getLogger("fleet.registrar")
 
@@ -116,7 +116,7 @@ class Registrar:
         host = settings.advertise_host
         if host is None:
             host = default_advertise_host()
-            if any(_wildcard(stream.endpoint) for stream in self.facts.streams):
+            if any(is_wildcard(stream.endpoint) for stream in self.facts.streams):
                 log.info(
                     "advertise_host=%s (the hostname's address; set REGISTRAR_ADVERTISE_HOST "
                     "to the pod IP to choose)", host,
@@ -199,12 +199,6 @@ class Registrar:
             "unregistered from %d of %d conductors in %.0f ms",
             len(withdrawn), len(self.keepers), 1000 * (time.monotonic() - started),
         )  # fmt: skip
-
-
-def _wildcard(endpoint: str) -> bool:
-    return endpoint.startswith("tcp://") and any(
-        marker in endpoint for marker in ("://*:", "://0.0.0.0:", "://[::]:", "://:")
-    )
 
 
 async def _until(task: asyncio.Future[Any], stop: asyncio.Event) -> bool:

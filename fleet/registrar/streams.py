@@ -70,13 +70,18 @@ def offset_endpoint(endpoint: str, rank: int) -> str:
     raise StreamError(f"vLLM cannot offset {endpoint!r} by DP rank {rank}: only tcp and inproc")
 
 
+def is_wildcard(endpoint: str) -> bool:
+    """A tcp endpoint bound on every interface (``*``, ``0.0.0.0``, ``[::]``)."""
+    scheme, _, address = endpoint.partition("://")
+    return scheme == "tcp" and address.rpartition(":")[0].strip("[]") in WILDCARD_HOSTS
+
+
 def advertised(endpoint: str, host: str) -> str:
     """A bound endpoint as another pod connects to it: a wildcard host becomes ``host``
     (the pod's IP); a named host, ``ipc://`` and ``inproc://`` stay as they are."""
-    scheme, _, address = endpoint.partition("://")
-    bound_host, _, port = address.rpartition(":")
-    if scheme != "tcp" or bound_host.strip("[]") not in WILDCARD_HOSTS:
+    if not is_wildcard(endpoint):
         return endpoint
+    port = endpoint.rpartition(":")[2]
     return f"tcp://[{host}]:{port}" if ":" in host else f"tcp://{host}:{port}"
 
 
