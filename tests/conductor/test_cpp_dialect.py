@@ -148,11 +148,11 @@ async def tiered_fleet(http, base: str, publisher_factory) -> None:
     )
     await rank1.publish([stored([first], PROMPT[:4])], dp_rank=1)
 
-    async def hit() -> int:
+    async def hit() -> tuple[int, int]:
         _, answer, _ = await mp_post(http, f"{base}/query", query_body())
-        return answer["instances"]["a"]["longest_matched"]
+        return answer["instances"]["a"]["longest_matched"], answer["instances"]["a"]["dp"]["1"]
 
-    await eventually(hit, lambda matched: matched == 12)
+    await eventually(hit, lambda matched: matched == (12, 4))  # both ranks' batches applied
 
 
 # -- /register -------------------------------------------------------------------------------

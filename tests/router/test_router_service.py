@@ -28,7 +28,7 @@ from router.prompt_ids import TOKENIZER_HINT
 from tests.router.inprocess import MODEL, ServedRouter, layout
 from tests.router.sim_fleet import AnyRouter, Fleet, complete
 from tests.support import api
-from tests.support.api import eventually, matched
+from tests.support.api import eventually, get, matched
 from tests.support.processes import ConductorProcess, free_port
 
 SHARED = "Answer as a careful assistant who explains every step in plain words. " * 3
@@ -466,6 +466,11 @@ BAD_REQUESTS = [
 
 async def test_bad_requests_get_openai_errors(engine_sims, serve, http):
     router = await serve(layout([engine_sims("a").url]))
+    # the 404 for a model no engine serves comes once the router knows what they serve
+    await eventually(
+        lambda: get(http, f"{router.url}/v1/models"),
+        lambda answer: answer[1]["data"][0]["owned_by"] != "conductor-router",
+    )
     headers = {"Content-Type": "application/json"}
     for body, status, message in BAD_REQUESTS:
         async with http.post(
