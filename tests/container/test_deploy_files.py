@@ -18,6 +18,7 @@ from urllib.parse import urlsplit
 
 import pytest
 
+from conductor import __main__ as conductor_main
 from conductor.config import load_config
 from fleet.registrar.settings import Settings, parse_settings
 from publishers.engine import __main__ as engine_sim
@@ -30,6 +31,8 @@ yaml = pytest.importorskip("yaml")
 DEPLOY = REPO / "deploy"
 OVERLAYS = ("sim", "vllm")
 PROJECT_IMAGE = "mooncake-conductor"
+# the conductor's settings the Dockerfile's ENV sets (CONDUCTOR_CONFIG_PATH among them)
+IMAGE_ENV = dict(re.findall(r"(CONDUCTOR_\w+)=(\S+)", (REPO / "Dockerfile").read_text()))
 
 
 def documents(path: Path) -> list[dict[str, Any]]:
@@ -276,15 +279,13 @@ def compose() -> dict[str, Any]:
 def test_the_compose_file_is_well_formed() -> None:
     data = compose()
     services = data["services"]
-    allowed = {"image", "build", "entrypoint", "command", "environment", "configs", "volumes",
-               "ports", "depends_on", "restart", "network_mode"}  # fmt: skip
+    allowed = {"image", "build", "entrypoint", "command", "environment", "volumes", "ports",
+               "depends_on", "restart", "network_mode"}  # fmt: skip
     for name, service in services.items():
         assert set(service) <= allowed, (name, set(service) - allowed)
         assert service["image"] == PROJECT_IMAGE, name
         for dependency in service.get("depends_on", []):
             assert dependency in services, (name, dependency)
-        for config in service.get("configs", []):
-            assert config["source"] in data["configs"], (name, config)
         for volume in service.get("volumes", []):
             assert volume.split(":")[0] in data["volumes"], (name, volume)
         mode = service.get("network_mode", "service:")
@@ -294,14 +295,21 @@ def test_the_compose_file_is_well_formed() -> None:
     assert (DEPLOY / services["conductor"]["build"]["context"] / "Dockerfile").exists()
 
 
-def test_compose_containers_reach_each_other_by_service_name(tmp_path: Path) -> None:
+def test_compose_containers_reach_each_other_by_service_name(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """Every address that crosses containers names a service; 127.0.0.1 only inside the
     network namespace a registrar shares with its engine."""
     data = compose()
     services = data["services"]
-    config_text = data["configs"]["conductor_config"]["content"]
-    (tmp_path / "conductor_config.json").write_text(config_text)
-    allow = load_config(tmp_path / "conductor_config.json").settings["register_allow"]
+    # the conductor's settings as it reads them in its container: the image's env, then
+    # the service's (its HOME holds no config file)
+    monkeypatch.setenv("HOME", str(tmp_path))
+    for key, value in {**IMAGE_ENV, **services["conductor"]["environment"]}.items():
+        monkeypatch.setenv(key, value)
+    settings_, _, _, _ = conductor_main.parse_settings([])
+    allow = settings_.register_allow
+    assert settings_.snapshot_path.startswith("/var/lib/conductor/")
     registrars = {n: s for n, s in services.items() if s.get("entrypoint") == ["mooncake-register"]}
     engines = {n: s for n, s in services.items() if s.get("entrypoint") == ["mooncake-engine-sim"]}
     assert len(engines) == len(registrars) == 2
