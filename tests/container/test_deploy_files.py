@@ -25,6 +25,7 @@ from publishers.engine import __main__ as engine_sim
 from router import __main__ as router_main
 from router import config as router_config
 from tests.container.podman import REPO
+from tests.support.parts import VLLM_PYTHON
 
 yaml = pytest.importorskip("yaml")
 
@@ -370,3 +371,36 @@ def test_the_readme_deploy_section_and_docs_deploy_md_point_at_what_exists() -> 
     for path, anchor in anchors:
         headings = re.findall(r"^#+ (.+)$", (REPO / path).read_text(), flags=re.M)
         assert anchor in {_anchor(h) for h in headings}, f"{path}#{anchor}"
+
+
+@pytest.mark.needs("vllm")
+def test_vllm_accepts_the_engine_command_line_of_its_manifest() -> None:
+    """deploy/vllm/engine.yaml's `vllm serve` line, as sh expands it from the ConfigMap,
+    parsed by vLLM's own `serve` parser (the real vLLM engine pod itself does not run in
+    CI: no vLLM image can be pulled there)."""
+    docs = manifests("vllm")
+    engine = container(one(docs, "StatefulSet", "engine"), "engine")
+    env = environment(docs, engine, "engine-0")
+    args = argv(engine, env)
+    assert args[0] == "serve", args
+    script = (
+        "import json, sys\n"
+        "from vllm.entrypoints.launchers.cli_args import make_arg_parser\n"
+        "from vllm.utils.argparse_utils import FlexibleArgumentParser\n"
+        "a = make_arg_parser(FlexibleArgumentParser()).parse_args(sys.argv[1:])\n"
+        "print(json.dumps({'model': a.model_tag, 'host': a.host, 'port': a.port,\n"
+        "    'block_size': a.block_size, 'prefix': a.enable_prefix_caching,\n"
+        "    'events': a.kv_events_config.endpoint, 'replay': a.kv_events_config.replay_endpoint,\n"
+        "    'on': a.kv_events_config.enable_kv_cache_events}))\n"
+    )
+    result = subprocess.run(
+        [str(VLLM_PYTHON), "-c", script, *args[1:]], capture_output=True, text=True, timeout=300
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    parsed = json.loads(result.stdout.strip().splitlines()[-1])
+    events = json.loads(env["KV_EVENTS_CONFIG"])
+    assert parsed == {
+        "model": env["ENGINE_MODEL"], "host": env["ENGINE_HOST"], "port": int(env["ENGINE_PORT"]),
+        "block_size": int(env["ENGINE_BLOCK_SIZE"]), "prefix": True,
+        "events": events["endpoint"], "replay": events["replay_endpoint"], "on": True,
+    }  # fmt: skip
