@@ -1,9 +1,11 @@
 # One image with every command of the project: mooncake-conductor (the default),
-# mooncake-router, mooncake-engine-sim, mooncake-demo, mooncake-fleet, mooncake-tiny-model.
+# mooncake-router, mooncake-register, mooncake-engine-sim, mooncake-demo, mooncake-fleet,
+# mooncake-tiny-model.
 #   docker build -t conductor .
-#   docker run -p 13333:13333 -v $PWD/config:/etc/mooncake conductor
-#   docker run -p 8000:8000 -e HEALTHCHECK_URL=http://127.0.0.1:8000/health \
-#       --entrypoint mooncake-router conductor --config /etc/mooncake/router.json
+#   docker run -p 13333:13333 -e CONDUCTOR_REGISTER_ALLOW=10.0.0.0/8 conductor
+# The conductor starts with an empty conductor_config.json (engines register themselves:
+# mooncake-register); mount one at /etc/mooncake to list streams statically. Kubernetes,
+# compose and the addresses containers reach each other at: deploy/ and docs/deploy.md.
 # Dependencies are installed at the exact versions of constraints.txt. The project's wheel is
 # built in a first stage that has a C compiler (conductor/native/); the image has none.
 FROM python:3.11 AS build
@@ -21,7 +23,8 @@ RUN useradd --system --uid 10001 --home-dir /var/lib/conductor --create-home con
 WORKDIR /app
 COPY constraints.txt ./
 COPY --from=build /wheels /wheels
-RUN pip install --no-cache-dir -c constraints.txt /wheels/*.whl && rm -rf /wheels /root/.cache
+RUN pip install --no-cache-dir -c constraints.txt /wheels/*.whl && rm -rf /wheels /root/.cache \
+    && mkdir -p /etc/mooncake && echo '{}' > /etc/mooncake/conductor_config.json
 ENV CONDUCTOR_CONFIG_PATH=/etc/mooncake/conductor_config.json \
     CONDUCTOR_STATE_FILE=/var/lib/conductor/state.json \
     CONDUCTOR_LOG_LEVEL=INFO \

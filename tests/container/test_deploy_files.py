@@ -9,6 +9,7 @@ way against its services' names (no Compose runs here: a structural check)."""
 from __future__ import annotations
 
 import json
+import os
 import re
 import shutil
 import subprocess
@@ -304,10 +305,14 @@ def test_compose_containers_reach_each_other_by_service_name(
     data = compose()
     services = data["services"]
     # the conductor's settings as it reads them in its container: the image's env, then
-    # the service's (its HOME holds no config file)
+    # the service's, with the image's empty config file where the image holds it
     monkeypatch.setenv("HOME", str(tmp_path))
     for key, value in {**IMAGE_ENV, **services["conductor"]["environment"]}.items():
         monkeypatch.setenv(key, value)
+    in_image = os.environ["CONDUCTOR_CONFIG_PATH"]
+    assert f"echo '{{}}' > {in_image}" in (REPO / "Dockerfile").read_text()
+    (tmp_path / "conductor_config.json").write_text("{}")
+    monkeypatch.setenv("CONDUCTOR_CONFIG_PATH", str(tmp_path / "conductor_config.json"))
     settings_, _, _, _ = conductor_main.parse_settings([])
     allow = settings_.register_allow
     assert settings_.snapshot_path.startswith("/var/lib/conductor/")
