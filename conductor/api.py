@@ -67,6 +67,7 @@ from .loads import (
     LOADS_HEADER,
     MAX_INSTANCES,
     MAX_LEASE_NUMBER,
+    OTHERS_HEADER,
     REPLICA_HEADER,
     LoadReport,
     ReplicaLoads,
@@ -588,6 +589,7 @@ class ConductorApi:
         if replica is not None:
             others = self.loads.others(replica, matches or ())
             response.headers[LOADS_HEADER] = loads_header(others)
+            response.headers[OTHERS_HEADER] = str(self.loads.count_others(replica))
         self.metrics.query_seconds.labels("/query").observe(time.perf_counter() - started)
         return response
 

@@ -7,8 +7,10 @@ each of N replicas sees about 1/N of the queue it adds to and sends work to inst
 believes idle. So each replica reports its own load per instance (``POST /loads``: the
 whole of it, every time it changes and at least every third of ``ttl_s``), and a ``/query``
 that names its replica (``REPLICA_HEADER``) is answered, in ``LOADS_HEADER``, with the sum
-of the *other* replicas' loads on the query's instances. A report counts for its
-``ttl_s``: a replica that stops reporting (stopped, or cut off) stops counting.
+of the *other* replicas' loads on the query's instances, and in ``OTHERS_HEADER`` with
+how many others report (none: a router alone need not report each change). A report
+counts for its ``ttl_s``: a replica that stops reporting (stopped, or cut off) stops
+counting.
 
 However fast a report travels, replicas that decide at the same instant do not see each
 other's decisions: a burst of requests reaching every replica at once lands on the engine
@@ -45,6 +47,7 @@ from .config import StrictModel
 REPLICA_HEADER = "X-Conductor-Replica"  # a query's: the router replica asking
 LEASE_HEADER = "X-Conductor-Replica-Lease"  # a query's: its decision's number at the replica
 LOADS_HEADER = "X-Conductor-Replica-Loads"  # the answer's: the other replicas' loads
+OTHERS_HEADER = "X-Conductor-Other-Replicas"  # the answer's: how many others report
 DEFAULT_TTL_S = 3.0
 MAX_TTL_S = 60.0
 MAX_REPLICAS = 256
@@ -187,6 +190,10 @@ class ReplicaLoads:
                 self._leases[model] = kept
             else:
                 del self._leases[model]
+
+    def count_others(self, replica: str) -> int:
+        """The replicas besides ``replica`` whose report still counts."""
+        return len(self) - (replica in self._held)
 
     def others(self, replica: str, instances: Container[str]) -> dict[str, tuple[int, int]]:
         """Per instance of ``instances``, the loads of every replica but ``replica``."""

@@ -51,7 +51,7 @@ from prometheus_client import generate_latest
 
 from conductor.api import HITS_ONLY_HEADER, INDEXED_UNTIL_HEADER, PROGRESS_HEADER
 from conductor.failures import describe
-from conductor.loads import LOADS_HEADER
+from conductor.loads import LOADS_HEADER, OTHERS_HEADER
 from conductor.states import StoreState
 
 from .config import ConductorSection, ModelSection
@@ -220,7 +220,9 @@ class ConductorClient:
         ) as response:
             self._learn_progress(response.headers.get(INDEXED_UNTIL_HEADER))
             if path == "/query" and self._loads is not None and response.status == 200:
-                self._loads.learn(response.headers.get(LOADS_HEADER))
+                self._loads.learn(
+                    response.headers.get(LOADS_HEADER), response.headers.get(OTHERS_HEADER)
+                )
             raw = await response.read()
             try:
                 return response.status, msgpack.unpackb(raw)

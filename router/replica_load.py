@@ -26,6 +26,7 @@ import itertools
 import json
 import time
 import uuid
+from typing import Any
 
 from conductor.loads import LEASE_HEADER, MAX_INSTANCES, REPLICA_HEADER
 
@@ -55,6 +56,9 @@ class LoadSharing:
         self.replica = uuid.uuid4().hex  # this process: a restarted one is a new replica
         self._leases = itertools.count()
         self._decided: list[int] = []  # leases whose decisions the next report carries
+        # no other replica reports (as the conductor last said, in a query's answer or a
+        # report's): changes wait for the renewal
+        self._alone = False
         self._pool = pool
         self._urls = urls
         self._post = post
@@ -94,8 +98,10 @@ class LoadSharing:
         self.route.retry(url)
         self._changed.set()
 
-    def learn(self, header: str | None) -> None:
-        """The other replicas' loads from a query's answer (none named: none)."""
+    def learn(self, header: str | None, others: str | None = None) -> None:
+        """The other replicas' loads from a query's answer (none named: none), and how
+        many other replicas report (absent: unknown, maybe some)."""
+        self._alone = others == "0"
         loads: dict[str, tuple[int, int]] = {}
         try:
             parsed = json.loads(header) if header else {}
@@ -111,8 +117,11 @@ class LoadSharing:
         self._pool.set_others(loads)
 
     async def _run(self) -> None:
-        """Report whenever the load changed, and before the last report expires while
-        there is any (nothing once an empty report went out)."""
+        """Report whenever the load changed, and every third of the report's time anyway
+        (so that the conductors count this replica while it is idle). While they say it
+        is the only one, a change waits for that renewal: nobody reads it, and a router
+        alone would send a report per request for nothing; each query's answer says when
+        another replica has appeared (before the decision whose load it then reports)."""
         sent: dict[str, tuple[int, int]] | None = None
         keepalive_s = self._ttl_s / 3
         renew_at = 0.0
@@ -122,10 +131,12 @@ class LoadSharing:
                     await self._changed.wait()
             self._changed.clear()
             loads = self._pool.own_loads()
-            if loads == sent and not self._decided and (not loads or time.monotonic() < renew_at):
+            changed = loads != sent or bool(self._decided)
+            if not (time.monotonic() >= renew_at or (changed and not self._alone)):
                 continue
             renew_at = time.monotonic() + keepalive_s
-            decided, self._decided = self._decided[:MAX_INSTANCES], self._decided[MAX_INSTANCES:]
+            # the latest: an older lease has expired by now if this many came after it
+            decided, self._decided = self._decided[-MAX_INSTANCES:], []
             body = {
                 "replica": self.replica,
                 "ttl_s": self._ttl_s,
@@ -139,4 +150,12 @@ class LoadSharing:
             results = await asyncio.gather(
                 *(self.route.send(self._post, url, body, self._timeout_s) for url in urls)
             )
-            sent = loads if all(results) else None  # a failed report is sent again
+            sent = loads if all(ok for ok, _ in results) else None  # a failed one: again
+            self._alone = all(ok and _replicas(answer) <= 1 for ok, answer in results)
+
+
+def _replicas(answer: Any) -> int:
+    """The replicas a conductor's ``/loads`` answer counts (this one among them); 2 when
+    it does not say (another may be there)."""
+    replicas = answer.get("replicas") if isinstance(answer, dict) else None
+    return replicas if type(replicas) is int else 2

@@ -65,8 +65,11 @@ class SharedRoute:
             for url, why in self.errors.items()
         ]
 
-    async def send(self, post: Post, url: str, body: dict[str, Any], timeout: float) -> bool:
-        """Report ``body`` to ``url``; False when it failed (worth sending again)."""
+    async def send(
+        self, post: Post, url: str, body: dict[str, Any], timeout: float
+    ) -> tuple[bool, Any]:
+        """Report ``body`` to ``url``: whether it went (or cannot: no such route), and the
+        conductor's answer; False when it failed (worth sending again)."""
         try:
             status, answer = await post(url, self.path, body, timeout)
         except (aiohttp.ClientError, TimeoutError) as error:
@@ -77,7 +80,7 @@ class SharedRoute:
             self.sharing.labels(url).set(1)
             self.errors.pop(url, None)
             self.notices.recovered(key, "conductor %s takes %s again", url, w.taken)
-            return True
+            return True, answer
         self.reports.labels(url, "failed").inc()
         self.sharing.labels(url).set(0)
         if status in (404, 405):  # no such route: not a fault of this router's
@@ -86,10 +89,10 @@ class SharedRoute:
                 key, "conductor %s has no %s: router replicas do not share their %s through "
                 "it (%s: false stops trying)", url, self.path, w.shared, w.setting,
             )  # fmt: skip
-            return True
+            return True, None
         why = self.errors[url] = f"{status or 'unreachable'} {answer_text(answer)}".strip()
         self.notices.fault(
             key, "conductor %s takes no %s (%s): the other router replicas do not see %s",
             url, w.refused, why, w.unseen,
         )  # fmt: skip
-        return False
+        return False, answer

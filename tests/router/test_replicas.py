@@ -134,6 +134,28 @@ async def test_requests_reaching_both_replicas_at_once_are_spread(tmp_path, serv
         fleet.stop()
 
 
+async def test_a_router_alone_reports_its_load_only_to_stay_counted(fleet, serve, http):
+    """Nobody reads a lone router's load: it renews its report (every third of its time)
+    but does not send one per request; once another replica reports, the next query's
+    answer says so and each change is reported again."""
+    fleet.engine("a")
+    config = fleet.config(["a"])
+    config["conductor"]["share_load_ttl_seconds"] = 9.0  # renewals every 3 s
+    served = await serve(config)
+    await indexed_everywhere(http, fleet, ["a"])
+    for i in range(10):
+        assert (await complete(http, served, f"request {i} " * 8))[0] == 200
+    sent = 'router_load_reports_total{outcome="sent"}'
+    assert await metric(http, served, sent) <= 3  # the first ones, before it knew
+
+    other = await serve(config)
+    assert (await complete(http, other, "from the other one " * 8))[0] == 200
+    before = await metric(http, served, sent)
+    for i in range(5):
+        assert (await complete(http, served, f"again {i} " * 8))[0] == 200
+    assert await metric(http, served, sent) >= before + 5  # a report per request at least
+
+
 async def test_a_replica_that_cannot_reach_its_conductor_routes_alone_and_says_so(
     fleet, serve, http
 ):
