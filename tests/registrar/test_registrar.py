@@ -107,12 +107,17 @@ async def test_registers_what_the_engine_serves_and_keeps_it_through_a_conductor
         env={"REGISTRAR_CONDUCTOR": f"{first.url},{second.url}", "REGISTRAR_INSTANCE_ID": "e0"},
     )  # fmt: skip
     try:
-        # learnt from the engine alone: model, block size, endpoints (/kv_event_sources)
+        # learnt from the engine alone: model, block size, endpoints (/kv_event_sources);
+        # ready (200) once one conductor holds it, then both do
         status, view = await eventually(
-            lambda: registrar.health(http), lambda answer: answer[0] == 200, timeout=20
+            lambda: registrar.health(http),
+            lambda answer: (
+                answer[0] == 200
+                and all(state["registered"] for state in answer[1]["conductors"].values())
+            ),
+            timeout=20,
         )
         assert view["model"] == MODEL and view["block_size"] == BLOCK
-        assert all(state["registered"] for state in view["conductors"].values())
         for conductor in (first, second):
             [service] = await services(http, conductor)
             assert service["Endpoint"] == f"tcp://127.0.0.1:{port}"
