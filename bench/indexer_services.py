@@ -1,0 +1,517 @@
+"""KV-cache indexer services under test, one small class each behind ``IndexerService``.
+
+``bench.service_compare`` drives every service the same way: start it empty on a loopback
+port, register ``N`` vLLM instances (ZMQ PUB endpoints), ask ``/query`` with the same token
+ids, read its resident memory, stop it. What differs between services (command line,
+registration body, query body and answer) lives here, and nothing else does:
+
+* ``Ours``: ``python -m conductor``, optionally pinned with ``taskset`` and given extra flags
+  or environment (the lead compares one core with two, and a multi-process mode). It is asked
+  in JSON and in msgpack (``application/msgpack`` answers in upstream C++'s shape);
+* ``Dynamo``: NVIDIA Dynamo's standalone indexer, ``python -m dynamo.indexer`` (Rust; the
+  ``index-bench`` extra). It hashes the query's tokens itself (xxh3 per block, chained
+  by its radix tree), the same way it hashed each event's ``token_ids``, so the event's
+  block hashes only link parents to children;
+* ``Cpp``: upstream Mooncake's C++ conductor, msgpack only; it hashes the query's tokens with
+  the registered ``hash_profile`` (vLLM's ``sha256_cbor`` chain), so the events must carry
+  vLLM's real block hashes (``bench.service_compare`` sends them to every service).
+
+Dynamo and the C++ conductor bind 0.0.0.0: run them only inside a private network namespace
+(``in_private_netns``; ``bench.service_compare`` re-executes itself under ``unshare -n``).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import urllib.error
+import urllib.request
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Protocol
+
+import msgpack
+
+from bench.conductor_bench import (
+    MODEL,
+    MSGPACK_TYPE,
+    PROBE_TOKEN,
+    msgpack_query_body,
+    query_body,
+    verify_clean,
+)
+from bench.harness import BLOCK_SIZE, JSON_TYPE, BenchError, Http, deadline_loop, register_all
+from publishers.local import HOST, free_port
+
+STARTUP_TIMEOUT_S = 30.0
+STOP_TIMEOUT_S = 5.0
+HASH_ALGORITHM = "sha256_cbor"  # vLLM's default prefix-caching hash since 0.11
+HASH_SEED = "0"  # PYTHONHASHSEED=0: every engine of a deployment must share it
+
+Answer = dict[str, int]  # instance id -> tokens of the prompt it holds (0s left out)
+
+
+def in_private_netns(host: str | None = None) -> bool:
+    """True when this process's network namespace is not ``host`` (a ``net:[inode]`` link),
+    by default the one PID 1 (the host) uses; unknown counts as not private."""
+    try:
+        own = os.readlink("/proc/self/ns/net")
+        # inside a new namespace /proc/1's link is unreadable: the caller passes it then
+        return own != (host or os.readlink("/proc/1/ns/net"))
+    except OSError:
+        return False
+
+
+# -- processes --------------------------------------------------------------------------
+def tree_pids(pid: int) -> list[int]:
+    """``pid`` and every descendant: a multi-process service's memory is all of theirs."""
+    pids, pending = [], [pid]
+    while pending:
+        current = pending.pop()
+        pids.append(current)
+        for task in Path(f"/proc/{current}/task").glob("*"):
+            try:
+                pending += [int(c) for c in (task / "children").read_text().split()]
+            except OSError:
+                continue
+    return pids
+
+
+def tree_rss_bytes(pid: int) -> int:
+    """VmRSS summed over the process tree (shared pages counted in each process)."""
+    total = 0
+    for member in tree_pids(pid):
+        try:
+            for line in Path(f"/proc/{member}/status").read_text().splitlines():
+                if line.startswith("VmRSS:"):
+                    total += int(line.split()[1]) * 1024
+        except OSError:
+            continue  # exited between the listing and the read
+    return total
+
+
+@dataclass
+class ServiceProcess:
+    """One service's process (its own session, so a wrapper's children stop with it)."""
+
+    process: subprocess.Popen[bytes]
+    port: int
+    log_path: Path
+
+    @classmethod
+    def start(
+        cls,
+        command: Sequence[str],
+        port: int,
+        log_path: Path,
+        cpus: str | None = None,
+        env: Mapping[str, str] | None = None,
+    ) -> ServiceProcess:
+        """``taskset -c CPUS`` execs the service, so the pid measured is the service's."""
+        prefix = ["taskset", "-c", cpus] if cpus else []
+        with log_path.open("wb") as log:  # the child keeps its own descriptor
+            try:
+                process = subprocess.Popen(
+                    [*prefix, *command],
+                    env={**os.environ, **(env or {})},
+                    stdout=log,
+                    stderr=subprocess.STDOUT,
+                    start_new_session=True,
+                )
+            except OSError as error:
+                raise BenchError(f"cannot start {command[0]!r}: {error}") from None
+        return cls(process, port, log_path)
+
+    def log_tail(self, lines: int = 20) -> str:
+        text = self.log_path.read_text(errors="replace") if self.log_path.exists() else ""
+        return "\n".join(text.splitlines()[-lines:])
+
+    def wait_ready(self, path: str, timeout: float = STARTUP_TIMEOUT_S) -> None:
+        """Until ``GET path`` answers 200 (an open port alone may precede the routes)."""
+        url = f"http://{HOST}:{self.port}{path}"
+        for _ in deadline_loop(timeout, f"{url} to answer", 0.05):
+            if self.process.poll() is not None:
+                raise BenchError(f"exited with {self.process.returncode}:\n{self.log_tail()}")
+            try:
+                with urllib.request.urlopen(url, timeout=1.0) as response:
+                    if response.status == 200:
+                        return
+            except (OSError, urllib.error.URLError):
+                pass
+
+    def stop(self) -> None:
+        """SIGTERM to its process group, then SIGKILL."""
+        if self.process.poll() is not None:
+            return
+        os.killpg(self.process.pid, signal.SIGTERM)
+        try:
+            self.process.wait(STOP_TIMEOUT_S)
+        except subprocess.TimeoutExpired:
+            os.killpg(self.process.pid, signal.SIGKILL)
+            self.process.wait(STOP_TIMEOUT_S)
+
+
+# -- the common interface ---------------------------------------------------------------
+@dataclass(frozen=True)
+class QueryMode:
+    """One way to ask a service: how a prompt becomes a body, how its answer is read."""
+
+    name: str  # "json" or "msgpack": the column the table shows
+    content_type: str
+    body: Callable[[list[int]], bytes]
+    parse: Callable[[bytes], Answer]
+
+
+@dataclass(frozen=True)
+class Stream:
+    """One engine's event stream as a service registers it."""
+
+    instance_id: str  # decimal: Dynamo's worker ids are integers
+    endpoint: str
+
+
+class IndexerService(Protocol):
+    """What ``bench.service_compare`` needs of a service under test."""
+
+    modes: tuple[QueryMode, ...]  # the first is the one every check uses
+
+    @property
+    def name(self) -> str: ...
+
+    @property
+    def pid(self) -> int: ...
+
+    @property
+    def client(self) -> Http: ...
+
+    def start(self, run_dir: Path) -> None: ...
+
+    def stop(self) -> None: ...
+
+    def register(self, streams: Sequence[Stream], send_probes: ProbeSender) -> int:
+        """Register every stream and return once each is received; returns the blocks
+        stored on the way (probes)."""
+        ...
+
+    def counters(self, blocks: int, events: int) -> dict[str, float]:
+        """The service's own proof that nothing was lost (empty when it has none)."""
+        ...
+
+
+ProbeSender = Callable[[Sequence[int]], None]
+"""Sends the probe (``probe_tokens``) of each stream listed by position."""
+
+
+def answer(service: IndexerService, tokens: list[int], mode: QueryMode | None = None) -> Answer:
+    """The instances holding a prefix of ``tokens``, from a 200 answer."""
+    mode = mode or service.modes[0]
+    status, data = service.client.raw("POST", "/query", mode.body(tokens), mode.content_type)
+    if status != 200:
+        raise BenchError(f"{service.name} /query -> {status}: {data[:300]!r}")
+    return mode.parse(data)
+
+
+def probe_tokens(position: int) -> list[int]:
+    """A one-block prompt no other event carries, distinct per stream."""
+    return [PROBE_TOKEN + position] + [PROBE_TOKEN] * (BLOCK_SIZE - 1)
+
+
+def register_by_probe(
+    service: IndexerService,
+    streams: Sequence[Stream],
+    send_probes: ProbeSender,
+    timeout: float = 30.0,
+) -> int:
+    """Resend a one-block probe on each stream until ``/query`` shows it.
+
+    A PUB drops what it sends before the subscriber joined, and a peer without a connection
+    state to read can only prove it joined by answering. Returns the blocks stored.
+    """
+    pending = dict(enumerate(streams))
+    for _ in deadline_loop(timeout, f"{service.name} to receive every stream", 0.02):
+        send_probes(list(pending))
+        pending = {
+            n: s
+            for n, s in pending.items()
+            if answer(service, probe_tokens(n)).get(s.instance_id) != BLOCK_SIZE
+        }
+        if not pending:
+            return len(streams)
+    return len(streams)
+
+
+def _started(service: ServiceProcess | None, name: str) -> ServiceProcess:
+    if service is None:
+        raise BenchError(f"{name} is not running")
+    return service
+
+
+# -- ours -------------------------------------------------------------------------------
+def _ours_json(data: bytes) -> Answer:
+    hits = json.loads(data).get("default", {})
+    return {k: v["longest_matched"] for k, v in hits.items() if v["longest_matched"]}
+
+
+def _instances_msgpack(data: bytes) -> Answer:
+    hits = msgpack.unpackb(data)["instances"]
+    return {str(k): v["longest_matched"] for k, v in hits.items() if v["longest_matched"]}
+
+
+@dataclass(frozen=True)
+class _OursRegistration:
+    """The ``/register`` body of a vLLM instance, as ``register_all`` takes it."""
+
+    instance_id: str
+    endpoint: str
+
+    def registration(self) -> dict[str, Any]:
+        return {
+            "endpoint": self.endpoint,
+            "type": "vLLM",
+            "modelname": MODEL,
+            "instance_id": self.instance_id,
+            "block_size": BLOCK_SIZE,
+            "dp_rank": 0,
+        }
+
+
+@dataclass
+class Ours:
+    """This project's conductor: ``python -m conductor`` with an empty config.
+
+    ``cpus`` pins it (``taskset -c``), ``args`` and ``env`` reach the service unchanged.
+    """
+
+    cpus: str | None = None
+    args: tuple[str, ...] = ()
+    env: Mapping[str, str] = field(default_factory=dict)
+    name: str = "ours"
+    modes: tuple[QueryMode, ...] = (
+        QueryMode("json", JSON_TYPE, query_body, _ours_json),
+        QueryMode("msgpack", MSGPACK_TYPE, msgpack_query_body, _instances_msgpack),
+    )
+    _process: ServiceProcess | None = None
+    _client: Http | None = None
+
+    @property
+    def pid(self) -> int:
+        return _started(self._process, self.name).process.pid
+
+    @property
+    def client(self) -> Http:
+        if self._client is None:
+            raise BenchError(f"{self.name} is not running")
+        return self._client
+
+    def start(self, run_dir: Path) -> None:
+        config = run_dir / "conductor_config.json"
+        config.write_text("{}")
+        port = free_port()
+        command = [sys.executable, "-m", "conductor", "--host", HOST, "--port", str(port)]
+        command += ["--config", str(config), *self.args]
+        self._process = ServiceProcess.start(
+            command, port, run_dir / "ours.log", self.cpus, self.env
+        )
+        self._process.wait_ready("/health")
+        self._client = Http(port)
+
+    def stop(self) -> None:
+        if self._client is not None:
+            self._client.close()
+        if self._process is not None:
+            self._process.stop()
+
+    def register(self, streams: Sequence[Stream], send_probes: ProbeSender) -> int:
+        """``/services`` says when a SUB socket is connected: no probe needed."""
+        register_all(self.client, [_OursRegistration(s.instance_id, s.endpoint) for s in streams])
+        return 0
+
+    def counters(self, blocks: int, events: int) -> dict[str, float]:
+        return verify_clean(self.client, blocks, events)
+
+
+# -- NVIDIA Dynamo ----------------------------------------------------------------------
+def dynamo_python() -> str:
+    """An interpreter that imports ``dynamo`` (the ``index-bench`` extra): this one, else
+    the one this venv was made from (its site-packages may hold it), else ``python3``."""
+    if importlib.util.find_spec("dynamo") is not None:
+        return sys.executable
+    candidates: list[str | None] = [getattr(sys, "_base_executable", None)]
+    candidates.append(shutil.which("python3"))
+    for candidate in filter(None, candidates):
+        if candidate != sys.executable and dynamo_available(candidate) is None:
+            return candidate
+    return "python3"
+
+
+def dynamo_available(python: str) -> str | None:
+    """None when ``python -m dynamo.indexer`` can run, else why not."""
+    try:
+        done = subprocess.run(
+            [python, "-c", "import dynamo.indexer"], capture_output=True, timeout=60
+        )
+    except (OSError, subprocess.TimeoutExpired) as error:
+        return f"{python}: {error}"
+    if done.returncode != 0:
+        return f"{python} cannot import dynamo.indexer (pip install -e '.[index-bench]')"
+    return None
+
+
+def _dynamo_query(tokens: list[int]) -> bytes:
+    return json.dumps({"token_ids": tokens, "model_name": MODEL}, separators=(",", ":")).encode()
+
+
+def _dynamo_answer(data: bytes) -> Answer:
+    """``{"scores": {worker: {dp_rank: tokens}}, "instances": {worker: {"longest_matched",
+    "gpu", "cpu", "disk", "dp"}}, ...}``: the Mooncake RFC's shape next to Dynamo's own."""
+    hits = json.loads(data).get("instances", {})
+    return {k: v["longest_matched"] for k, v in hits.items() if v["longest_matched"]}
+
+
+@dataclass
+class Dynamo:
+    """Dynamo's standalone indexer (``ai-dynamo-runtime``): JSON only, integer worker ids.
+
+    ``threads`` > 1 runs its ``ThreadPoolIndexer`` (one radix tree per thread, workers
+    sharded across them); 1 the single-threaded ``KvIndexer``.
+    """
+
+    threads: int = 2
+    python: str = field(default_factory=dynamo_python)
+    cpus: str | None = None
+    modes: tuple[QueryMode, ...] = (QueryMode("json", JSON_TYPE, _dynamo_query, _dynamo_answer),)
+    _process: ServiceProcess | None = None
+    _client: Http | None = None
+
+    @property
+    def name(self) -> str:
+        return f"dynamo-t{self.threads}"
+
+    @property
+    def pid(self) -> int:
+        return _started(self._process, self.name).process.pid
+
+    @property
+    def client(self) -> Http:
+        if self._client is None:
+            raise BenchError(f"{self.name} is not running")
+        return self._client
+
+    def start(self, run_dir: Path) -> None:
+        port = free_port()
+        command = [self.python, "-m", "dynamo.indexer", "--port", str(port)]
+        command += ["--threads", str(self.threads)]
+        self._process = ServiceProcess.start(
+            command, port, run_dir / f"{self.name}.log", self.cpus, {"DYN_LOG": "warn"}
+        )
+        self._process.wait_ready("/health")
+        self._client = Http(port)
+
+    def stop(self) -> None:
+        if self._client is not None:
+            self._client.close()
+        if self._process is not None:
+            self._process.stop()
+
+    def register(self, streams: Sequence[Stream], send_probes: ProbeSender) -> int:
+        """``POST /register`` answers 201; the first registration of a model sets its
+        block size. Its ``/workers`` "active" listener may precede the subscription, so
+        probes prove each stream."""
+        for stream in streams:
+            body = {
+                "instance_id": int(stream.instance_id),
+                "endpoint": stream.endpoint,
+                "model_name": MODEL,
+                "block_size": BLOCK_SIZE,
+            }
+            status, data = self.client.raw("POST", "/register", json.dumps(body).encode())
+            if status not in (200, 201):
+                raise BenchError(f"{self.name} /register -> {status}: {data[:300]!r}")
+        return register_by_probe(self, streams, send_probes)
+
+    def counters(self, blocks: int, events: int) -> dict[str, float]:
+        return {}
+
+
+# -- upstream Mooncake C++ --------------------------------------------------------------
+HASH_PROFILE = {
+    "strategy": "vllm_v1",
+    "algorithm": HASH_ALGORITHM,
+    "python_hash_seed": HASH_SEED,
+    "index_projection": "low64_be",
+}
+
+
+@dataclass
+class Cpp:
+    """Upstream Mooncake's C++ conductor (``mooncake_conductor``, built from its
+    ``dev/conductor`` branch; see bench/README.md): msgpack only, both ways.
+
+    Like the Go service it has no flags: ``CONDUCTOR_CONFIG_PATH`` names a JSON file with
+    its port. Its HTTP server runs 4 threads (hard-coded); each registration adds a ZMQ
+    thread. It keys blocks by the events' hashes and hashes a query's tokens with the
+    registered ``hash_profile``, the vLLM chain the batches carry.
+    """
+
+    binary: Path
+    cpus: str | None = None
+    name: str = "cpp"
+    modes: tuple[QueryMode, ...] = (
+        QueryMode("msgpack", MSGPACK_TYPE, msgpack_query_body, _instances_msgpack),
+    )
+    _process: ServiceProcess | None = None
+    _client: Http | None = None
+
+    @property
+    def pid(self) -> int:
+        return _started(self._process, self.name).process.pid
+
+    @property
+    def client(self) -> Http:
+        if self._client is None:
+            raise BenchError(f"{self.name} is not running")
+        return self._client
+
+    def start(self, run_dir: Path) -> None:
+        port = free_port()
+        config = run_dir / "cpp_config.json"
+        config.write_text(json.dumps({"http_server_port": port, "kvevent_instance": {}}))
+        env = {"CONDUCTOR_CONFIG_PATH": str(config), "CONDUCTOR_LOG_LEVEL": "WARN"}
+        self._process = ServiceProcess.start(
+            [str(self.binary)], port, run_dir / "cpp.log", self.cpus, env
+        )
+        self._process.wait_ready("/services")
+        self._client = Http(port)
+
+    def stop(self) -> None:
+        if self._client is not None:
+            self._client.close()
+        if self._process is not None:
+            self._process.stop()
+
+    def register(self, streams: Sequence[Stream], send_probes: ProbeSender) -> int:
+        """A msgpack ``/register`` with the hash profile; its ZMQ connect is asynchronous
+        (200 before the SUB joined), so probes prove each stream."""
+        for stream in streams:
+            body = {
+                "endpoint": stream.endpoint,
+                "type": "vLLM",
+                "modelname": MODEL,
+                "instance_id": stream.instance_id,
+                "block_size": BLOCK_SIZE,
+                "dp_rank": 0,
+                "hash_profile": HASH_PROFILE,
+            }
+            status, data = self.client.raw("POST", "/register", msgpack.packb(body), MSGPACK_TYPE)
+            if status != 200:
+                raise BenchError(f"{self.name} /register -> {status}: {data[:300]!r}")
+        return register_by_probe(self, streams, send_probes)
+
+    def counters(self, blocks: int, events: int) -> dict[str, float]:
+        return {}

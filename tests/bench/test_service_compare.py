@@ -1,0 +1,55 @@
+"""``bench.service_compare`` at toy sizes, our service alone (the peers need Dynamo or a C++
+build and a private network namespace), plus the pieces the peers rely on: the fast vLLM
+hash chain equals the reference, and the expected answers."""
+
+from __future__ import annotations
+
+import msgpack
+
+from bench.harness import BLOCK_SIZE
+from bench.indexer_services import HASH_ALGORITHM, HASH_SEED, Ours, _instances_msgpack
+from bench.service_compare import (
+    BATCH_BLOCKS,
+    BatchPool,
+    Scale,
+    VllmHashes,
+    expected_answer,
+    query_prompt,
+    round_robin,
+    run,
+)
+from conductor.vllm_hash import block_keys
+
+TINY = Scale("tiny", 200, 1, (1_000, 2_000), (2, 9), 20, 5, 10, (50_000,), 0.1, 2)
+
+
+def test_the_fast_chain_is_vllms() -> None:
+    hashes = VllmHashes()
+    prompts = [query_prompt(), [hashes.TABLE + 5] * 40, BatchPool().tokens.prompt()]
+    for tokens in prompts:
+        reference = list(block_keys(HASH_ALGORITHM, HASH_SEED, tokens, BLOCK_SIZE))
+        assert hashes.chain(tokens) == reference
+
+
+def test_expected_answers_follow_the_prefix_holdings() -> None:
+    assert expected_answer(2) == {"1": 2048, "2": 1792}
+    assert len(expected_answer(64)) == 8  # the other 56 hold nothing and are left out
+    assert set(expected_answer(9, 1).values()) == {BLOCK_SIZE}
+    assert round_robin(5, 4, 3, 5) == [(2, 5), (0, 6), (1, 7), (2, 8)]
+
+
+def test_msgpack_answers_drop_instances_without_a_match() -> None:
+    data = msgpack.packb({"instances": {"a": {"longest_matched": 32}, "b": {"longest_matched": 0}}})
+    assert _instances_msgpack(data) == {"a": 32}
+
+
+def test_every_phase_runs_against_our_service() -> None:
+    result = run(TINY, [Ours()])
+    ours = result["services"]["ours"]
+    assert ours["modes"] == ["json", "msgpack"]
+    assert ours["ingest"]["streams_8"]["counters"]["blocks_stored"] == 10 * BATCH_BLOCKS
+    first, second = ours["grid"]
+    assert [cell["instances"] for cell in first["cells"]] == [2, 2] and not second["loaded"]
+    (loaded,) = first["loaded"]
+    assert loaded["json"]["requests"] > 0 and loaded["catch_up_s"] >= 0
+    assert result["ratios"] == {}
