@@ -659,10 +659,28 @@ def ratio_rows(ours: dict[str, Any], peer: dict[str, Any]) -> list[Row]:
 
 def print_ratios(peer: str, rows: list[Row]) -> None:
     print(f"\n== ours ÷ {peer}")
-    print(f"  {'metric':<48} {'ours':>12} {peer:>12} {'ratio':>7}  better")
+    print(f"  {'metric':<52} {'ours':>13} {peer:>13} {'ratio':>6}  better")
     for metric, a, b, better in rows:
         ratio = a / b if b else float("nan")
-        print(f"  {metric:<48} {a:>12,.3f} {b:>12,.3f} {ratio:>7.2f}  {better}")
+        print(f"  {metric:<52} {a:>13,.3f} {b:>13,.3f} {ratio:>6.2f}  {better}")
+
+
+NOISY_CORES = 0.25
+
+
+def warn_if_noisy(result: dict[str, Any]) -> None:
+    """Latency on a shared 2-core box compares only when nothing else ran (``bg cpu``)."""
+    loads = []
+    for service in result["services"].values():
+        loads += [run["load"] for run in service.get("ingest", {}).values()]
+        for grid in service["grid"]:
+            loads += [cell[m]["load"] for cell in grid["cells"] for m in service["modes"]]
+    worst = max((load["other_cores"] + load["steal_cores"] for load in loads), default=0.0)
+    if worst > NOISY_CORES:
+        print(
+            f"\n  note: other processes used up to {worst:.2f} cores during a measurement; "
+            "rerun on a quiet machine before comparing numbers"
+        )
 
 
 # -- the run ----------------------------------------------------------------------------
@@ -710,6 +728,7 @@ def run(scale: Scale, services: Sequence[IndexerService]) -> dict[str, Any]:
                 for m, a, b, w in rows
             ]
             print_ratios(name, rows)
+    warn_if_noisy(result)
     return result
 
 
