@@ -101,7 +101,7 @@ WAIT_S = 300.0
 
 @dataclass(frozen=True)
 class Scale:
-    """Every size of one run; ``QUICK`` is a ~2-minute smoke run of the same phases."""
+    """Every size of one run; ``QUICK`` is a ~30-second smoke run of the same phases."""
 
     name: str
     ingest_events: int
@@ -315,8 +315,8 @@ class PublisherHost:
 def running(service: IndexerService, streams: int, pool: BatchPool) -> Iterator[PublisherHost]:
     """The service, empty, and a publisher process; both always stopped on the way out."""
     with tempfile.TemporaryDirectory(prefix="service-compare-") as run_dir:
-        service.start(Path(run_dir))
         try:
+            service.start(Path(run_dir))  # inside: one that never got ready is stopped too
             host = PublisherHost(streams, pool.payloads)
             try:
                 yield host
@@ -745,7 +745,7 @@ def describe(service: IndexerService) -> dict[str, Any]:
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="a ~2-minute smoke run")
+    parser.add_argument("--quick", action="store_true", help="a ~30-second smoke run")
     parser.add_argument("--json", type=Path, default=DEFAULT_JSON, help="where to write JSON")
     parser.add_argument(
         "--services", default="ours,dynamo", help="comma-separated: ours, dynamo (default both)"
