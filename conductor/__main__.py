@@ -78,8 +78,8 @@ def _parser() -> argparse.ArgumentParser:
         if key == "log_level":
             continue
         options: dict[str, Any] = {"dest": key, "default": None}
-        if spec.annotation is bool:
-            options["action"] = "store_true"
+        if spec.annotation is bool:  # one on by default is turned off with --no-<flag>
+            options["action"] = argparse.BooleanOptionalAction if spec.default else "store_true"
         elif key == "register_allow":
             options.update(action="append", metavar="ENTRY")
         elif key == "http_server_port":

@@ -22,7 +22,7 @@ from typing import Any, TypeVar, cast
 import msgpack
 import msgspec
 from aiohttp import web
-from prometheus_client import CONTENT_TYPE_LATEST
+from prometheus_client import CONTENT_TYPE_LATEST, Counter, Histogram
 from pydantic import BaseModel, ValidationError
 
 from .body_shape import (
@@ -59,8 +59,9 @@ from .dialect import (
     tier_values,
 )
 from .hash_profile import HashProfile
-from .http_guard import ConnectionGuard
+from .http_guard import CONNECTION_PROTOCOL, ConnectionGuard
 from .index import ContextKey, ContextView, InstanceMatch
+from .lane_http import ApiRequest, LaneRequest
 from .loads import (
     DEFAULT_WAIT_S,
     LEASE_HEADER,
@@ -82,6 +83,7 @@ from .manager import (
     ServiceNotFound,
 )
 from .persistence import StateFile
+from .query_lane import LaneSettings, QueryLane
 from .routed import RoutedPrompts, RoutedRequest, raise_hits
 from .security import BearerAuth, EndpointAllowlist, EndpointRefused, Unauthorized
 from .snapshot import Snapshots
@@ -91,6 +93,7 @@ from .wire.events import MASK64, EngineHash
 log = logging.getLogger(__name__)
 
 MSGPACK = "application/msgpack"
+LANE_ROUTES = ("/query", "/query_by_hash")  # what the query lane answers
 GLOBAL_VIEW_MAX_HASHES = 10_000
 SMALL_BODY_BYTES = 64 * 1024  # registrations and other small bodies
 JSON_BYTES_PER_TOKEN = 12  # "-2147483648,"
@@ -246,11 +249,11 @@ _json_encode = msgspec.json.Encoder().encode  # compact, and several times json.
 _msgpack_encode = msgspec.msgpack.Encoder().encode
 
 
-def _wants_msgpack(request: web.Request) -> bool:
+def _wants_msgpack(request: ApiRequest) -> bool:
     return request.content_type == MSGPACK or MSGPACK in request.headers.get("Accept", "")
 
 
-def speaks_cpp(request: web.Request) -> bool:
+def speaks_cpp(request: ApiRequest) -> bool:
     """Upstream C++'s dialect: a msgpack body, or a GET that accepts msgpack (a JSON body
     that accepts msgpack gets the Go shapes, in msgpack, as before the dialects)."""
     if request.method == "GET":
@@ -258,7 +261,7 @@ def speaks_cpp(request: web.Request) -> bool:
     return request.content_type == MSGPACK
 
 
-def reply(request: web.Request, payload: Any, status: int = 200) -> web.Response:
+def reply(request: ApiRequest, payload: Any, status: int = 200) -> web.Response:
     """JSON by default; msgpack when the client spoke or asked for msgpack."""
     if _wants_msgpack(request):
         return web.Response(body=_msgpack_encode(payload), status=status, content_type=MSGPACK)
@@ -269,10 +272,14 @@ def _too_large(limit: int) -> ApiError:
     return ApiError(413, f"request body too large (limit {limit} bytes)")
 
 
-async def read_body(request: web.Request, limit: int, timeout: float) -> bytes:
+async def read_body(request: web.Request | LaneRequest, limit: int, timeout: float) -> bytes:
     """The body, at most ``limit`` bytes (413) and within ``timeout`` seconds (408)."""
     if request.content_length is not None and request.content_length > limit:
         raise ApiError(413, f"request body too large (limit {limit} bytes on {request.path})")
+    if isinstance(request, LaneRequest):  # read whole by the lane, or timed out
+        if request.body is None:
+            raise _body_timed_out(timeout)
+        return request.body
     if request.content.is_eof():  # it came whole with the headers: no wait, no timer
         whole = request.content.read_nowait()
         if len(whole) > limit:
@@ -286,12 +293,16 @@ async def read_body(request: web.Request, limit: int, timeout: float) -> bytes:
                 if len(body) > limit:
                     raise _too_large(limit)
     except TimeoutError:
-        raise ApiError(408, f"request body not received within {timeout:g} s") from None
+        raise _body_timed_out(timeout) from None
     return bytes(body)
 
 
+def _body_timed_out(timeout: float) -> ApiError:
+    return ApiError(408, f"request body not received within {timeout:g} s")
+
+
 async def parse_body(
-    request: web.Request,
+    request: web.Request | LaneRequest,
     model: type[Body],
     limits: HttpLimits,
     plain_json: Callable[[bytes], Body | None] | None = None,
@@ -446,7 +457,7 @@ def _each_answer(
     return answers
 
 
-def _tiers(request: web.Request, default: frozenset[str]) -> frozenset[str]:
+def _tiers(request: ApiRequest, default: frozenset[str]) -> frozenset[str]:
     """The tiers the answer names: the request's ``TIERS_HEADER``, else the dialect's."""
     value = request.headers.get(TIERS_HEADER)
     if value is None:
@@ -457,7 +468,7 @@ def _tiers(request: web.Request, default: frozenset[str]) -> frozenset[str]:
         raise ApiError(400, str(error), TIERS_HEADER, reason=INVALID_VALUE) from None
 
 
-def _lease_number(request: web.Request) -> int | None:
+def _lease_number(request: ApiRequest) -> int | None:
     """A query's decision lease number (``conductor.loads``); None without one, a 400 for
     one that is not a number in range."""
     value = request.headers.get(LEASE_HEADER)
@@ -472,7 +483,7 @@ def _lease_number(request: web.Request) -> int | None:
 
 
 def _hits(
-    request: web.Request, matches: dict[str, InstanceMatch] | None
+    request: ApiRequest, matches: dict[str, InstanceMatch] | None
 ) -> dict[str, InstanceMatch]:
     """``matches`` (none: no context), only those with a hit if the request asks so."""
     if matches and request.headers.get(HITS_ONLY_HEADER) == "1":
@@ -491,6 +502,8 @@ class ApiOptions:
     guard: ConnectionGuard | None = None
     snapshots: Snapshots | None = None  # None: no GET /snapshot
     replica_wait_s: float = DEFAULT_WAIT_S  # see conductor.loads
+    keepalive_timeout_s: float = 75.0  # an idle connection's, aiohttp's default
+    query_lane: bool = True  # False: aiohttp serves every request (conductor.query_lane)
 
 
 class ConductorApi:
@@ -504,6 +517,11 @@ class ConductorApi:
         self.metrics.routed_prompts.routed = self.routed
         self.loads = ReplicaLoads(max_wait_s=options.replica_wait_s)  # replicas' loads
         self.metrics.routed_prompts.loads = self.loads
+        self._lane_settings: LaneSettings | None = None  # made at the first connection
+        self._answered: dict[tuple[str, int], Counter] = {}  # http_requests, by label
+        self._query_seconds: dict[str, Histogram] = {
+            route: self.metrics.query_seconds.labels(route) for route in LANE_ROUTES
+        }
 
     def routes(self) -> list[web.RouteDef]:
         return [
@@ -524,7 +542,7 @@ class ConductorApi:
 
     # -- queries -------------------------------------------------------------------------
     def _answer(
-        self, request: web.Request, query: QueryBase, matches: dict[str, InstanceMatch] | None
+        self, request: ApiRequest, query: QueryBase, matches: dict[str, InstanceMatch] | None
     ) -> web.Response:
         """``matches`` in the request's dialect (only the instances with a hit when asked
         so); when no context matched, a header saying so. Upstream C++ answers an instance
@@ -543,7 +561,7 @@ class ConductorApi:
 
     def _go_answer(
         self,
-        request: web.Request,
+        request: ApiRequest,
         query: QueryBase,
         matches: dict[str, InstanceMatch] | None,
         write: Callable[[InstanceMatch], GoMatch],
@@ -570,7 +588,7 @@ class ConductorApi:
             f" (+{unlisted} more)" if unlisted > 0 else ""
         )
 
-    async def query(self, request: web.Request) -> web.Response:
+    async def query(self, request: web.Request | LaneRequest) -> web.Response:
         started = time.perf_counter()
         limits = self.options.limits
         body = await parse_body(request, QueryRequest, limits, QueryRequest.from_plain_json)
@@ -590,7 +608,7 @@ class ConductorApi:
             others = self.loads.others(replica, matches or ())
             response.headers[LOADS_HEADER] = loads_header(others)
             response.headers[OTHERS_HEADER] = str(self.loads.count_others(replica))
-        self.metrics.query_seconds.labels("/query").observe(time.perf_counter() - started)
+        self._query_seconds["/query"].observe(time.perf_counter() - started)
         return response
 
     def _with_routed(
@@ -625,7 +643,7 @@ class ConductorApi:
             raise ApiError(429, str(error), "replica", headers={"Retry-After": "1"}) from None
         return reply(request, {"status": "recorded", "replicas": len(self.loads)})
 
-    def _progress(self, request: web.Request, tenant: str) -> str:
+    def _progress(self, request: ApiRequest, tenant: str) -> str:
         """The indexing progress of the instances the progress header names, as JSON (what
         lets a router count a finished request as in flight until its blocks are in)."""
         try:
@@ -643,14 +661,14 @@ class ConductorApi:
         progress = {i: self.manager.indexed_until(i, tenant) for i in instances}
         return json.dumps(progress, separators=(",", ":"))  # ASCII: a header's value
 
-    async def query_by_hash(self, request: web.Request) -> web.Response:
+    async def query_by_hash(self, request: web.Request | LaneRequest) -> web.Response:
         started = time.perf_counter()
         body = await parse_body(request, QueryByHashRequest, self.options.limits)
         _at_most(len(body.seq_hashes), self.options.limits.max_query_hashes, "seq_hashes")
         hashes = cast(list[EngineHash], [h & MASK64 for h in body.seq_hashes])
         matches = self.table.match_engine_hashes(body.context_key(), hashes, body.instance_id)
         response = self._answer(request, body, matches)
-        self.metrics.query_seconds.labels("/query_by_hash").observe(time.perf_counter() - started)
+        self._query_seconds["/query_by_hash"].observe(time.perf_counter() - started)
         return response
 
     # -- registrations -------------------------------------------------------------------
@@ -838,22 +856,17 @@ class ConductorApi:
             raise ApiError(503, f"snapshot not built: {error or 'batches did not pause'}") from None
         return web.Response(body=data, content_type="application/octet-stream")
 
-    async def prometheus(self, request: web.Request) -> web.Response:
-        response = web.Response(body=self.metrics.render())
-        response.content_type = CONTENT_TYPE_LATEST.split(";")[0]
-        return response
-
-
-def _error_middleware(api: ConductorApi) -> Callable[..., Awaitable[web.StreamResponse]]:
-    @web.middleware
-    async def middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
-        route = request.match_info.route.resource
-        name = route.canonical if route is not None else "unmatched"
+    # -- every request's checks, errors and counts ---------------------------------------
+    async def answered(
+        self, request: ApiRequest, handle: Callable[[], Awaitable[web.StreamResponse]], route: str
+    ) -> web.StreamResponse:
+        """``handle``'s response, or the refusal in the request's dialect; counted, and the
+        connection guard told the request is answered (aiohttp's and the lane's alike)."""
         try:
-            api.options.auth.check(request)
-            response = await handler(request)
+            self.options.auth.check(request)
+            response = await handle()
         except Unauthorized:
-            api.refusals.warning(
+            self.refusals.warning(
                 f"401 {request.remote}", "unauthorized %s from %s", request.path, request.remote
             )
             response = _refusal(request, ApiError(401, "missing or invalid bearer token"))
@@ -871,15 +884,53 @@ def _error_middleware(api: ConductorApi) -> Callable[..., Awaitable[web.StreamRe
         except Exception:
             log.exception("unhandled error on %s %s", request.method, request.path)
             response = _refusal(request, ApiError(500, "internal error"))
-        api.metrics.http_requests.labels(name, str(response.status)).inc()
-        if api.options.guard is not None:
-            api.options.guard.request_done(request.transport)
+        counter = self._answered.get((route, response.status))
+        if counter is None:  # labels() costs a few µs a request; routes x statuses are few
+            counter = self.metrics.http_requests.labels(route, str(response.status))
+            self._answered[(route, response.status)] = counter
+        counter.inc()
+        if self.options.guard is not None:
+            self.options.guard.request_done(request.transport)
         return response
+
+    async def answer_lane(self, request: LaneRequest) -> web.Response:
+        """A query the lane read (``conductor.query_lane``), answered as aiohttp would."""
+        handler = self.query if request.path == "/query" else self.query_by_hash
+        response = await self.answered(request, partial(handler, request), request.path)
+        assert isinstance(response, web.Response), "the query routes answer whole bodies"
+        return response
+
+    def lane_protocol(self, runner: web.AppRunner) -> asyncio.Protocol:
+        """A new connection's protocol: the query lane, with aiohttp behind it."""
+        limits = self.options.limits
+        settings = self._lane_settings
+        if settings is None:
+            settings = self._lane_settings = LaneSettings(
+                self.answer_lane,
+                runner.server,  # type: ignore[arg-type]  # set up before any connection
+                limits.body_bytes,
+                limits.body_timeout_s,
+                self.options.keepalive_timeout_s,
+            )
+        return QueryLane(settings)
+
+    async def prometheus(self, request: web.Request) -> web.Response:
+        response = web.Response(body=self.metrics.render())
+        response.content_type = CONTENT_TYPE_LATEST.split(";")[0]
+        return response
+
+
+def _error_middleware(api: ConductorApi) -> Callable[..., Awaitable[web.StreamResponse]]:
+    @web.middleware
+    async def middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
+        route = request.match_info.route.resource
+        name = route.canonical if route is not None else "unmatched"
+        return await api.answered(request, partial(handler, request), name)
 
     return middleware
 
 
-def _refusal(request: web.Request, error: ApiError) -> web.Response:
+def _refusal(request: ApiRequest, error: ApiError) -> web.Response:
     """The error in the request's dialect: Go's ``{"error", "field"}``, or upstream C++'s
     ``{"error"[, "reason"][, "field"][, "index"]}`` (no key without a value)."""
     if not speaks_cpp(request):
@@ -896,4 +947,6 @@ def api_app(manager: ServiceManager, options: ApiOptions) -> web.Application:
         client_max_size=options.limits.max_body_bytes, middlewares=[_error_middleware(api)]
     )
     app.add_routes(api.routes())
+    if options.query_lane:
+        app[CONNECTION_PROTOCOL] = api.lane_protocol
     return app

@@ -493,6 +493,11 @@ class Settings(StrictModel):
         le=3600,
         description="seconds an idle keep-alive connection stays open",
     )
+    query_lane: bool = Field(
+        default=True,
+        description="answer /query and /query_by_hash on a lean HTTP/1.1 path, the other "
+        "routes through aiohttp (off: aiohttp answers every request)",
+    )
     max_connections: int = Field(
         default=512,
         ge=1,

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import Callable
 from typing import Any, cast
 
 from aiohttp import web
@@ -24,6 +25,10 @@ from .runtime import LoopShare
 
 log = logging.getLogger(__name__)
 HEAD_END = b"\r\n\r\n"
+# an app's protocol for a new connection, in place of aiohttp's (conductor.query_lane)
+CONNECTION_PROTOCOL: web.AppKey[Callable[[web.AppRunner], asyncio.Protocol]] = web.AppKey(
+    "connection_protocol"
+)
 
 
 class ConnectionGuard:
@@ -145,7 +150,8 @@ async def listen(
 
     def protocol() -> asyncio.Protocol:
         assert runner.server is not None, "served only once the runner is set up"
-        return GuardedProtocol(runner.server(), guard)
+        make = runner.app.get(CONNECTION_PROTOCOL)
+        return GuardedProtocol(make(runner) if make else runner.server(), guard)
 
     loop = asyncio.get_running_loop()
     return await loop.create_server(protocol, host, port, start_serving=False, **options)

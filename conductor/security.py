@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from aiohttp import web
 
 from .config import Registration
+from .lane_http import ApiRequest
 
 # what changes the index or the answers (/routed: a routed prompt counts as a hit for a
 # while; /loads: a replica's load is in the other replicas' answers)
@@ -55,7 +56,7 @@ class BearerAuth:
             return False
         return self.all_routes or path in MUTATING_ROUTES
 
-    def check(self, request: web.Request) -> None:
+    def check(self, request: ApiRequest) -> None:
         if not self.required(request.path):
             return
         scheme, _, given = request.headers.get("Authorization", "").partition(" ")

@@ -87,6 +87,8 @@ def create_app(
         guard=guard,
         snapshots=snapshots,
         replica_wait_s=settings.replica_wait_s,
+        keepalive_timeout_s=settings.keepalive_timeout_s,
+        query_lane=settings.query_lane,
     )
     app = api_app(manager, options)
     app[MANAGER] = manager

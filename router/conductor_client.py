@@ -76,6 +76,7 @@ log = logging.getLogger(__name__)
 MSGPACK = "application/msgpack"
 MAX_LATE_CALLS = 32  # late answers still read in the background; past it, calls are cut
 MAX_PROGRESS_OF = 64  # instances a query asks the indexing progress of
+QUERY_PATHS = frozenset({"/query", "/query_by_hash"})  # asked on connections of their own
 ROUTED_WORDING = Wording(
     taken="routed prompts",
     refused="routed prompts",
@@ -103,8 +104,10 @@ class ConductorClient:
         section: ConductorSection,
         notices: Notices,
         pool: InstancePool,
+        control: aiohttp.ClientSession | None = None,
     ) -> None:
-        self._session = session
+        self._session = session  # /query and /query_by_hash
+        self._control = control or session  # every other call
         self._section = section
         self._notices = notices
         self.urls = section.urls()
@@ -139,12 +142,15 @@ class ConductorClient:
     def connect(
         cls, section: ConductorSection, notices: Notices, pool: InstancePool
     ) -> ConductorClient:
-        """A client with a connection pool of its own, uncapped: a query never queues behind
-        other calls for a connection."""
-        session = aiohttp.ClientSession(
-            connector=aiohttp.TCPConnector(limit=0, keepalive_timeout=60)
-        )
-        return cls(session, section, notices, pool)
+        """A client with connection pools of its own, uncapped: a query never queues behind
+        other calls for a connection. Queries have a pool of their own: a conductor answers
+        them on its query lane until a connection carries another route (docs/architecture.md,
+        "The query lane")."""
+        pools = [
+            aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0, keepalive_timeout=60))
+            for _ in range(2)
+        ]
+        return cls(pools[0], section, notices, pool, control=pools[1])
 
     async def close(self) -> None:
         if self._reporter is not None:
@@ -152,6 +158,7 @@ class ConductorClient:
         if self._loads is not None:
             await self._loads.close()
         await self._session.close()
+        await self._control.close()
 
     def exposition(self) -> bytes:
         """How this router shares what it routed (a conductor service's own series are on
@@ -212,7 +219,8 @@ class ConductorClient:
         timeout: float,
         headers: dict[str, str] | None = None,
     ) -> tuple[int, Any]:
-        async with self._session.post(
+        session = self._session if path in QUERY_PATHS else self._control
+        async with session.post(
             url + path,
             data=msgpack.packb(body),
             headers=self._headers if headers is None else self._headers | headers,
@@ -416,7 +424,7 @@ class ConductorClient:
 
         async def health(url: str) -> Any:
             try:
-                async with self._session.get(
+                async with self._control.get(
                     url + "/health",
                     headers=self._auth,  # answered in JSON
                     timeout=aiohttp.ClientTimeout(total=timeout),

@@ -1,0 +1,192 @@
+"""A connection's protocol: the query routes answered directly, the rest by aiohttp.
+
+Each connection starts in the lane. A request ``lane_http.parse_head`` accepts is read
+whole and answered by the API's own handler (``ConductorApi.answer_lane``: the same
+checks, errors, metrics and dialects as through aiohttp); requests on a connection are
+answered one after the other, in order. At the first request the lane does not serve
+(another route, a body too large, chunked, malformed), the connection goes to aiohttp's
+protocol for good, with every byte not yet answered, so aiohttp answers it exactly as it
+would have from the start. A router keeps its query connections apart
+(``router.conductor_client``), so they stay in the lane.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Awaitable, Callable
+from typing import cast
+
+from aiohttp import web
+
+from .lane_http import HEAD_END, MAX_HEAD_BYTES, Head, LaneRequest, answer_bytes, parse_head
+
+log = logging.getLogger(__name__)
+PAUSE_BUFFER_BYTES = 4 * 1024 * 1024  # pipelined bytes held while a request is answered
+
+Answerer = Callable[[LaneRequest], Awaitable[web.Response]]
+
+
+class LaneSettings:
+    """What the lane needs of the API: its answerer, aiohttp's protocol, the limits."""
+
+    def __init__(
+        self,
+        answer: Answerer,
+        aiohttp_protocol: Callable[[], asyncio.Protocol],
+        body_limit: Callable[[str], int],
+        body_timeout_s: float,
+        keepalive_timeout_s: float,
+    ) -> None:
+        self.answer = answer
+        self.aiohttp_protocol = aiohttp_protocol
+        self.body_limit = body_limit
+        self.body_timeout_s = body_timeout_s
+        self.keepalive_timeout_s = keepalive_timeout_s
+
+
+class QueryLane(asyncio.Protocol):
+    """One connection: in the lane until its first request the lane does not serve."""
+
+    def __init__(self, settings: LaneSettings) -> None:
+        self.settings = settings
+        self.transport: asyncio.Transport | None = None
+        self.buffer = bytearray()
+        self.inner: asyncio.Protocol | None = None  # aiohttp's, once handed over
+        self.answering: asyncio.Task[None] | None = None
+        self.paused = False
+        self._waiting_body: Head | None = None  # a head whose body is still arriving
+        self._timer: asyncio.TimerHandle | None = None
+
+    # -- asyncio.Protocol ------------------------------------------------------------------
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport = cast(asyncio.Transport, transport)
+        self._arm(self.settings.keepalive_timeout_s)
+
+    def data_received(self, data: bytes) -> None:
+        if self.inner is not None:
+            self.inner.data_received(data)
+            return
+        self.buffer += data
+        if self.answering is None:
+            self._next()
+        elif len(self.buffer) > PAUSE_BUFFER_BYTES and not self.paused:
+            self.paused = True
+            assert self.transport is not None
+            self.transport.pause_reading()
+
+    def eof_received(self) -> bool | None:
+        if self.inner is not None:
+            return self.inner.eof_received()
+        return None  # close once the request being answered, if any, is written
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._disarm()
+        if self.inner is not None:
+            self.inner.connection_lost(exc)
+        elif self.answering is not None:
+            self.answering.cancel()
+
+    def pause_writing(self) -> None:
+        if self.inner is not None:
+            self.inner.pause_writing()
+
+    def resume_writing(self) -> None:
+        if self.inner is not None:
+            self.inner.resume_writing()
+
+    # -- the lane ----------------------------------------------------------------------------
+    def _next(self) -> None:
+        """Answer the buffer's first request if it is whole; hand over if it is not ours."""
+        end = self.buffer.find(HEAD_END, 0, MAX_HEAD_BYTES + len(HEAD_END))
+        if end < 0:
+            if len(self.buffer) > MAX_HEAD_BYTES:
+                self._hand_over()
+            return
+        head = parse_head(bytes(self.buffer[:end]))
+        if head is None or head.length > self.settings.body_limit(head.path):
+            self._hand_over()
+            return
+        start = end + len(HEAD_END)
+        if len(self.buffer) - start < head.length:
+            if self._waiting_body is None:  # the rest of the body, within the timeout
+                self._waiting_body = head
+                self._arm(self.settings.body_timeout_s)
+            return
+        self._disarm()
+        self._waiting_body = None
+        body = bytes(self.buffer[start : start + head.length])
+        del self.buffer[: start + head.length]
+        self._start(head, body)
+
+    def _start(self, head: Head, body: bytes | None) -> None:
+        assert self.transport is not None
+        peer = self.transport.get_extra_info("peername")
+        request = LaneRequest(
+            "POST", head.path, head.headers, head.content_type, head.length, body, head.keep_alive,
+            self.transport, peer[0] if isinstance(peer, tuple) else None,
+        )  # fmt: skip
+        self.answering = asyncio.ensure_future(self._answer(request))
+
+    async def _answer(self, request: LaneRequest) -> None:
+        try:
+            response = await self.settings.answer(request)
+        except Exception:  # the answerer turns every error into a response; this is a bug
+            log.exception("the query lane could not answer %s", request.path)
+            self._close()
+            return
+        finally:
+            self.answering = None
+        keep_alive = request.keep_alive and response.keep_alive is not False
+        assert self.transport is not None
+        if self.transport.is_closing():
+            return
+        self.transport.write(answer_bytes(response, keep_alive))
+        if not keep_alive:
+            self._close()
+            return
+        if self.paused:
+            self.paused = False
+            self.transport.resume_reading()
+        self._arm(self.settings.keepalive_timeout_s)
+        if self.buffer:
+            self._next()
+
+    def _hand_over(self) -> None:
+        """From now on aiohttp serves this connection, from the first unanswered byte."""
+        self._disarm()
+        assert self.transport is not None
+        self.inner = self.settings.aiohttp_protocol()
+        self.inner.connection_made(self.transport)
+        pending, self.buffer = bytes(self.buffer), bytearray()
+        if self.paused:
+            self.paused = False
+            self.transport.resume_reading()
+        self.inner.data_received(pending)
+
+    def _close(self) -> None:
+        self._disarm()
+        if self.transport is not None:
+            self.transport.close()
+
+    def _arm(self, seconds: float) -> None:
+        """One timer: idle between requests (keep-alive), or a body arriving too slowly."""
+        self._disarm()
+        self._timer = asyncio.get_running_loop().call_later(seconds, self._timed_out)
+
+    def _disarm(self) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+
+    def _timed_out(self) -> None:
+        """Idle too long: closed. A body too slow: answered (408) without it, then closed."""
+        self._timer = None
+        if self.answering is not None or self.inner is not None:
+            return
+        head, self._waiting_body = self._waiting_body, None
+        if head is None:
+            self._close()
+            return
+        self.buffer.clear()
+        self._start(head, None)
