@@ -26,13 +26,13 @@ typedef struct {
 
 typedef struct {
     Entry *entries;  /* NULL while capacity is 0 */
-    Py_ssize_t capacity;  /* 0 or a power of two */
+    Py_ssize_t capacity;  /* 0, or 8 or more (any size: tables grow by half, see maps.c) */
     Py_ssize_t used;  /* entries in the table */
 } Table;
 
 /* A map grows by doubling a table, which rehashes all its keys at once: for millions of
  * keys, a stall every query would wait out. So a map of SHARD_AT keys splits into SHARDS
- * tables, chosen by a key's top hash bits, that grow one at a time: a doubling then moves
+ * tables, chosen by a key's top hash bits, that grow one at a time: a growth then moves
  * 1/SHARDS of the keys (bench.index_bench's query percentiles show the stall is gone). Small maps (most: an owner's blocks) stay one table. */
 #define SHARD_BITS 8
 #define SHARDS (1 << SHARD_BITS)
@@ -61,9 +61,15 @@ static inline uint64_t mix(uint64_t key) {
     return key ^ (key >> 31);
 }
 
-/* A key's first slot in a table: the low bits of its mix (its shard: the top bits). */
+/* A key's first slot in a table: its mix's low 56 bits scaled to the capacity (a multiply,
+ * not a modulo, so a table may have any size; its shard: the mix's top bits). */
 static inline size_t home_of(uint64_t key, Py_ssize_t capacity) {
-    return (size_t)mix(key) & (size_t)(capacity - 1);
+    return (size_t)(((unsigned __int128)(mix(key) << SHARD_BITS) * (uint64_t)capacity) >> 64);
+}
+
+/* The slot after ``i`` in a table of ``capacity`` slots, cyclically. */
+static inline size_t next_slot(size_t i, Py_ssize_t capacity) {
+    return ++i == (size_t)capacity ? 0 : i;
 }
 
 static inline Table *table_of(const Map *map, uint64_t key) {
@@ -74,8 +80,7 @@ static inline Table *table_of(const Map *map, uint64_t key) {
 static inline Entry *map_find(const Map *map, uint64_t key) {
     const Table *table = table_of(map, key);
     if (table->capacity == 0) return NULL;
-    size_t mask = (size_t)table->capacity - 1;
-    for (size_t i = home_of(key, table->capacity);; i = (i + 1) & mask) {
+    for (size_t i = home_of(key, table->capacity);; i = next_slot(i, table->capacity)) {
         Entry *entry = &table->entries[i];
         if (entry->key == key) return entry;
         if (entry->key == 0) return NULL;
