@@ -131,6 +131,43 @@ int release_block(const Holdings *h, uint64_t engine_hash, int every_copy) {
     return unset_bit(h, prefix_hash, mask) < 0 ? -1 : 1;
 }
 
+/* release_block for each of ``count`` engine hashes in order, adding to ``*released`` how
+ * many the owner held. 0, or -1 on error (the hashes before the failing one released).
+ *
+ * At a million blocks a removal misses the cache (and the TLB) on each of its maps: the
+ * owner's engine hash, the context's, then the tier's prefix, which only the first one's
+ * value names. So the first two maps' slots are fetched RELEASE_AHEAD hashes ahead, the
+ * prefix's half as far (once the owner's entry is at hand), and the misses of a few hashes
+ * overlap. A modest gain on a VM (~5-10 %, bench/results/index-vs-dynamo.md): what is left
+ * is mostly page walks, which huge pages cut. */
+#define RELEASE_CHUNK 16  /* hashes release_each converts at a time */
+#ifndef RELEASE_AHEAD
+#define RELEASE_AHEAD 4
+#endif
+
+int release_blocks(const Holdings *h, const uint64_t *engine_hashes, Py_ssize_t count,
+                   int every_copy, Py_ssize_t *released) {
+    const ContextBlocks *context = h->context;
+    const Map *tier = context->tiers[h->tier];
+    for (Py_ssize_t i = 0; i < count + 2 * RELEASE_AHEAD; i++) {
+        if (i < count) {
+            map_prefetch(h->by_engine_hash, engine_hashes[i]);
+            map_prefetch(context->engine_prefix, engine_hashes[i]);
+        }
+        Py_ssize_t next = i - RELEASE_AHEAD, now = i - 2 * RELEASE_AHEAD;
+        uint64_t prefix_hash;
+        if (next >= 0 && next < count
+            && map_lookup(h->by_engine_hash, engine_hashes[next], &prefix_hash))
+            map_prefetch(tier, prefix_hash);
+        if (now >= 0) {
+            int held = release_block(h, engine_hashes[now], every_copy);
+            if (held < 0) return -1;
+            *released += held;
+        }
+    }
+    return 0;
+}
+
 /* Forget every block of the owner on its tier. 0, or -1 on error. */
 static int clear_holdings(const Holdings *h) {
     MapCursor at = MAP_START;
@@ -335,7 +372,8 @@ done:
     return result;
 }
 
-/* release and evict: each engine hash's block released (every copy of it, or one). */
+/* release and evict: each engine hash's block released (every copy of it, or one). A hash
+ * that is no unsigned 64-bit int is held by no one: skipped. */
 static PyObject *release_each(ContextBlocks *self, PyObject *const *args, Py_ssize_t nargs,
                               int every_copy) {
     if (check_count(nargs, 2, every_copy ? "evict" : "release") < 0) return NULL;
@@ -345,12 +383,18 @@ static PyObject *release_each(ContextBlocks *self, PyObject *const *args, Py_ssi
     if (seq == NULL) return NULL;
     Py_ssize_t count = PySequence_Fast_GET_SIZE(seq), released = 0;
     PyObject **engine_hashes = PySequence_Fast_ITEMS(seq), *result = NULL;
-    for (Py_ssize_t i = 0; i < count; i++) {
-        uint64_t engine_hash;
-        int found = key_of(engine_hashes[i], &engine_hash);
-        if (found > 0) found = release_block(h, engine_hash, every_copy);
-        if (found < 0) goto done;
-        released += found;
+    uint64_t keys[RELEASE_CHUNK];
+    for (Py_ssize_t i = 0; i < count;) {
+        Py_ssize_t taken = 0, failed = 0;
+        for (; i < count && taken < RELEASE_CHUNK; i++) {
+            int found = key_of(engine_hashes[i], &keys[taken]);
+            if (found < 0) {
+                failed = 1;
+                break;
+            }
+            taken += found;
+        }
+        if (release_blocks(h, keys, taken, every_copy, &released) < 0 || failed) goto done;
     }
     result = PyLong_FromSsize_t(released);
 done:

@@ -39,6 +39,8 @@ extern PyTypeObject HoldingsType;
 
 int hold_block(const Holdings *h, uint64_t engine_hash, uint64_t prefix_hash);
 int release_block(const Holdings *h, uint64_t engine_hash, int every_copy);
+int release_blocks(const Holdings *h, const uint64_t *engine_hashes, Py_ssize_t count,
+                   int every_copy, Py_ssize_t *released);
 int owner_of(const ContextBlocks *context, PyObject *owner, const Holdings *tiers[TIERS]);
 
 #endif

@@ -310,11 +310,7 @@ PyObject *context_apply_packed(ContextBlocks *self, PyObject *const *args, Py_ss
         looked_at += (Py_ssize_t)e->hash_count + 1;  /* an empty event costs a little too */
         const uint64_t *hashes = b->hashes + e->first_hash;
         if (e->removed) {
-            for (size_t k = 0; k < e->hash_count; k++) {
-                int held = release_block(gpu, hashes[k], 0);
-                if (held < 0) goto done;
-                removed += held;
-            }
+            if (release_blocks(gpu, hashes, (Py_ssize_t)e->hash_count, 0, &removed) < 0) goto done;
             continue;
         }
         if (e->token_count != e->hash_count * (size_t)block_size) {

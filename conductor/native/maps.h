@@ -104,6 +104,14 @@ static inline int map_lookup(const Map *map, uint64_t key, uint64_t *value) {
     return entry != NULL;
 }
 
+/* Ask the CPU to fetch the slot where a lookup of ``key`` starts (a hint: nothing changes).
+ * At millions of keys each such slot is a cache miss; fetching those of a few keys at once
+ * overlaps their misses instead of waiting out each in turn. */
+static inline void map_prefetch(const Map *map, uint64_t key) {
+    const Table *table = table_of(map, key);
+    if (table->capacity != 0) __builtin_prefetch(&table->entries[home_of(key, table->capacity)]);
+}
+
 static inline Py_ssize_t map_length(const Map *map) { return map->used + map->has_zero; }
 
 /* A place in a walk over a map's keys (MAP_START: before the first). */
