@@ -940,7 +940,19 @@ class PrefixCacheTable:
             stats.ignored += 1
             return
         by_rank = self._stream_slots[source.key]
-        reached = [*by_rank.get(dp_rank, ()), *by_rank.get(STORE_POOL_RANK, ())]
+        here = by_rank.get(dp_rank, ())
+        if len(here) == 1 and STORE_POOL_RANK not in by_rank:
+            # the usual case, an engine's one slot at the rank, without building lists: the
+            # same as below (a removal's Python steps cost a third of its time at 320k blocks)
+            ((context_key, slot_key),) = here
+            context = self.contexts[context_key]
+            slot = context.slots[slot_key]
+            holds = [t for t in self._removal_tiers(slot, dp_rank, event.tier)
+                     if slot.holdings[t].by_engine_hash]  # fmt: skip
+            if len(holds) == 1:
+                stats.blocks_removed += context.release_many(slot, holds[0], event.block_hashes)
+                return
+        reached = [*here, *by_rank.get(STORE_POOL_RANK, ())]
         owned = [
             (self.contexts[ck], slot, tier)
             for ck, sk in reached
