@@ -37,7 +37,11 @@ typedef struct {
 extern PyTypeObject ContextBlocksType;
 extern PyTypeObject HoldingsType;
 
+#define HOLD_CHUNK 16  /* pairs converted (or hashed, in the lane) and then held at a time */
+
 int hold_block(const Holdings *h, uint64_t engine_hash, uint64_t prefix_hash);
+int hold_blocks(const Holdings *h, const uint64_t *engine_hashes, const uint64_t *prefix_hashes,
+                Py_ssize_t count);
 int release_block(const Holdings *h, uint64_t engine_hash, int every_copy);
 int release_blocks(const Holdings *h, const uint64_t *engine_hashes, Py_ssize_t count,
                    int every_copy, Py_ssize_t *released);

@@ -323,11 +323,15 @@ PyObject *context_apply_packed(ContextBlocks *self, PyObject *const *args, Py_ss
             continue;
         }
         const uint8_t *tokens = b->tokens + 4 * e->first_token;
-        for (size_t k = 0; k < e->hash_count; k++) {
-            put_le64(buffer, chain);
-            memcpy(buffer + 8, tokens + k * step, step);
-            chain = xxh64(buffer, 8 + step, 0);
-            if (hold_block(gpu, hashes[k], chain) < 0) goto done;
+        uint64_t chains[HOLD_CHUNK];  /* a chunk's prefix hashes, then held together */
+        for (size_t k = 0; k < e->hash_count;) {
+            size_t first = k;
+            for (; k < e->hash_count && k - first < HOLD_CHUNK; k++) {
+                put_le64(buffer, chain);
+                memcpy(buffer + 8, tokens + k * step, step);
+                chains[k - first] = chain = xxh64(buffer, 8 + step, 0);
+            }
+            if (hold_blocks(gpu, hashes + first, chains, (Py_ssize_t)(k - first)) < 0) goto done;
         }
         stored += (Py_ssize_t)e->hash_count;
     }
