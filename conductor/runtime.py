@@ -8,6 +8,7 @@ import argparse
 import asyncio
 import gc
 import logging
+import math
 import os
 import time
 from collections import deque
@@ -255,7 +256,8 @@ class LoopShare:
     holding a backlog, a round would apply a batch of every stream before a query's next
     step. Here a stream queues for its ``turn``, and one queued stream goes per round, so a
     query waits about one step per round whatever the number of busy streams. Whoever takes
-    a turn keeps its step to about ``step_s`` (``ServiceManager`` applies a batch in steps).
+    a turn keeps its step to about ``step_now()`` (``ServiceManager`` applies a batch in
+    steps): ``step_s``, or the shorter ``queried_step_s`` while requests keep coming.
 
     A request takes a few rounds from its first bytes to its answer, and each round would
     hold a step: the HTTP side reports requests (``request_began`` / ``request_ended``) and
@@ -264,8 +266,17 @@ class LoopShare:
     left (a slow client's body, or queries that never pause, cannot hold ingest back).
     """
 
-    def __init__(self, step_s: float = 0.0005, defer_s: float = 0.002) -> None:
+    def __init__(
+        self,
+        step_s: float = 0.0005,
+        defer_s: float = 0.002,
+        queried_step_s: float = 0.0001,
+        queried_for_s: float = 0.05,
+    ) -> None:
         self.step_s = step_s
+        self.queried_step_s = queried_step_s
+        self.queried_for_s = queried_for_s
+        self._last_request = -math.inf  # when the last request began (loop time)
         self.defer_s = defer_s
         self._waiting: deque[asyncio.Future[None]] = deque()
         self._releasing = False
@@ -288,8 +299,19 @@ class LoopShare:
         """Requests being answered."""
         return self._requests
 
+    @property
+    def queried(self) -> bool:
+        """A request began within ``queried_for_s``: queries are coming, keep steps short."""
+        return asyncio.get_running_loop().time() - self._last_request < self.queried_for_s
+
+    def step_now(self) -> float:
+        """How long a step may take now: at most ``queried_step_s`` while queries come (a
+        query waits for the step running when it arrives), else ``step_s`` (fewer turns)."""
+        return min(self.step_s, self.queried_step_s) if self.queried else self.step_s
+
     def request_began(self) -> None:
         self._requests += 1
+        self._last_request = asyncio.get_running_loop().time()
 
     def request_ended(self) -> None:
         self._requests -= 1

@@ -163,3 +163,15 @@ async def test_loop_share_waits_for_requests_defer_s_at_most_then_until_none_is_
     assert not turn.done()  # a new request: turns wait again
     share.request_ended()
     await asyncio.wait_for(turn, 1)
+
+
+async def test_loop_share_keeps_steps_short_while_queries_come():
+    """A query waits for the step running when it arrives: while requests keep coming,
+    steps are ``queried_step_s`` long; a while after the last one, ``step_s`` again."""
+    share = LoopShare(step_s=0.0005, queried_step_s=0.0001, queried_for_s=0.05)
+    assert not share.queried and share.step_now() == 0.0005
+    share.request_began()
+    share.request_ended()
+    assert share.queried and share.step_now() == 0.0001
+    await asyncio.sleep(0.06)
+    assert not share.queried and share.step_now() == 0.0005
