@@ -17,6 +17,7 @@ from argparse import ArgumentTypeError
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
+import msgspec
 from pydantic import (
     AfterValidator,
     AliasChoices,
@@ -304,6 +305,9 @@ def _int32_token_bytes(value: Any) -> bytes:
         raise
 
 
+_json_object = msgspec.json.Decoder().decode
+
+
 class QueryRequest(QueryBase):
     """``POST /query``: a prompt's tokens, held as packed int32 bytes."""
 
@@ -321,6 +325,12 @@ class QueryRequest(QueryBase):
         if split is None:
             return None
         rest, token_ids = split
+        try:  # the usual, valid body: its other fields validated as Python values (faster)
+            fields = _json_object(rest)
+            if isinstance(fields, dict):
+                return cls.model_validate({**fields, "token_ids": token_ids})
+        except (msgspec.DecodeError, ValidationError):
+            pass  # pydantic's JSON validation below says what is wrong, as it always did
         return cls.model_validate_json(rest).model_copy(update={"token_ids": token_ids})
 
 
