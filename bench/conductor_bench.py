@@ -68,6 +68,7 @@ from bench.harness import (
     rss_bytes,
     running_service,
     server_side,
+    vllm_registration,
 )
 from conductor.wire.events import BlockStored, Tier
 from publishers.encoding import Layout, encode_batch
@@ -183,17 +184,8 @@ class Publisher:
         self.parent: int | None = None  # last engine hash of the previous chained event
 
     def registration(self) -> dict[str, Any]:
-        body = {
-            "endpoint": self.endpoint,
-            "type": "vLLM",
-            "modelname": MODEL,
-            "instance_id": self.instance_id,
-            "block_size": BLOCK_SIZE,
-            "dp_rank": 0,
-        }
-        if self.replay is not None:
-            body["replay_endpoint"] = self.replay_endpoint
-        return body
+        replay = {"replay_endpoint": self.replay_endpoint} if self.replay is not None else {}
+        return vllm_registration(self.endpoint, self.instance_id, MODEL, **replay)
 
     def payload(self, events: Sequence[BlockStored]) -> bytes:
         """A ``KVEventBatch`` ``[ts, events, dp_rank]`` as the ``layout`` producer sends it."""

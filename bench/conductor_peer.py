@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import json
 import os
-import signal
 import subprocess
 import time
 import urllib.error
@@ -27,6 +26,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
+from bench.harness import stop_group
 from publishers.local import HOST, free_port
 
 PEER_ENV = {"CONDUCTOR_LOG_LEVEL": "ERROR"}
@@ -86,15 +86,7 @@ class PeerProcess:
         raise PeerError(f"the peer did not answer {url} within {timeout:.0f} s:\n{self.log_tail()}")
 
     def stop(self) -> None:
-        """SIGTERM to its process group (a wrapper's children too), then SIGKILL."""
-        if self.process.poll() is not None:
-            return
-        os.killpg(self.process.pid, signal.SIGTERM)
-        try:
-            self.process.wait(STOP_TIMEOUT_S)
-        except subprocess.TimeoutExpired:
-            os.killpg(self.process.pid, signal.SIGKILL)
-            self.process.wait(STOP_TIMEOUT_S)
+        stop_group(self.process, STOP_TIMEOUT_S)
 
 
 @contextmanager

@@ -25,6 +25,7 @@ import math
 import os
 import platform
 import re
+import signal
 import subprocess
 import tempfile
 import time
@@ -221,6 +222,33 @@ def running_service() -> Iterator[tuple[subprocess.Popen, Http]]:
                 client.close()
         finally:
             service.stop()
+
+
+def vllm_registration(endpoint: str, instance_id: str, model: str, **extra: Any) -> dict[str, Any]:
+    """A ``/register`` body for a vLLM stream of ``BLOCK_SIZE``-token blocks at DP rank 0,
+    with ``extra``'s fields (a replay endpoint, a hash profile)."""
+    return {
+        "endpoint": endpoint,
+        "type": "vLLM",
+        "modelname": model,
+        "instance_id": instance_id,
+        "block_size": BLOCK_SIZE,
+        "dp_rank": 0,
+        **extra,
+    }
+
+
+def stop_group(process: subprocess.Popen[bytes], timeout: float = 5.0) -> None:
+    """SIGTERM to a process started in a session of its own, and to its group (a wrapper's
+    children too); SIGKILL if it has not exited within ``timeout``."""
+    if process.poll() is not None:
+        return
+    os.killpg(process.pid, signal.SIGTERM)
+    try:
+        process.wait(timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(process.pid, signal.SIGKILL)
+        process.wait(timeout)
 
 
 class BenchError(RuntimeError):

@@ -26,7 +26,6 @@ import importlib.util
 import json
 import os
 import shutil
-import signal
 import subprocess
 import sys
 import urllib.error
@@ -46,7 +45,16 @@ from bench.conductor_bench import (
     query_body,
     verify_clean,
 )
-from bench.harness import BLOCK_SIZE, JSON_TYPE, BenchError, Http, deadline_loop, register_all
+from bench.harness import (
+    BLOCK_SIZE,
+    JSON_TYPE,
+    BenchError,
+    Http,
+    deadline_loop,
+    register_all,
+    stop_group,
+    vllm_registration,
+)
 from publishers.local import HOST, free_port
 
 STARTUP_TIMEOUT_S = 30.0
@@ -146,15 +154,7 @@ class ServiceProcess:
                 pass
 
     def stop(self) -> None:
-        """SIGTERM to its process group, then SIGKILL."""
-        if self.process.poll() is not None:
-            return
-        os.killpg(self.process.pid, signal.SIGTERM)
-        try:
-            self.process.wait(STOP_TIMEOUT_S)
-        except subprocess.TimeoutExpired:
-            os.killpg(self.process.pid, signal.SIGKILL)
-            self.process.wait(STOP_TIMEOUT_S)
+        stop_group(self.process, STOP_TIMEOUT_S)
 
 
 # -- the common interface ---------------------------------------------------------------
@@ -263,6 +263,46 @@ def _instances_msgpack(data: bytes) -> Answer:
     return {str(k): v["longest_matched"] for k, v in hits.items() if v["longest_matched"]}
 
 
+class _Running:
+    """The process and keep-alive client a service class holds once started."""
+
+    _process: ServiceProcess | None
+    _client: Http | None
+
+    @property
+    def name(self) -> str:
+        raise NotImplementedError
+
+    @property
+    def pid(self) -> int:
+        return _started(self._process, self.name).process.pid
+
+    @property
+    def client(self) -> Http:
+        if self._client is None:
+            raise BenchError(f"{self.name} is not running")
+        return self._client
+
+    def _launch(
+        self,
+        command: Sequence[str],
+        port: int,
+        log_path: Path,
+        cpus: str | None,
+        env: Mapping[str, str],
+        ready_path: str,
+    ) -> None:
+        self._process = ServiceProcess.start(command, port, log_path, cpus, env)
+        self._process.wait_ready(ready_path)
+        self._client = Http(port)
+
+    def stop(self) -> None:
+        if self._client is not None:
+            self._client.close()
+        if self._process is not None:
+            self._process.stop()
+
+
 @dataclass(frozen=True)
 class _OursRegistration:
     """The ``/register`` body of a vLLM instance, as ``register_all`` takes it."""
@@ -271,18 +311,11 @@ class _OursRegistration:
     endpoint: str
 
     def registration(self) -> dict[str, Any]:
-        return {
-            "endpoint": self.endpoint,
-            "type": "vLLM",
-            "modelname": MODEL,
-            "instance_id": self.instance_id,
-            "block_size": BLOCK_SIZE,
-            "dp_rank": 0,
-        }
+        return vllm_registration(self.endpoint, self.instance_id, MODEL)
 
 
 @dataclass
-class Ours:
+class Ours(_Running):
     """This project's conductor: ``python -m conductor`` with an empty config.
 
     ``cpus`` pins it (``taskset -c``), ``args`` and ``env`` reach the service unchanged.
@@ -299,33 +332,13 @@ class Ours:
     _process: ServiceProcess | None = None
     _client: Http | None = None
 
-    @property
-    def pid(self) -> int:
-        return _started(self._process, self.name).process.pid
-
-    @property
-    def client(self) -> Http:
-        if self._client is None:
-            raise BenchError(f"{self.name} is not running")
-        return self._client
-
     def start(self, run_dir: Path) -> None:
         config = run_dir / "conductor_config.json"
         config.write_text("{}")
         port = free_port()
         command = [sys.executable, "-m", "conductor", "--host", HOST, "--port", str(port)]
         command += ["--config", str(config), *self.args]
-        self._process = ServiceProcess.start(
-            command, port, run_dir / "ours.log", self.cpus, self.env
-        )
-        self._process.wait_ready("/health")
-        self._client = Http(port)
-
-    def stop(self) -> None:
-        if self._client is not None:
-            self._client.close()
-        if self._process is not None:
-            self._process.stop()
+        self._launch(command, port, run_dir / "ours.log", self.cpus, self.env, "/health")
 
     def register(self, streams: Sequence[Stream], send_probes: ProbeSender) -> int:
         """``/services`` says when a SUB socket is connected: no probe needed."""
@@ -375,7 +388,7 @@ def _dynamo_answer(data: bytes) -> Answer:
 
 
 @dataclass
-class Dynamo:
+class Dynamo(_Running):
     """Dynamo's standalone indexer (``ai-dynamo-runtime``): JSON only, integer worker ids.
 
     ``threads`` > 1 runs its ``ThreadPoolIndexer`` (one radix tree per thread, workers
@@ -393,31 +406,12 @@ class Dynamo:
     def name(self) -> str:
         return f"dynamo-t{self.threads}"
 
-    @property
-    def pid(self) -> int:
-        return _started(self._process, self.name).process.pid
-
-    @property
-    def client(self) -> Http:
-        if self._client is None:
-            raise BenchError(f"{self.name} is not running")
-        return self._client
-
     def start(self, run_dir: Path) -> None:
         port = free_port()
         command = [self.python, "-m", "dynamo.indexer", "--port", str(port)]
         command += ["--threads", str(self.threads)]
-        self._process = ServiceProcess.start(
-            command, port, run_dir / f"{self.name}.log", self.cpus, {"DYN_LOG": "warn"}
-        )
-        self._process.wait_ready("/health")
-        self._client = Http(port)
-
-    def stop(self) -> None:
-        if self._client is not None:
-            self._client.close()
-        if self._process is not None:
-            self._process.stop()
+        log = run_dir / f"{self.name}.log"
+        self._launch(command, port, log, self.cpus, {"DYN_LOG": "warn"}, "/health")
 
     def register(self, streams: Sequence[Stream], send_probes: ProbeSender) -> int:
         """``POST /register`` answers 201; the first registration of a model sets its
@@ -449,7 +443,7 @@ HASH_PROFILE = {
 
 
 @dataclass
-class Cpp:
+class Cpp(_Running):
     """Upstream Mooncake's C++ conductor (``mooncake_conductor``, built from its
     ``dev/conductor`` branch; see bench/README.md): msgpack only, both ways.
 
@@ -468,46 +462,20 @@ class Cpp:
     _process: ServiceProcess | None = None
     _client: Http | None = None
 
-    @property
-    def pid(self) -> int:
-        return _started(self._process, self.name).process.pid
-
-    @property
-    def client(self) -> Http:
-        if self._client is None:
-            raise BenchError(f"{self.name} is not running")
-        return self._client
-
     def start(self, run_dir: Path) -> None:
         port = free_port()
         config = run_dir / "cpp_config.json"
         config.write_text(json.dumps({"http_server_port": port, "kvevent_instance": {}}))
         env = {"CONDUCTOR_CONFIG_PATH": str(config), "CONDUCTOR_LOG_LEVEL": "WARN"}
-        self._process = ServiceProcess.start(
-            [str(self.binary)], port, run_dir / "cpp.log", self.cpus, env
-        )
-        self._process.wait_ready("/services")
-        self._client = Http(port)
-
-    def stop(self) -> None:
-        if self._client is not None:
-            self._client.close()
-        if self._process is not None:
-            self._process.stop()
+        self._launch([str(self.binary)], port, run_dir / "cpp.log", self.cpus, env, "/services")
 
     def register(self, streams: Sequence[Stream], send_probes: ProbeSender) -> int:
         """A msgpack ``/register`` with the hash profile; its ZMQ connect is asynchronous
         (200 before the SUB joined), so probes prove each stream."""
         for stream in streams:
-            body = {
-                "endpoint": stream.endpoint,
-                "type": "vLLM",
-                "modelname": MODEL,
-                "instance_id": stream.instance_id,
-                "block_size": BLOCK_SIZE,
-                "dp_rank": 0,
-                "hash_profile": HASH_PROFILE,
-            }
+            body = vllm_registration(
+                stream.endpoint, stream.instance_id, MODEL, hash_profile=HASH_PROFILE
+            )
             status, data = self.client.raw("POST", "/register", msgpack.packb(body), MSGPACK_TYPE)
             if status != 200:
                 raise BenchError(f"{self.name} /register -> {status}: {data[:300]!r}")

@@ -49,6 +49,7 @@ from bench.harness import (
     QUERY_BLOCKS,
     engine_hash,
     prefix_holdings,
+    vllm_registration,
 )
 from bench.soak import CacheModel
 from bench.trace_sim import TRACE_BLOCK_SIZE, load_trace, prompt_tokens, trace_path
@@ -71,15 +72,9 @@ class StreamInfo:
     replay_endpoint: str
 
     def registration(self) -> dict[str, Any]:
-        return {
-            "endpoint": self.endpoint,
-            "replay_endpoint": self.replay_endpoint,
-            "type": "vLLM",
-            "modelname": MODEL,
-            "instance_id": self.instance_id,
-            "block_size": BLOCK_SIZE,
-            "dp_rank": 0,
-        }
+        return vllm_registration(
+            self.endpoint, self.instance_id, MODEL, replay_endpoint=self.replay_endpoint
+        )
 
 
 @dataclass
