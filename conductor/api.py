@@ -61,7 +61,7 @@ from .dialect import (
 from .hash_profile import HashProfile
 from .http_guard import CONNECTION_PROTOCOL, ConnectionGuard
 from .index import ContextKey, ContextView, InstanceMatch
-from .lane_http import ApiRequest, LaneRequest
+from .lane_http import LANE_ROUTES, ApiRequest, LaneRequest
 from .loads import (
     DEFAULT_WAIT_S,
     LEASE_HEADER,
@@ -93,7 +93,6 @@ from .wire.events import MASK64, EngineHash
 log = logging.getLogger(__name__)
 
 MSGPACK = "application/msgpack"
-LANE_ROUTES = ("/query", "/query_by_hash")  # what the query lane answers
 GLOBAL_VIEW_MAX_HASHES = 10_000
 SMALL_BODY_BYTES = 64 * 1024  # registrations and other small bodies
 JSON_BYTES_PER_TOKEN = 12  # "-2147483648,"

@@ -21,7 +21,8 @@ from aiohttp import web
 from multidict import CIMultiDict, CIMultiDictProxy
 
 HEAD_END = b"\r\n\r\n"
-HOT_PATHS = frozenset({b"/query", b"/query_by_hash"})
+LANE_ROUTES = ("/query", "/query_by_hash")  # what the lane answers
+_LANE_TARGETS = frozenset(route.encode() for route in LANE_ROUTES)
 MAX_HEAD_BYTES = 8190  # aiohttp's own limit on a request line and on a header line
 _TOKEN = rb"[!#$%&'*+\-.^_`|~0-9A-Za-z]+"  # a header name, as RFC 9110 has it
 _HEADER_LINE = re.compile(rb"(" + _TOKEN + rb"):[ \t]*([^\x00-\x08\x0a-\x1f\x7f]*?)[ \t]*")
@@ -85,7 +86,7 @@ def parse_head(head: bytes) -> Head | None:
         return None
     method, target, version_text = parts
     version = _VERSIONS.get(version_text)
-    if method != b"POST" or target not in HOT_PATHS or version is None:
+    if method != b"POST" or target not in _LANE_TARGETS or version is None:
         return None
     headers: CIMultiDict[str] = CIMultiDict()
     length = None
