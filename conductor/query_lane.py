@@ -51,6 +51,7 @@ class QueryLane(asyncio.Protocol):
     def __init__(self, settings: LaneSettings) -> None:
         self.settings = settings
         self.transport: asyncio.Transport | None = None
+        self.remote: str | None = None  # the client's address, for the refusals' log
         self.buffer = bytearray()
         self.inner: asyncio.Protocol | None = None  # aiohttp's, once handed over
         self.answering: asyncio.Task[None] | None = None
@@ -61,6 +62,8 @@ class QueryLane(asyncio.Protocol):
     # -- asyncio.Protocol ------------------------------------------------------------------
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = cast(asyncio.Transport, transport)
+        peer = transport.get_extra_info("peername")
+        self.remote = peer[0] if isinstance(peer, tuple) else None
         self._arm(self.settings.keepalive_timeout_s)
 
     def data_received(self, data: bytes) -> None:
@@ -120,11 +123,9 @@ class QueryLane(asyncio.Protocol):
         self._start(head, body)
 
     def _start(self, head: Head, body: bytes | None) -> None:
-        assert self.transport is not None
-        peer = self.transport.get_extra_info("peername")
         request = LaneRequest(
             "POST", head.path, head.headers, head.content_type, head.length, body, head.keep_alive,
-            self.transport, peer[0] if isinstance(peer, tuple) else None,
+            self.transport, self.remote,
         )  # fmt: skip
         self.answering = asyncio.ensure_future(self._answer(request))
 
