@@ -901,9 +901,9 @@ class ConductorApi:
 
     def lane_protocol(self, runner: web.AppRunner) -> asyncio.Protocol:
         """A new connection's protocol: the query lane, with aiohttp behind it."""
-        limits = self.options.limits
         settings = self._lane_settings
         if settings is None:
+            limits = self.options.limits
             settings = self._lane_settings = LaneSettings(
                 self.answer_lane,
                 runner.server,  # type: ignore[arg-type]  # set up before any connection

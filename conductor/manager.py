@@ -541,12 +541,12 @@ class ServiceManager:
         whenever a step has taken ``loop_share.step_now()``. Returns where the events stopped
         being applied (``count``: all of them), or None when ``apply`` raised: a bug must
         cost one batch, never the stream's reader task."""
-        step_began = time.perf_counter()
+        step_began, step_s = time.perf_counter(), self.loop_share.step_now()
         position = start
         while position < count:
-            if position > start and time.perf_counter() - step_began >= self.loop_share.step_now():
+            if position > start and time.perf_counter() - step_began >= step_s:
                 yield
-                step_began = time.perf_counter()
+                step_began, step_s = time.perf_counter(), self.loop_share.step_now()
             try:
                 reached = apply(position)
             except Exception:

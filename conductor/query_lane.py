@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
 from typing import cast
 
 from aiohttp import web
@@ -27,22 +28,15 @@ PAUSE_BUFFER_BYTES = 4 * 1024 * 1024  # pipelined bytes held while a request is 
 Answerer = Callable[[LaneRequest], Awaitable[web.Response]]
 
 
+@dataclass(frozen=True)
 class LaneSettings:
     """What the lane needs of the API: its answerer, aiohttp's protocol, the limits."""
 
-    def __init__(
-        self,
-        answer: Answerer,
-        aiohttp_protocol: Callable[[], asyncio.Protocol],
-        body_limit: Callable[[str], int],
-        body_timeout_s: float,
-        keepalive_timeout_s: float,
-    ) -> None:
-        self.answer = answer
-        self.aiohttp_protocol = aiohttp_protocol
-        self.body_limit = body_limit
-        self.body_timeout_s = body_timeout_s
-        self.keepalive_timeout_s = keepalive_timeout_s
+    answer: Answerer
+    aiohttp_protocol: Callable[[], asyncio.Protocol]
+    body_limit: Callable[[str], int]
+    body_timeout_s: float
+    keepalive_timeout_s: float
 
 
 class QueryLane(asyncio.Protocol):
@@ -56,7 +50,8 @@ class QueryLane(asyncio.Protocol):
         self.inner: asyncio.Protocol | None = None  # aiohttp's, once handed over
         self.answering: asyncio.Task[None] | None = None
         self.paused = False
-        self._waiting_body: Head | None = None  # a head whose body is still arriving
+        # a head whose body is still arriving, and where that body starts in the buffer
+        self._waiting_body: tuple[Head, int] | None = None
         self._timer: asyncio.TimerHandle | None = None
 
     # -- asyncio.Protocol ------------------------------------------------------------------
@@ -81,7 +76,7 @@ class QueryLane(asyncio.Protocol):
     def eof_received(self) -> bool | None:
         if self.inner is not None:
             return self.inner.eof_received()
-        return None  # close once the request being answered, if any, is written
+        return None  # the transport closes, as aiohttp's protocol has it
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._disarm()
@@ -101,19 +96,22 @@ class QueryLane(asyncio.Protocol):
     # -- the lane ----------------------------------------------------------------------------
     def _next(self) -> None:
         """Answer the buffer's first request if it is whole; hand over if it is not ours."""
-        end = self.buffer.find(HEAD_END, 0, MAX_HEAD_BYTES + len(HEAD_END))
-        if end < 0:
-            if len(self.buffer) > MAX_HEAD_BYTES:
+        if self._waiting_body is not None:  # its head was read already
+            head, start = self._waiting_body
+        else:
+            end = self.buffer.find(HEAD_END, 0, MAX_HEAD_BYTES + len(HEAD_END))
+            if end < 0:
+                if len(self.buffer) > MAX_HEAD_BYTES:
+                    self._hand_over()
+                return
+            parsed = parse_head(bytes(self.buffer[:end]))
+            if parsed is None or parsed.length > self.settings.body_limit(parsed.path):
                 self._hand_over()
-            return
-        head = parse_head(bytes(self.buffer[:end]))
-        if head is None or head.length > self.settings.body_limit(head.path):
-            self._hand_over()
-            return
-        start = end + len(HEAD_END)
+                return
+            head, start = parsed, end + len(HEAD_END)
         if len(self.buffer) - start < head.length:
             if self._waiting_body is None:  # the rest of the body, within the timeout
-                self._waiting_body = head
+                self._waiting_body = head, start
                 self._arm(self.settings.body_timeout_s)
             return
         self._disarm()
@@ -185,9 +183,9 @@ class QueryLane(asyncio.Protocol):
         self._timer = None
         if self.answering is not None or self.inner is not None:
             return
-        head, self._waiting_body = self._waiting_body, None
-        if head is None:
+        waiting, self._waiting_body = self._waiting_body, None
+        if waiting is None:
             self._close()
             return
         self.buffer.clear()
-        self._start(head, None)
+        self._start(waiting[0], None)

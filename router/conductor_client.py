@@ -51,6 +51,7 @@ from prometheus_client import generate_latest
 
 from conductor.api import HITS_ONLY_HEADER, INDEXED_UNTIL_HEADER, PROGRESS_HEADER
 from conductor.failures import describe
+from conductor.lane_http import LANE_ROUTES
 from conductor.loads import LOADS_HEADER, OTHERS_HEADER
 from conductor.states import StoreState
 
@@ -76,7 +77,6 @@ log = logging.getLogger(__name__)
 MSGPACK = "application/msgpack"
 MAX_LATE_CALLS = 32  # late answers still read in the background; past it, calls are cut
 MAX_PROGRESS_OF = 64  # instances a query asks the indexing progress of
-QUERY_PATHS = frozenset({"/query", "/query_by_hash"})  # asked on connections of their own
 ROUTED_WORDING = Wording(
     taken="routed prompts",
     refused="routed prompts",
@@ -219,7 +219,7 @@ class ConductorClient:
         timeout: float,
         headers: dict[str, str] | None = None,
     ) -> tuple[int, Any]:
-        session = self._session if path in QUERY_PATHS else self._control
+        session = self._session if path in LANE_ROUTES else self._control
         async with session.post(
             url + path,
             data=msgpack.packb(body),
