@@ -69,6 +69,7 @@ from bench.harness import (
     running_service,
     server_side,
     vllm_registration,
+    write_json,
 )
 from conductor.wire.events import BlockStored, Tier
 from publishers.encoding import Layout, encode_batch
@@ -273,6 +274,17 @@ def batches(items: Sequence[Any], size: int = BATCH_EVENTS) -> list[Sequence[Any
 PROBE_TOKEN = 1 << 24  # above every prompt id TokenSource hands out
 
 
+def query_prompt() -> list[int]:
+    """The 4,096-token prompt of the latency measurements (every run, every service)."""
+    rng = random.Random(99)
+    return [rng.randrange(VOCAB) for _ in range(QUERY_BLOCKS * BLOCK_SIZE)]
+
+
+def probe_tokens(position: int) -> list[int]:
+    """A one-block prompt no other event carries, distinct per stream."""
+    return [PROBE_TOKEN + position] + [PROBE_TOKEN] * (BLOCK_SIZE - 1)
+
+
 def register_by_probe(client: Http, publishers: list[Publisher], timeout: float = 20.0) -> int:
     """Register, then resend a one-block probe on each stream until ``/query`` shows it.
 
@@ -283,7 +295,7 @@ def register_by_probe(client: Http, publishers: list[Publisher], timeout: float 
         client.json("POST", "/register", publisher.registration())
     probes = {}
     for number, publisher in enumerate(publishers):
-        tokens = [PROBE_TOKEN + number] + [PROBE_TOKEN] * (BLOCK_SIZE - 1)
+        tokens = probe_tokens(number)
         payload = publisher.payload([stored_event(engine_hashes(1), tokens, None)])
         body = query_body(tokens, publisher.instance_id)
         probes[publisher.instance_id] = (publisher, payload, body)
@@ -547,8 +559,7 @@ class QueryIndex:
 
     def load_query_prefixes(self, timeout: float) -> None:
         """Each instance stores its share of the query prompt as chained 16-block events."""
-        rng = random.Random(99)
-        self.query_tokens = [rng.randrange(VOCAB) for _ in range(QUERY_BLOCKS * BLOCK_SIZE)]
+        self.query_tokens = query_prompt()
         for publisher, blocks in zip(
             self.publishers, [prefix_holdings(n) for n in range(len(self.publishers))], strict=True
         ):
@@ -922,9 +933,7 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     finally:
         context.term()
-    args.json.parent.mkdir(parents=True, exist_ok=True)
-    args.json.write_text(json.dumps(result, indent=2) + "\n")
-    print(f"\nJSON written to {args.json}")
+    write_json(args.json, result)
     return 0
 
 

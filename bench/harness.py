@@ -29,7 +29,9 @@ import signal
 import subprocess
 import tempfile
 import time
-from collections.abc import Iterator, Sequence
+import urllib.error
+import urllib.request
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -37,7 +39,7 @@ from typing import Any, Protocol
 
 import zmq
 
-from publishers.local import LocalService
+from publishers.local import HOST, LocalService
 
 BLOCK_SIZE = 16
 BLOCKS_PER_EVENT = 16  # one event = one 256-token prompt, as a vLLM engine step stores it
@@ -47,6 +49,7 @@ QUERY_BLOCKS = 256  # the 4,096-token prompt of the latency measurements
 PUB_SNDHWM = 1_000_000  # far above what we queue: a PUB at its HWM drops silently
 MASK64 = 0xFFFFFFFFFFFFFFFF
 JSON_TYPE = "application/json"
+SERVICE_START_S = 30.0  # a service's start-up, until its routes answer
 
 
 # -- statistics -------------------------------------------------------------------------
@@ -238,6 +241,13 @@ def vllm_registration(endpoint: str, instance_id: str, model: str, **extra: Any)
     }
 
 
+def write_json(path: Path, result: Any) -> None:
+    """A benchmark's whole result as indented JSON (paths and the like as strings)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(result, indent=2, default=str) + "\n")
+    print(f"\nJSON written to {path}")
+
+
 def stop_group(process: subprocess.Popen[bytes], timeout: float = 5.0) -> None:
     """SIGTERM to a process started in a session of its own, and to its group (a wrapper's
     children too); SIGKILL if it has not exited within ``timeout``."""
@@ -253,6 +263,69 @@ def stop_group(process: subprocess.Popen[bytes], timeout: float = 5.0) -> None:
 
 class BenchError(RuntimeError):
     """A wait timed out or the service lost data: the numbers would be meaningless."""
+
+
+@dataclass
+class ServiceProcess:
+    """One service's process (its own session, so a wrapper's children stop with it)."""
+
+    process: subprocess.Popen[bytes]
+    port: int
+    log_path: Path
+    name: str = "the service"
+
+    @classmethod
+    def start(
+        cls,
+        command: Sequence[str],
+        port: int,
+        log_path: Path,
+        cpus: str | None = None,
+        env: Mapping[str, str] | None = None,
+        name: str = "the service",
+    ) -> ServiceProcess:
+        """``taskset -c CPUS`` execs the service, so the pid measured is the service's."""
+        prefix = ["taskset", "-c", cpus] if cpus else []
+        with log_path.open("wb") as log:  # the child keeps its own descriptor
+            try:
+                process = subprocess.Popen(
+                    [*prefix, *command],
+                    env={**os.environ, **(env or {})},
+                    stdout=log,
+                    stderr=subprocess.STDOUT,
+                    start_new_session=True,
+                )
+            except OSError as error:
+                raise BenchError(f"cannot start {name} {command[0]!r}: {error}") from None
+        return cls(process, port, log_path, name)
+
+    def log_tail(self, lines: int = 20) -> str:
+        text = self.log_path.read_text(errors="replace") if self.log_path.exists() else ""
+        return "\n".join(text.splitlines()[-lines:])
+
+    def wait_ready(
+        self,
+        path: str,
+        timeout: float = SERVICE_START_S,
+        ready: Callable[[bytes], bool] = lambda body: True,
+    ) -> None:
+        """Until ``GET path`` answers 200 with a body ``ready`` accepts (an open port
+        alone may precede the routes)."""
+        url = f"http://{HOST}:{self.port}{path}"
+        for _ in deadline_loop(timeout, f"{url} to answer", 0.05):
+            if self.process.poll() is not None:
+                raise BenchError(
+                    f"{self.name} exited with {self.process.returncode}:\n{self.log_tail()}"
+                )
+            try:
+                with urllib.request.urlopen(url, timeout=1.0) as response:
+                    if response.status == 200 and ready(response.read()):
+                        return
+            except (OSError, ValueError, urllib.error.URLError):
+                pass
+
+    def stop(self) -> None:
+        stop_group(self.process)
 
 
 def deadline_loop(timeout: float, what: str, interval: float = 0.002) -> Iterator[None]:

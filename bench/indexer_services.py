@@ -22,14 +22,14 @@ Dynamo and the C++ conductor bind 0.0.0.0: run them only inside a private networ
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import importlib.util
 import json
 import os
 import shutil
 import subprocess
 import sys
-import urllib.error
-import urllib.request
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -40,8 +40,8 @@ import msgpack
 from bench.conductor_bench import (
     MODEL,
     MSGPACK_TYPE,
-    PROBE_TOKEN,
     msgpack_query_body,
+    probe_tokens,
     query_body,
     verify_clean,
 )
@@ -50,15 +50,14 @@ from bench.harness import (
     JSON_TYPE,
     BenchError,
     Http,
+    ServiceProcess,
     deadline_loop,
     register_all,
-    stop_group,
+    rss_bytes,
     vllm_registration,
 )
 from publishers.local import HOST, free_port
 
-STARTUP_TIMEOUT_S = 30.0
-STOP_TIMEOUT_S = 5.0
 HASH_ALGORITHM = "sha256_cbor"  # vLLM's default prefix-caching hash since 0.11
 HASH_SEED = "0"  # PYTHONHASHSEED=0: every engine of a deployment must share it
 
@@ -95,66 +94,9 @@ def tree_rss_bytes(pid: int) -> int:
     """VmRSS summed over the process tree (shared pages counted in each process)."""
     total = 0
     for member in tree_pids(pid):
-        try:
-            for line in Path(f"/proc/{member}/status").read_text().splitlines():
-                if line.startswith("VmRSS:"):
-                    total += int(line.split()[1]) * 1024
-        except OSError:
-            continue  # exited between the listing and the read
+        with contextlib.suppress(OSError):  # exited between the listing and the read
+            total += rss_bytes(member)
     return total
-
-
-@dataclass
-class ServiceProcess:
-    """One service's process (its own session, so a wrapper's children stop with it)."""
-
-    process: subprocess.Popen[bytes]
-    port: int
-    log_path: Path
-
-    @classmethod
-    def start(
-        cls,
-        command: Sequence[str],
-        port: int,
-        log_path: Path,
-        cpus: str | None = None,
-        env: Mapping[str, str] | None = None,
-    ) -> ServiceProcess:
-        """``taskset -c CPUS`` execs the service, so the pid measured is the service's."""
-        prefix = ["taskset", "-c", cpus] if cpus else []
-        with log_path.open("wb") as log:  # the child keeps its own descriptor
-            try:
-                process = subprocess.Popen(
-                    [*prefix, *command],
-                    env={**os.environ, **(env or {})},
-                    stdout=log,
-                    stderr=subprocess.STDOUT,
-                    start_new_session=True,
-                )
-            except OSError as error:
-                raise BenchError(f"cannot start {command[0]!r}: {error}") from None
-        return cls(process, port, log_path)
-
-    def log_tail(self, lines: int = 20) -> str:
-        text = self.log_path.read_text(errors="replace") if self.log_path.exists() else ""
-        return "\n".join(text.splitlines()[-lines:])
-
-    def wait_ready(self, path: str, timeout: float = STARTUP_TIMEOUT_S) -> None:
-        """Until ``GET path`` answers 200 (an open port alone may precede the routes)."""
-        url = f"http://{HOST}:{self.port}{path}"
-        for _ in deadline_loop(timeout, f"{url} to answer", 0.05):
-            if self.process.poll() is not None:
-                raise BenchError(f"exited with {self.process.returncode}:\n{self.log_tail()}")
-            try:
-                with urllib.request.urlopen(url, timeout=1.0) as response:
-                    if response.status == 200:
-                        return
-            except (OSError, urllib.error.URLError):
-                pass
-
-    def stop(self) -> None:
-        stop_group(self.process, STOP_TIMEOUT_S)
 
 
 # -- the common interface ---------------------------------------------------------------
@@ -215,11 +157,6 @@ def answer(service: IndexerService, tokens: list[int], mode: QueryMode | None = 
     if status != 200:
         raise BenchError(f"{service.name} /query -> {status}: {data[:300]!r}")
     return mode.parse(data)
-
-
-def probe_tokens(position: int) -> list[int]:
-    """A one-block prompt no other event carries, distinct per stream."""
-    return [PROBE_TOKEN + position] + [PROBE_TOKEN] * (BLOCK_SIZE - 1)
 
 
 def register_by_probe(
@@ -292,7 +229,7 @@ class _Running:
         env: Mapping[str, str],
         ready_path: str,
     ) -> None:
-        self._process = ServiceProcess.start(command, port, log_path, cpus, env)
+        self._process = ServiceProcess.start(command, port, log_path, cpus, env, self.name)
         self._process.wait_ready(ready_path)
         self._client = Http(port)
 
@@ -363,6 +300,7 @@ def dynamo_python() -> str:
     return "python3"
 
 
+@functools.cache  # a process that imports Dynamo: asked once per interpreter
 def dynamo_available(python: str) -> str | None:
     """None when ``python -m dynamo.indexer`` can run, else why not."""
     try:

@@ -58,6 +58,7 @@ from bench.harness import (
     rss_bytes,
     running_service,
     server_side,
+    write_json,
 )
 from bench.load_streams import (
     BLOCK_SIZE,
@@ -675,9 +676,7 @@ def main(argv: list[str] | None = None) -> int:
         "\n== targets: "
         + ", ".join(f"{name} {'PASS' if ok else 'MISS'}" for name, ok in results["pass"].items())
     )
-    args.json.parent.mkdir(parents=True, exist_ok=True)
-    args.json.write_text(json.dumps(results, indent=2, default=str) + "\n")
-    print(f"JSON written to {args.json}")
+    write_json(args.json, results)
     return 0
 
 

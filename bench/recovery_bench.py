@@ -57,6 +57,7 @@ from bench.harness import (
     mib,
     register_all,
     rss_bytes,
+    write_json,
 )
 from bench.load_bench import COUNTERS, histogram_delta, json_query, verify
 from bench.load_streams import StreamInfo, WorkerStats
@@ -734,9 +735,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"benchmark failed: {type(error).__name__}: {error}", file=sys.stderr)
         return 1
     print_report(result)
-    args.json.parent.mkdir(parents=True, exist_ok=True)
-    args.json.write_text(json.dumps(result, indent=2) + "\n")
-    print(f"\nJSON written to {args.json}")
+    write_json(args.json, result)
     return 0
 
 

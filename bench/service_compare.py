@@ -31,10 +31,8 @@ from __future__ import annotations
 import argparse
 import hashlib
 import http.client
-import json
 import multiprocessing
 import os
-import random
 import sys
 import tempfile
 import time
@@ -53,6 +51,8 @@ from bench.conductor_bench import (
     Publisher,
     TokenSource,
     batches,
+    probe_tokens,
+    query_prompt,
     stored_event,
     time_queries,
     warm_up,
@@ -71,6 +71,7 @@ from bench.harness import (
     machine,
     mib,
     prefix_holdings,
+    write_json,
 )
 from bench.indexer_services import (
     HASH_ALGORITHM,
@@ -86,7 +87,6 @@ from bench.indexer_services import (
     dynamo_available,
     dynamo_python,
     in_private_netns,
-    probe_tokens,
     tree_rss_bytes,
 )
 from conductor.vllm_hash import cbor, none_hash
@@ -197,11 +197,6 @@ class BatchPool:
     @property
     def payloads(self) -> list[bytes]:
         return [batch.payload for batch in self.batches]
-
-
-def query_prompt() -> list[int]:
-    rng = random.Random(99)  # the same prompt bench.conductor_bench asks
-    return [rng.randrange(VOCAB) for _ in range(QUERY_BLOCKS * BLOCK_SIZE)]
 
 
 def prefix_payload(tokens: list[int], keys: list[int], blocks: int) -> tuple[bytes, int]:
@@ -766,7 +761,12 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         "--ours-env", action="append", default=[], metavar="KEY=VALUE",
         help="an extra environment variable for ours (repeatable)",
     )  # fmt: skip
-    return parser.parse_args(argv)
+    args = parser.parse_args(argv)
+    try:
+        args.ours_env = parse_env(args.ours_env, "--ours-env")
+    except ValueError as error:
+        parser.error(str(error))
+    return args
 
 
 def build_services(args: argparse.Namespace) -> list[IndexerService]:
@@ -777,7 +777,7 @@ def build_services(args: argparse.Namespace) -> list[IndexerService]:
         raise SystemExit(f"unknown services: {', '.join(sorted(unknown))}")
     services: list[IndexerService] = []
     if "ours" in wanted:
-        services.append(Ours(args.ours_cpus, tuple(args.ours_arg), parse_env(args.ours_env)))
+        services.append(Ours(args.ours_cpus, tuple(args.ours_arg), args.ours_env))
     if "dynamo" in wanted:
         python = args.dynamo_python or dynamo_python()
         why = dynamo_available(python)
@@ -825,10 +825,8 @@ def main(argv: list[str] | None = None) -> int:
     except (BenchError, OSError, http.client.HTTPException) as error:
         print(f"benchmark failed: {type(error).__name__}: {error}", file=sys.stderr)
         return 1
-    result["options"] = {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()}
-    args.json.parent.mkdir(parents=True, exist_ok=True)
-    args.json.write_text(json.dumps(result, indent=2) + "\n")
-    print(f"\nJSON written to {args.json}")
+    result["options"] = vars(args)
+    write_json(args.json, result)
     return 0
 
 

@@ -15,6 +15,7 @@ from conductor.loads import (
     LEASE_HEADER,
     LOADS_HEADER,
     MAX_HEADER_BYTES,
+    OTHERS_HEADER,
     REPLICA_HEADER,
     LoadReport,
     ReplicaLoads,
@@ -151,6 +152,13 @@ async def test_queries_naming_a_replica_carry_the_others_loads(served, http, pub
     assert await query_loads(http, base, "r2") == {"a": [300, 2]}
     assert await query_loads(http, base, "r3") == {"a": [320, 3], "b": [20, 1]}
     assert await metric(http, base, "conductor_router_replicas") == 2
+    others = {}
+    for replica in ("r1", "r2", "r3"):
+        headers = {REPLICA_HEADER: replica}
+        body = {"model": "m", "block_size": 4, "token_ids": list(range(8))}
+        async with http.post(f"{base}/query", json=body, headers=headers) as response:
+            others[replica] = response.headers[OTHERS_HEADER]
+    assert others == {"r1": "1", "r2": "1", "r3": "2"}  # r3 has not reported
 
     body = {"model": "m", "block_size": 4, "token_ids": list(range(8))}
     for bad in ("-1", "x", "1.5", "٣", str(1 << 63)):
