@@ -2,7 +2,7 @@
 conductor/native/)."""
 
 from collections.abc import Iterator, Sequence
-from typing import Generic, TypeVar, overload
+from typing import Any, Generic, TypeVar, overload
 
 from .hashing import PrefixHash
 from .wire.events import EngineHash
@@ -100,3 +100,20 @@ class ContextBlocks:
     def walk(
         self, hashes: Sequence[object], interest: int, /
     ) -> list[tuple[list[int], tuple[int, int, int, int]]]: ...
+
+class IngestThread:
+    """A thread that applies packed batches without the GIL (conductor/native/ingest.c)."""
+
+    def submit(
+        self,
+        blocks: ContextBlocks,
+        packed: PackedBatch,
+        owner: tuple[Holdings, Holdings, Holdings],
+        start: int,
+        root: int,
+        token: object,
+        /,
+    ) -> None: ...
+    def finished(self) -> list[tuple[Any, tuple[int, int, int, int, int] | BaseException]]: ...
+    def fileno(self) -> int: ...
+    def close(self) -> None: ...

@@ -508,6 +508,11 @@ class Settings(StrictModel):
         description="answer /query and /query_by_hash on a lean HTTP/1.1 path, the other "
         "routes through aiohttp (off: aiohttp answers every request)",
     )
+    ingest_thread: bool = Field(
+        default=True,
+        description="apply the C lane's event batches on a thread of their own, beside the "
+        "event loop (off: the loop applies them in steps between requests)",
+    )
     max_connections: int = Field(
         default=512,
         ge=1,

@@ -41,7 +41,7 @@ import sys
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from collections.abc import Set as AbstractSet
 from dataclasses import dataclass, field
-from typing import cast
+from typing import TYPE_CHECKING, cast
 
 from ._native import ContextBlocks, HashMap, MaskMap, PackedBatch
 from .hash_profile import HashProfile
@@ -55,6 +55,9 @@ from .wire.events import (
     EventBatch,
     Tier,
 )
+
+if TYPE_CHECKING:
+    from .ingest_thread import Applied, IngestLane, OnApplied
 
 TIERS = (Tier.GPU, Tier.CPU, Tier.DISK)
 STORE_POOL_RANK = -1  # a kv_store pool's slot key is (address, -1): DP ranks are never < 0
@@ -294,12 +297,18 @@ class PrefixContext:
 
     def apply_packed(
         self, slot: _Slot, packed: PackedBatch, start: int, max_blocks: int, root: int
-    ) -> tuple[int, int, int, int, int]:
+    ) -> Applied:
         """Events of a packed batch from ``start`` on, about ``max_blocks`` blocks' worth,
         for ``slot``'s GPU blocks, chained from ``root``: (the first event not applied,
         blocks stored, blocks removed, events orphaned, events whose token count does not
         fit their hashes)."""
         return self._state.apply_packed(packed, slot.holdings, start, max_blocks, root)
+
+    def submit_packed(
+        self, lane: IngestLane, slot: _Slot, packed: PackedBatch, root: int, on_applied: OnApplied
+    ) -> None:
+        """``apply_packed`` of the whole batch, on the ingest thread."""
+        lane.apply(self._state, slot.holdings, packed, root, on_applied)
 
     def evict(self, slot: _Slot, tier: Tier, engine_hashes: Sequence[EngineHash]) -> None:
         """Forget every copy of these blocks (their keys left the store, whoever saved them)."""
@@ -556,6 +565,18 @@ def _record_stops(lengths: dict[int, list[int]], stopped: int, position: int, ti
     """Slots whose bits are in ``stopped`` matched ``position`` blocks on this tier."""
     for index in _bit_indices(stopped):
         lengths[index][tier] = position
+
+
+def count_packed(stats: ApplyStats, start: int, applied: Applied) -> int:
+    """An answer of ``apply_packed`` from event ``start`` on, counted into ``stats``;
+    returns the first event not applied."""
+    reached, stored, removed, orphaned, mismatched = applied
+    stats.events += reached - start
+    stats.blocks_stored += stored
+    stats.blocks_removed += removed
+    stats.orphaned += orphaned
+    stats.drop("token_count_mismatch", mismatched)
+    return reached
 
 
 def _bit_indices(mask: int) -> list[int]:
@@ -815,10 +836,35 @@ class PrefixCacheTable:
         """``apply_events`` for a batch the C lane read, from event ``start`` on until about
         ``max_blocks`` blocks were applied (at least one event). Returns the first event
         not applied, or None (nothing applied) when the stream is not in the state the lane
-        covers, and the caller must decode the batch: the lane applies what ``_store`` and
-        ``_remove`` do for an engine's own GPU blocks once its first stored event made its
-        slot, in a context where no other of the stream's slots at that rank, and no other
-        tier of this one, could take a removal."""
+        covers (``_lane_target``), and the caller must decode the batch."""
+        target = self._lane_target(key, packed)
+        if target is None:
+            return None
+        context, slot, root = target
+        return count_packed(
+            stats, start, context.apply_packed(slot, packed, start, max_blocks, root)
+        )
+
+    def submit_packed(
+        self, key: str, packed: PackedBatch, lane: IngestLane, on_applied: OnApplied
+    ) -> bool:
+        """``apply_packed`` of the whole batch on the ingest thread, its answer to
+        ``on_applied`` (``count_packed`` counts it); False, nothing given, as None there."""
+        target = self._lane_target(key, packed)
+        if target is None:
+            return False
+        context, slot, root = target
+        context.submit_packed(lane, slot, packed, root, on_applied)
+        return True
+
+    def _lane_target(
+        self, key: str, packed: PackedBatch
+    ) -> tuple[PrefixContext, _Slot, int] | None:
+        """The context, slot and hash chain root the C lane applies the stream's batch to,
+        or None when the stream is not in the state the lane covers: the lane applies what
+        ``_store`` and ``_remove`` do for an engine's own GPU blocks once its first stored
+        event made its slot, in a context where no other of the stream's slots at that
+        rank, and no other tier of this one, could take a removal."""
         if not self.lane_takes(key):
             return None
         source = self._sources[key]
@@ -833,16 +879,7 @@ class PrefixCacheTable:
             and not slot.holdings[Tier.DISK].by_engine_hash
         ):
             return None
-        root = salt_root(source.salt)
-        reached, stored, removed, orphaned, mismatched = context.apply_packed(
-            slot, packed, start, max_blocks, root
-        )
-        stats.events += reached - start
-        stats.blocks_stored += stored
-        stats.blocks_removed += removed
-        stats.orphaned += orphaned
-        stats.drop("token_count_mismatch", mismatched)
-        return reached
+        return context, slot, salt_root(source.salt)
 
     def lane_takes(self, key: str) -> bool:
         """Whether the C lane may apply the stream's batches at all: not a pool's (its

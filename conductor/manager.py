@@ -17,9 +17,11 @@ import psutil
 import zmq
 import zmq.asyncio
 
+from ._native import PackedBatch
 from .config import Registration
 from .hash_profile import HashProfile
-from .index import ApplyStats, ContextKey, PrefixCacheTable
+from .index import ApplyStats, ContextKey, PrefixCacheTable, count_packed
+from .ingest_thread import Applied, IngestLane
 from .kv_store_watch import StoreWatch
 from .metrics import ConductorMetrics
 from .runtime import LoopShare
@@ -107,6 +109,7 @@ class ServiceManager:
         metrics: ConductorMetrics,
         stores: StoreWatch,
         limits: StreamLimits | None = None,
+        ingest_thread: bool = True,
     ) -> None:
         self.table = table
         self.metrics = metrics
@@ -135,6 +138,10 @@ class ServiceManager:
         self.ingest_gate = asyncio.Event()
         self.ingest_gate.set()
         self._applying = 0  # batches being applied (in steps) right now
+        # the C lane's batches applied beside the loop (conductor.ingest_thread), made at
+        # the first; off: the loop applies them in steps
+        self.ingest_thread = ingest_thread
+        self._lane: IngestLane | None = None
         # service key -> the batches a resumed stream's publisher no longer held (/health)
         self.resume_gaps: dict[str, str] = {}
 
@@ -399,6 +406,9 @@ class ServiceManager:
         await self.stores.close()
         await asyncio.gather(*(s.stop() for s in self._subscribers.values()))
         self._subscribers.clear()
+        if self._lane is not None:
+            self._lane.close()
+            self._lane = None
         self.context.destroy(linger=0)  # term() would wait forever for a socket left open
 
     # -- ingestion -----------------------------------------------------------------------
@@ -406,7 +416,7 @@ class ServiceManager:
         metrics = self.metrics
         key = registration.key
 
-        def on_message(message: Message, replayed: bool) -> Iterator[None]:
+        def on_message(message: Message, replayed: bool) -> Iterator[asyncio.Future[None] | None]:
             return self._ingest(registration, message, replayed)
 
         def on_restart() -> None:
@@ -446,14 +456,17 @@ class ServiceManager:
 
     def _ingest(
         self, registration: Registration, message: Message, replayed: bool
-    ) -> Iterator[None]:
+    ) -> Iterator[asyncio.Future[None] | None]:
         """Apply one batch in steps of about ``loop_share.step_now()``, yielding between them:
         a query waits for one step, not for a whole batch of hundreds of blocks (and may
         see part of a batch, as if it had come a moment earlier). The stream's batches stay
         in order: its reader awaits every step.
 
         The C lane takes the batch if it can; what it does not take (the batch, or the
-        rest of it once the stream's state leaves what the lane covers) is decoded."""
+        rest of it once the stream's state leaves what the lane covers) is decoded. With
+        the ingest thread the lane's batch is given there whole, and applied while the
+        stream reads on; a step yields a future to wait for only while the thread's
+        backlog is full."""
         self._applying += 1
         try:
             yield from self._apply_batch(registration, message, replayed)
@@ -462,13 +475,17 @@ class ServiceManager:
 
     def _apply_batch(
         self, registration: Registration, message: Message, replayed: bool
-    ) -> Iterator[None]:
+    ) -> Iterator[asyncio.Future[None] | None]:
         key = registration.key
         stats = ApplyStats()
         applied: int | None = 0
         packed = None
         if self.table.lane_takes(key):
             packed = pack_batch(message.payload, message.topic, registration.block_size)
+        if packed is not None and self._give_thread(registration, message, replayed, packed):
+            if self._lane is not None and self._lane.full:
+                yield self._lane.room()
+            return
         if packed is not None:
 
             def apply_packed(start: int) -> int | None:
@@ -495,8 +512,14 @@ class ServiceManager:
                 key, message, len(batch.events), apply_events, applied or 0
             )
             timestamp = batch.timestamp
-        if applied is None:
-            return
+        if applied is not None:
+            self._count_batch(registration, stats, replayed, timestamp)
+
+    def _count_batch(
+        self, registration: Registration, stats: ApplyStats, replayed: bool, timestamp: float
+    ) -> None:
+        """What an applied batch did, into the metrics, the stream's progress and warnings."""
+        key = registration.key
         self.metrics.record_apply(key, stats, replayed)
         # a publisher's clock, not ours: an infinite or NaN time says nothing of progress
         if math.isfinite(timestamp) and timestamp > self._applied_until.get(key, 0):
@@ -514,6 +537,38 @@ class ServiceManager:
                     self.limits.max_dp_ranks,
                     self.limits.max_lora_contexts,
                 )
+
+    def _give_thread(
+        self, registration: Registration, message: Message, replayed: bool, packed: PackedBatch
+    ) -> bool:
+        """Give the packed batch to the ingest thread (made at the first), counted once it
+        is applied; False, nothing given, when the thread is off or the lane does not take
+        the batch. The stream reads its next batch meanwhile."""
+        if not self.ingest_thread:
+            return False
+        if self._lane is None:
+            self._lane = IngestLane()
+        key, stats = registration.key, ApplyStats()
+
+        def on_applied(answer: Applied | BaseException) -> None:
+            self._applying -= 1
+            if self.registrations.get(key) is not registration:
+                return  # unregistered meanwhile: nothing left to count
+            if isinstance(answer, BaseException):
+                self._apply_failed(key, message, answer)
+            else:
+                count_packed(stats, 0, answer)
+                self._count_batch(registration, stats, replayed, packed.timestamp)
+
+        if not self.table.submit_packed(key, packed, self._lane, on_applied):
+            return False
+        self._applying += 1  # until applied: a snapshot waits for it (ingest_paused)
+        return True
+
+    def _apply_failed(self, key: str, message: Message, error: BaseException) -> None:
+        """A bug costs one batch, counted and logged, never the stream's reader task."""
+        self.metrics.streams.inc("decode_errors", key, label="apply")
+        log.error("stream=%s seq=%d batch could not be applied", key, message.seq, exc_info=error)
 
     def _decode(self, key: str, message: Message) -> EventBatch | None:
         """The batch decoded, its rejected events counted; None (counted) if undecodable."""
@@ -549,9 +604,8 @@ class ServiceManager:
                 step_began, step_s = time.perf_counter(), self.loop_share.step_now()
             try:
                 reached = apply(position)
-            except Exception:
-                self.metrics.streams.inc("decode_errors", key, label="apply")
-                log.exception("stream=%s seq=%d batch could not be applied", key, message.seq)
+            except Exception as error:
+                self._apply_failed(key, message, error)
                 return None
             if reached is None:
                 return position

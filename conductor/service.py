@@ -46,20 +46,22 @@ def state_path(settings: Settings, config_path: str) -> Path | None:
     return config_dir / f"conductor_state.{settings.http_server_port}.json"
 
 
-def index_manager(config: ConductorConfig, limits: StreamLimits) -> ServiceManager:
+def index_manager(
+    config: ConductorConfig, limits: StreamLimits, ingest_thread: bool = True
+) -> ServiceManager:
     """The index and what feeds it: the streams' subscribers, the store checks, metrics.
     The service serves it over HTTP; a router with ``conductor.embedded`` asks it itself."""
     table = PrefixCacheTable()
     metrics = ConductorMetrics(table)
     stores = StoreWatch(table, metrics, config.store_admin_url, config.kv_store_check_interval_s)
-    return ServiceManager(table, metrics, stores, limits)
+    return ServiceManager(table, metrics, stores, limits, ingest_thread)
 
 
 def create_app(
     settings: Settings, limits: StreamLimits, config: ConductorConfig, state: Path | None
 ) -> web.Application:
     """The service, ready to run (``state``: the registrations file, None to keep none)."""
-    manager = index_manager(config, limits)
+    manager = index_manager(config, limits, settings.ingest_thread)
     metrics = manager.metrics
     allowlist = _allowlist(settings, config.registrations())
     state_file = StateFile(state) if state is not None else None

@@ -51,6 +51,7 @@ import math
 import time
 from collections.abc import Awaitable, Callable, Iterator
 from dataclasses import dataclass
+from typing import Any
 
 import zmq
 import zmq.asyncio
@@ -93,8 +94,9 @@ class ReplayFailed(Exception):
 class StreamCallbacks:
     """What the subscriber reports; the manager decodes, applies and counts."""
 
-    # (message, replayed): decode and apply, one step per iteration (see ServiceManager)
-    on_message: Callable[[Message, bool], Iterator[None]]
+    # (message, replayed): decode and apply, one step per iteration (see ServiceManager);
+    # a step may hand back a future to await instead of a turn (the ingest thread's room)
+    on_message: Callable[[Message, bool], Iterator[asyncio.Future[Any] | None]]
     on_restart: Callable[[], None]  # a new publisher: clear the owner's blocks
     on_state: Callable[[SubscriberState], None]
     on_event: Callable[[str], None]  # gap, gap_unrepaired, replay_*, bad_frame, restart, lost
@@ -474,9 +476,9 @@ class StreamSubscriber:
 
     async def _apply(self, message: Message, replayed: bool) -> None:
         """Apply a batch in the steps the manager cuts it into, a turn before each but the
-        first (the caller took that one)."""
-        for _ in self._callbacks.on_message(message, replayed):
-            await self._share.turn()
+        first (the caller took that one), or awaiting the ingest thread's answer."""
+        for applying in self._callbacks.on_message(message, replayed):
+            await (self._share.turn() if applying is None else applying)
 
     async def _handle_live(self, message: Message) -> None:
         """Execute what the sequence tracker decides for a live batch."""

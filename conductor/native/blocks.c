@@ -17,10 +17,11 @@
 
 #include "blocks.h"
 #include "maps.h"
+#include "masks.h"
 
 /* -- the rules ------------------------------------------------------------------------- */
 
-/* counts[key] += 1 (a HashMap of counts: an absent key counts 0). 0, or -1 on error. */
+/* counts[key] += 1 (a HashMap of counts: an absent key counts 0). 0, or -1 out of memory. */
 static int count_up(Map *counts, uint64_t key) {
     int created;
     uint64_t *count = map_value_slot(counts, key, &created);
@@ -46,9 +47,17 @@ static Py_ssize_t total(const Map *counts) {
     return sum;
 }
 
+int raise_fault(const Fault *fault) {
+    if (fault->kind == FAULT_MEMORY) PyErr_NoMemory();
+    else PyErr_Format(PyExc_KeyError, "%s %llu",
+                      fault->kind == FAULT_NO_PREFIX ? "prefix" : "engine hash",
+                      (unsigned long long)fault->hash);
+    return -1;
+}
+
 /* The owner holds one block more: a block it holds already counts one more copy, a prefix
- * it holds under another engine hash one more extra reference. 0, or -1 on error. */
-int hold_block(const Holdings *h, uint64_t engine_hash, uint64_t prefix_hash) {
+ * it holds under another engine hash one more extra reference. 0, or -1 out of memory. */
+static int hold_block(const Holdings *h, uint64_t engine_hash, uint64_t prefix_hash) {
     const ContextBlocks *context = h->context;
     int created;
     uint64_t *slot = map_value_slot(h->by_engine_hash, engine_hash, &created);
@@ -62,35 +71,25 @@ int hold_block(const Holdings *h, uint64_t engine_hash, uint64_t prefix_hash) {
     } else if (count_up(context->engine_refs, engine_hash) < 0) {
         return -1;
     }
-    slot = map_value_slot(context->tiers[h->tier], prefix_hash, &created);
+    Map *blocks = context->tiers[h->tier];
+    slot = map_value_slot(blocks, prefix_hash, &created);
     if (slot == NULL) return -1;
-    if (created) {
-        *slot = (uint64_t)(uintptr_t)Py_NewRef(h->bit);
-        return 0;
-    }
-    PyObject *mask = (PyObject *)(uintptr_t)*slot;
-    PyObject *both = PyNumber_And(mask, h->bit);
-    if (both == NULL) return -1;
-    int mine = PyObject_IsTrue(both);
-    Py_DECREF(both);
-    if (mine < 0) return -1;
-    if (mine) return count_up(h->extra_refs, prefix_hash);
-    PyObject *joined = PyNumber_Or(mask, h->bit);
-    if (joined == NULL) return -1;
-    *slot = (uint64_t)(uintptr_t)joined;  /* the map takes the new mask's reference */
-    Py_DECREF(mask);
-    return 0;
+    if (!created && mask_has(*slot, h->bit)) return count_up(h->extra_refs, prefix_hash);
+    if (mask_add(slot, h->bit) == 0) return 0;
+    uint64_t empty;
+    if (created) map_erase(blocks, prefix_hash, &empty);  /* no mask: no entry */
+    return -1;
 }
 
 /* hold_block for ``count`` pairs in order, each of its three map slots fetched HOLD_AHEAD
  * pairs ahead (as release_blocks does: at a million blocks each is a cache miss, and a few
- * pairs' misses overlap). 0, or -1 on error (the pairs before the failing one held). */
+ * pairs' misses overlap). 0, or -1 and the fault (the pairs before the failing one held). */
 #ifndef HOLD_AHEAD
 #define HOLD_AHEAD 4
 #endif
 
 int hold_blocks(const Holdings *h, const uint64_t *engine_hashes, const uint64_t *prefix_hashes,
-                Py_ssize_t count) {
+                Py_ssize_t count, Fault *fault) {
     const ContextBlocks *context = h->context;
     for (Py_ssize_t i = 0; i < count + HOLD_AHEAD; i++) {
         if (i < count) {
@@ -99,27 +98,19 @@ int hold_blocks(const Holdings *h, const uint64_t *engine_hashes, const uint64_t
             map_prefetch(context->tiers[h->tier], prefix_hashes[i]);
         }
         Py_ssize_t now = i - HOLD_AHEAD;
-        if (now >= 0 && hold_block(h, engine_hashes[now], prefix_hashes[now]) < 0) return -1;
+        if (now >= 0 && hold_block(h, engine_hashes[now], prefix_hashes[now]) < 0) {
+            *fault = (Fault){FAULT_MEMORY, engine_hashes[now]};
+            return -1;
+        }
     }
     return 0;
 }
 
-/* Clear the owner's bit from ``mask``, the mask its tier holds for the prefix; the entry
- * goes with its last bit. */
-static int unset_bit(const Holdings *h, uint64_t prefix_hash, uint64_t mask) {
-    Map *blocks = h->context->tiers[h->tier];
-    uint64_t old;
-    if ((PyObject *)(uintptr_t)mask == h->bit) {  /* its owner's own bit object: the last bit */
-        if (map_erase(blocks, prefix_hash, &old)) release_value(blocks, old);
-        return 0;
-    }
-    PyObject *left = PyNumber_And((PyObject *)(uintptr_t)mask, h->others);
-    if (left == NULL) return -1;
-    int kept = PyObject_IsTrue(left);
-    int result = kept < 0 ? -1 : kept ? map_set(blocks, prefix_hash, left) : 0;
-    Py_DECREF(left);
-    if (result == 0 && !kept && map_erase(blocks, prefix_hash, &old)) release_value(blocks, old);
-    return result;
+/* Clear the owner's bit from the mask its tier holds for the prefix, at ``mask``; the
+ * entry goes with its last bit. */
+static void unset_bit(const Holdings *h, uint64_t prefix_hash, uint64_t *mask) {
+    uint64_t empty;
+    if (mask_remove(mask, h->bit)) map_erase(h->context->tiers[h->tier], prefix_hash, &empty);
 }
 
 /* One holder fewer of ``engine_hash`` in the context: a count less in ``engine_refs``
@@ -131,10 +122,11 @@ static int release_engine_hash(const ContextBlocks *context, uint64_t engine_has
 }
 
 /* The owner holds one copy fewer of a block (``every_copy``: none): 1 when it held it, 0
- * when not, -1 on error. Its last copy gone, the block is forgotten; its prefix keeps the
- * owner's bit while another engine hash of the owner still stands for it. */
-int release_block(const Holdings *h, uint64_t engine_hash, int every_copy) {
-    uint64_t prefix_hash, mask;
+ * when not, -1 and the fault when the context's maps lack what the owner's name. Its last
+ * copy gone, the block is forgotten; its prefix keeps the owner's bit while another engine
+ * hash of the owner still stands for it. */
+static int release_block(const Holdings *h, uint64_t engine_hash, int every_copy, Fault *fault) {
+    uint64_t prefix_hash, *mask;
     if (every_copy) {
         map_erase(h->copies, engine_hash, &prefix_hash);
     } else if (count_down(h->copies, engine_hash)) {
@@ -142,15 +134,17 @@ int release_block(const Holdings *h, uint64_t engine_hash, int every_copy) {
     }
     if (!map_erase(h->by_engine_hash, engine_hash, &prefix_hash)) return 0;
     if (!release_engine_hash(h->context, engine_hash)) {
-        PyErr_Format(PyExc_KeyError, "engine hash %llu", (unsigned long long)engine_hash);
+        *fault = (Fault){FAULT_NO_ENGINE_HASH, engine_hash};
         return -1;
     }
     if (count_down(h->extra_refs, prefix_hash)) return 1;
-    if (!map_lookup(h->context->tiers[h->tier], prefix_hash, &mask)) {
-        PyErr_Format(PyExc_KeyError, "prefix %llu", (unsigned long long)prefix_hash);
+    mask = map_value_of(h->context->tiers[h->tier], prefix_hash);
+    if (mask == NULL) {
+        *fault = (Fault){FAULT_NO_PREFIX, prefix_hash};
         return -1;
     }
-    return unset_bit(h, prefix_hash, mask) < 0 ? -1 : 1;
+    unset_bit(h, prefix_hash, mask);
+    return 1;
 }
 
 /* release_block for each of ``count`` engine hashes in order, adding to ``*released`` how
@@ -168,7 +162,7 @@ int release_block(const Holdings *h, uint64_t engine_hash, int every_copy) {
 #endif
 
 int release_blocks(const Holdings *h, const uint64_t *engine_hashes, Py_ssize_t count,
-                   int every_copy, Py_ssize_t *released) {
+                   int every_copy, Py_ssize_t *released, Fault *fault) {
     const ContextBlocks *context = h->context;
     const Map *tier = context->tiers[h->tier];
     for (Py_ssize_t i = 0; i < count + 2 * RELEASE_AHEAD; i++) {
@@ -182,7 +176,7 @@ int release_blocks(const Holdings *h, const uint64_t *engine_hashes, Py_ssize_t 
             && map_lookup(h->by_engine_hash, engine_hashes[next], &prefix_hash))
             map_prefetch(tier, prefix_hash);
         if (now >= 0) {
-            int held = release_block(h, engine_hashes[now], every_copy);
+            int held = release_block(h, engine_hashes[now], every_copy, fault);
             if (held < 0) return -1;
             *released += held;
         }
@@ -190,37 +184,32 @@ int release_blocks(const Holdings *h, const uint64_t *engine_hashes, Py_ssize_t 
     return 0;
 }
 
-/* Forget every block of the owner on its tier. 0, or -1 on error. */
-static int clear_holdings(const Holdings *h) {
+/* Forget every block of the owner on its tier. */
+static void clear_holdings(const Holdings *h) {
     MapCursor at = MAP_START;
-    uint64_t engine_hash, prefix_hash, mask;
+    uint64_t engine_hash, prefix_hash, *mask;
     while (map_next(h->by_engine_hash, &at, &engine_hash, &prefix_hash)) {
         release_engine_hash(h->context, engine_hash);
-        if (!map_lookup(h->context->tiers[h->tier], prefix_hash, &mask))
-            continue;  /* unset already: an extra reference's prefix */
-        if (unset_bit(h, prefix_hash, mask) < 0) return -1;
+        mask = map_value_of(h->context->tiers[h->tier], prefix_hash);
+        if (mask != NULL && mask_has(*mask, h->bit))  /* else unset already: an extra reference's */
+            unset_bit(h, prefix_hash, mask);
     }
     map_clear_all(h->by_engine_hash);
     map_clear_all(h->copies);
     map_clear_all(h->extra_refs);
-    return 0;
 }
 
 /* -- Holdings ---------------------------------------------------------------------------- */
 
-static Map *new_map(PyTypeObject *type) { return (Map *)PyObject_CallNoArgs((PyObject *)type); }
-
-static Holdings *holdings_new(ContextBlocks *context, PyObject *bit, PyObject *others,
-                              int tier) {
+static Holdings *holdings_new(ContextBlocks *context, size_t bit, int tier) {
     Holdings *h = PyObject_New(Holdings, &HoldingsType);
     if (h == NULL) return NULL;
     h->context = (ContextBlocks *)Py_NewRef(context);
-    h->bit = Py_NewRef(bit);
-    h->others = Py_NewRef(others);
+    h->bit = bit;
     h->tier = tier;
-    h->by_engine_hash = new_map(&HashMapType);
-    h->copies = new_map(&HashMapType);
-    h->extra_refs = new_map(&HashMapType);
+    h->by_engine_hash = map_of_context(&HashMapType, context->sync);
+    h->copies = map_of_context(&HashMapType, context->sync);
+    h->extra_refs = map_of_context(&HashMapType, context->sync);
     if (h->by_engine_hash == NULL || h->copies == NULL || h->extra_refs == NULL) Py_CLEAR(h);
     return h;
 }
@@ -229,18 +218,22 @@ static void holdings_dealloc(Holdings *h) {
     Py_XDECREF(h->by_engine_hash);
     Py_XDECREF(h->copies);
     Py_XDECREF(h->extra_refs);
-    Py_DECREF(h->others);
-    Py_DECREF(h->bit);
     Py_DECREF(h->context);
     PyObject_Free(h);
 }
 
 static PyObject *holdings_count(Holdings *h, PyObject *unused) {
-    return PyLong_FromSsize_t(map_length(h->by_engine_hash) + total(h->copies));
+    sync_lock(h->context->sync);
+    Py_ssize_t count = map_length(h->by_engine_hash) + total(h->copies);
+    sync_unlock(h->context->sync);
+    return PyLong_FromSsize_t(count);
 }
 
 static PyObject *holdings_prefix_count(Holdings *h, PyObject *unused) {
-    return PyLong_FromSsize_t(map_length(h->by_engine_hash) - total(h->extra_refs));
+    sync_lock(h->context->sync);
+    Py_ssize_t count = map_length(h->by_engine_hash) - total(h->extra_refs);
+    sync_unlock(h->context->sync);
+    return PyLong_FromSsize_t(count);
 }
 
 static PyMethodDef holdings_methods[] = {
@@ -309,15 +302,16 @@ static PyObject *context_new(PyTypeObject *type, PyObject *args, PyObject *kwarg
     ContextBlocks *self = (ContextBlocks *)type->tp_alloc(type, 0);
     if (self == NULL) return NULL;
     self->block_size = block_size;
-    self->blocks = PyTuple_New(TIERS);
+    self->sync = sync_new();
+    self->blocks = self->sync != NULL ? PyTuple_New(TIERS) : NULL;
     if (self->blocks == NULL) goto fail;
     for (int tier = 0; tier < TIERS; tier++) {
-        self->tiers[tier] = new_map(&MaskMapType);
+        self->tiers[tier] = map_of_context(&MaskMapType, self->sync);
         if (self->tiers[tier] == NULL) goto fail;
         PyTuple_SET_ITEM(self->blocks, tier, Py_NewRef(self->tiers[tier]));
     }
-    self->engine_prefix = new_map(&HashMapType);
-    self->engine_refs = new_map(&HashMapType);
+    self->engine_prefix = map_of_context(&HashMapType, self->sync);
+    self->engine_refs = map_of_context(&HashMapType, self->sync);
     if (self->engine_prefix == NULL || self->engine_refs == NULL) goto fail;
     return (PyObject *)self;
 fail:
@@ -330,29 +324,39 @@ static void context_dealloc(ContextBlocks *self) {
     Py_XDECREF(self->blocks);
     Py_XDECREF(self->engine_prefix);
     Py_XDECREF(self->engine_refs);
+    sync_release(self->sync);
     Py_TYPE(self)->tp_free((PyObject *)self);
 }
 
 PyDoc_STRVAR(context_owner_doc,
 "owner(bit, /)\n--\n\n"
-"A new owner's holdings on each tier (GPU, CPU, DISK), empty; ``bit`` (an int > 0) is the\n"
-"owner's bit in the context's masks, given to no other owner while it holds blocks.");
+"A new owner's holdings on each tier (GPU, CPU, DISK), empty; ``bit`` (a power of two) is\n"
+"the owner's bit in the context's masks, given to no other owner while it holds blocks.");
 
 static PyObject *context_owner(ContextBlocks *self, PyObject *bit) {
-    PyObject *zero = PyLong_FromLong(0);  /* a cached small int: never NULL */
-    int positive = PyLong_Check(bit) ? PyObject_RichCompareBool(bit, zero, Py_GT) : 0;
-    Py_DECREF(zero);
-    if (positive < 0) return NULL;
-    if (!positive) return PyErr_Format(PyExc_ValueError, "bit must be an int > 0, not %.60R", bit);
-    PyObject *others = PyNumber_Invert(bit);
-    PyObject *owner = others == NULL ? NULL : PyTuple_New(TIERS);
+    uint64_t mask;
+    if (!PyLong_Check(bit) || mask_from_int(bit, &mask) < 0) {
+        if (PyErr_ExceptionMatches(PyExc_OverflowError)) PyErr_Clear();
+        if (!PyErr_Occurred()) goto refused;
+        return NULL;
+    }
+    const uint64_t *words;
+    size_t count = mask_words(&mask, &words), set = 0, index = 0;
+    for (size_t w = 0; w < count; w++) {
+        if (words[w]) index = w * 64 + (size_t)__builtin_ctzll(words[w]);
+        set += (size_t)__builtin_popcountll(words[w]);
+    }
+    mask_free(mask);
+    if (set != 1) goto refused;
+    PyObject *owner = PyTuple_New(TIERS);
     for (int tier = 0; owner != NULL && tier < TIERS; tier++) {
-        Holdings *h = holdings_new(self, bit, others, tier);
+        Holdings *h = holdings_new(self, index, tier);
         if (h == NULL) Py_CLEAR(owner);
         else PyTuple_SET_ITEM(owner, tier, (PyObject *)h);
     }
-    Py_XDECREF(others);
     return owner;
+refused:
+    return PyErr_Format(PyExc_ValueError, "bit must be a power of two, not %.60R", bit);
 }
 
 PyDoc_STRVAR(context_hold_doc,
@@ -381,6 +385,7 @@ static PyObject *context_hold(ContextBlocks *self, PyObject *const *args, Py_ssi
     PyObject **prefix_hashes = PySequence_Fast_ITEMS(prefix_seq);
     PyObject *result = NULL;
     uint64_t engine_keys[HOLD_CHUNK], prefix_keys[HOLD_CHUNK];
+    sync_settle(self->sync);
     for (Py_ssize_t i = 0; i < count;) {
         Py_ssize_t taken = 0, failed = 0;
         for (; i < count && taken < HOLD_CHUNK; i++, taken++) {
@@ -390,10 +395,16 @@ static PyObject *context_hold(ContextBlocks *self, PyObject *const *args, Py_ssi
                 break;
             }
         }
-        if (hold_blocks(h, engine_keys, prefix_keys, taken) < 0 || failed) goto done;
+        Fault fault;
+        if (hold_blocks(h, engine_keys, prefix_keys, taken, &fault) < 0) {
+            raise_fault(&fault);
+            goto done;
+        }
+        if (failed) goto done;
     }
     result = PyLong_FromSsize_t(count);
 done:
+    sync_unlock(self->sync);
     Py_DECREF(engine_seq);
     Py_DECREF(prefix_seq);
     return result;
@@ -411,6 +422,7 @@ static PyObject *release_each(ContextBlocks *self, PyObject *const *args, Py_ssi
     Py_ssize_t count = PySequence_Fast_GET_SIZE(seq), released = 0;
     PyObject **engine_hashes = PySequence_Fast_ITEMS(seq), *result = NULL;
     uint64_t keys[RELEASE_CHUNK];
+    sync_settle(self->sync);
     for (Py_ssize_t i = 0; i < count;) {
         Py_ssize_t taken = 0, failed = 0;
         for (; i < count && taken < RELEASE_CHUNK; i++) {
@@ -421,10 +433,16 @@ static PyObject *release_each(ContextBlocks *self, PyObject *const *args, Py_ssi
             }
             taken += found;
         }
-        if (release_blocks(h, keys, taken, every_copy, &released) < 0 || failed) goto done;
+        Fault fault;
+        if (release_blocks(h, keys, taken, every_copy, &released, &fault) < 0) {
+            raise_fault(&fault);
+            goto done;
+        }
+        if (failed) goto done;
     }
     result = PyLong_FromSsize_t(released);
 done:
+    sync_unlock(self->sync);
     Py_DECREF(seq);
     return result;
 }
@@ -458,8 +476,11 @@ PyDoc_STRVAR(context_clear_doc,
 static PyObject *context_clear(ContextBlocks *self, PyObject *holdings) {
     const Holdings *h = holdings_of(self, holdings);
     if (h == NULL) return NULL;
+    sync_settle(self->sync);
     Py_ssize_t held = map_length(h->by_engine_hash) + total(h->copies);
-    return clear_holdings(h) < 0 ? NULL : PyLong_FromSsize_t(held);
+    clear_holdings(h);
+    sync_unlock(self->sync);
+    return PyLong_FromSsize_t(held);
 }
 
 /* defined with their concerns */

@@ -7,30 +7,10 @@
 #include "blocks.h"
 #include "decode.h"
 #include "hashing.h"
+#include "lane.h"
 #include "maps.h"
 #include "msgpack.h"
 
-/* One event of a PackedBatch; its hashes and tokens are slices of the batch's buffers. */
-typedef struct {
-    size_t first_hash, hash_count;  /* in PackedBatch.hashes */
-    size_t first_token, token_count;  /* in PackedBatch.tokens, 4 bytes each */
-    uint64_t parent;
-    uint8_t removed, has_parent;
-} PackedEvent;
-
-typedef struct {
-    PyObject_HEAD
-    double timestamp;
-    PyObject *dp_rank;  /* None or an int */
-    Py_ssize_t count, removals;
-    PackedEvent *events;
-    uint64_t *hashes;
-    size_t hashes_used, hashes_capacity;
-    uint8_t *tokens;  /* int32 little-endian */
-    size_t tokens_used, tokens_capacity;
-} PackedBatch;
-
-static PyTypeObject PackedBatchType;
 
 enum { F_TYPE, F_HASHES, F_PARENT, F_TOKENS, F_BLOCK_SIZE, F_LORA_ID, F_MEDIUM, F_LORA_NAME,
        F_EXTRA_KEYS, F_GROUP_IDX, F_CACHE_SALT, F_FIELDS };
@@ -257,11 +237,88 @@ static PyObject *pack_batch(PyObject *module, PyObject *const *args, Py_ssize_t 
 
 /* ``PrefixContext.prefix_of`` in C: the prefix the owner (on any tier) or, failing that,
  * any owner of the context indexed ``engine_hash`` under. */
-static int prefix_of(const Holdings *owner[TIERS], uint64_t engine_hash, uint64_t *prefix_hash) {
+static int prefix_of(const Holdings *const owner[TIERS], uint64_t engine_hash, uint64_t *prefix_hash) {
     for (int tier = 0; tier < TIERS; tier++) {
         if (map_lookup(owner[tier]->by_engine_hash, engine_hash, prefix_hash)) return 1;
     }
     return map_lookup(owner[0]->context->engine_prefix, engine_hash, prefix_hash);
+}
+
+int lane_task(ContextBlocks *context, PyObject *packed, PyObject *owner, PyObject *root,
+              LaneTask *task) {
+    if (!Py_IS_TYPE(packed, &PackedBatchType)) {
+        PyErr_SetString(PyExc_TypeError, "packed must be a PackedBatch");
+        return -1;
+    }
+    if (owner_of(context, owner, task->owner) < 0) return -1;
+    task->batch = (const PackedBatch *)packed;
+    task->root = PyLong_AsUnsignedLongLong(root);
+    if (PyErr_Occurred()) return -1;
+    if (context->block_size <= 0 || context->block_size > (PY_SSIZE_T_MAX - 8) / 4) {
+        PyErr_SetString(PyExc_ValueError, "apply_packed: bad block size");
+        return -1;
+    }
+    return 0;
+}
+
+/* Apply the task's events from ``applied->reached`` on, counting into ``applied``; it stops
+ * after the event that brings the blocks it looked at to ``max_blocks``, or at a fault.
+ * Runs without the GIL: the caller holds the context's mutex (sync.h). */
+void apply_steps(const LaneTask *task, Py_ssize_t max_blocks, Applied *applied) {
+    const PackedBatch *b = task->batch;
+    const Holdings *gpu = task->owner[0];
+    size_t step = 4 * (size_t)gpu->context->block_size;
+    uint8_t stack[8 + 4 * 64];
+    uint8_t *buffer = step <= 4 * 64 ? stack : PyMem_RawMalloc(8 + step);
+    Py_ssize_t looked_at = 0, i;
+    if (buffer == NULL) {
+        applied->fault = (Fault){FAULT_MEMORY, 0};
+        return;
+    }
+    for (i = applied->reached; i < b->count && looked_at < max_blocks && !applied->fault.kind;
+         i++) {
+        const PackedEvent *e = &b->events[i];
+        looked_at += (Py_ssize_t)e->hash_count + 1;  /* an empty event costs a little too */
+        const uint64_t *hashes = b->hashes + e->first_hash;
+        if (e->removed) {
+            release_blocks(gpu, hashes, (Py_ssize_t)e->hash_count, 0, &applied->removed,
+                           &applied->fault);
+            continue;
+        }
+        if (e->token_count != e->hash_count * (size_t)gpu->context->block_size) {
+            applied->mismatched++;
+            continue;
+        }
+        uint64_t chain = task->root;
+        if (e->has_parent && !prefix_of(task->owner, e->parent, &chain)) {
+            applied->orphaned++;
+            continue;
+        }
+        const uint8_t *tokens = b->tokens + 4 * e->first_token;
+        uint64_t chains[HOLD_CHUNK];  /* a chunk's prefix hashes, then held together */
+        for (size_t k = 0; k < e->hash_count && !applied->fault.kind;) {
+            size_t first = k;
+            for (; k < e->hash_count && k - first < HOLD_CHUNK; k++) {
+                put_le64(buffer, chain);
+                memcpy(buffer + 8, tokens + k * step, step);
+                chains[k - first] = chain = xxh64(buffer, 8 + step, 0);
+            }
+            hold_blocks(gpu, hashes + first, chains, (Py_ssize_t)(k - first), &applied->fault);
+        }
+        if (!applied->fault.kind) applied->stored += (Py_ssize_t)e->hash_count;
+    }
+    applied->reached = i;
+    if (buffer != stack) PyMem_RawFree(buffer);
+}
+
+/* apply_packed's answer for ``applied``, or its fault raised. */
+PyObject *applied_result(const Applied *a) {
+    if (a->fault.kind) {
+        raise_fault(&a->fault);
+        return NULL;
+    }
+    return Py_BuildValue("(nnnnn)", a->reached, a->stored, a->removed, a->orphaned,
+                         a->mismatched);
 }
 
 const char context_apply_packed_doc[] =
@@ -276,69 +333,22 @@ const char context_apply_packed_doc[] =
 "orphaned, events whose token count does not fit their hashes).";
 
 PyObject *context_apply_packed(ContextBlocks *self, PyObject *const *args, Py_ssize_t nargs) {
-    const Holdings *owner[TIERS];
     if (nargs != 5) {
         return PyErr_Format(PyExc_TypeError, "apply_packed takes 5 arguments (%zd given)", nargs);
     }
-    if (!Py_IS_TYPE(args[0], &PackedBatchType)) {
-        PyErr_SetString(PyExc_TypeError, "packed must be a PackedBatch");
-        return NULL;
-    }
-    if (owner_of(self, args[1], owner) < 0) return NULL;
-    const PackedBatch *b = (const PackedBatch *)args[0];
-    const Holdings *gpu = owner[0];
-    Py_ssize_t start = PyLong_AsSsize_t(args[2]), max_blocks = PyLong_AsSsize_t(args[3]);
-    uint64_t root = PyLong_AsUnsignedLongLong(args[4]);
+    LaneTask task;
+    if (lane_task(self, args[0], args[1], args[4], &task) < 0) return NULL;
+    Applied applied = {.reached = PyLong_AsSsize_t(args[2])};
+    Py_ssize_t max_blocks = PyLong_AsSsize_t(args[3]);
     if (PyErr_Occurred()) return NULL;
-    Py_ssize_t block_size = self->block_size;
-    if (start < 0 || start > b->count || max_blocks <= 0 || block_size <= 0
-        || block_size > (PY_SSIZE_T_MAX - 8) / 4) {
-        PyErr_SetString(PyExc_ValueError, "apply_packed: bad start, max_blocks or block size");
+    if (applied.reached < 0 || applied.reached > task.batch->count || max_blocks <= 0) {
+        PyErr_SetString(PyExc_ValueError, "apply_packed: bad start or max_blocks");
         return NULL;
     }
-    size_t step = 4 * (size_t)block_size;
-    uint8_t stack[8 + 4 * 64];
-    uint8_t *buffer = step <= 4 * 64 ? stack : PyMem_Malloc(8 + step);
-    PyObject *result = NULL;
-    Py_ssize_t stored = 0, removed = 0, orphaned = 0, mismatched = 0, looked_at = 0, i;
-    if (buffer == NULL) {
-        PyErr_NoMemory();
-        goto done;
-    }
-    for (i = start; i < b->count && looked_at < max_blocks; i++) {
-        const PackedEvent *e = &b->events[i];
-        looked_at += (Py_ssize_t)e->hash_count + 1;  /* an empty event costs a little too */
-        const uint64_t *hashes = b->hashes + e->first_hash;
-        if (e->removed) {
-            if (release_blocks(gpu, hashes, (Py_ssize_t)e->hash_count, 0, &removed) < 0) goto done;
-            continue;
-        }
-        if (e->token_count != e->hash_count * (size_t)block_size) {
-            mismatched++;
-            continue;
-        }
-        uint64_t chain = root;
-        if (e->has_parent && !prefix_of(owner, e->parent, &chain)) {
-            orphaned++;
-            continue;
-        }
-        const uint8_t *tokens = b->tokens + 4 * e->first_token;
-        uint64_t chains[HOLD_CHUNK];  /* a chunk's prefix hashes, then held together */
-        for (size_t k = 0; k < e->hash_count;) {
-            size_t first = k;
-            for (; k < e->hash_count && k - first < HOLD_CHUNK; k++) {
-                put_le64(buffer, chain);
-                memcpy(buffer + 8, tokens + k * step, step);
-                chains[k - first] = chain = xxh64(buffer, 8 + step, 0);
-            }
-            if (hold_blocks(gpu, hashes + first, chains, (Py_ssize_t)(k - first)) < 0) goto done;
-        }
-        stored += (Py_ssize_t)e->hash_count;
-    }
-    result = Py_BuildValue("(nnnnn)", i, stored, removed, orphaned, mismatched);
-done:
-    if (buffer != stack) PyMem_Free(buffer);
-    return result;
+    sync_settle(self->sync);
+    apply_steps(&task, max_blocks, &applied);
+    sync_unlock(self->sync);
+    return applied_result(&applied);
 }
 
 static PyObject *packed_removals(PackedBatch *b, void *unused) {
@@ -362,7 +372,7 @@ static PyGetSetDef packed_getset[] = {
 
 static PySequenceMethods packed_as_sequence = {.sq_length = (lenfunc)packed_length};
 
-static PyTypeObject PackedBatchType = {
+PyTypeObject PackedBatchType = {
     PyVarObject_HEAD_INIT(NULL, 0)
     .tp_name = "conductor._native.PackedBatch",
     .tp_doc = "An event batch pack_batch read into C buffers: len() events.",

@@ -5,6 +5,7 @@
 #include <string.h>
 
 #include "maps.h"
+#include "masks.h"
 
 /* The next occupied entry from (*shard, *position) on, both moved past it; NULL at the end.
  * How map_next goes over the tables. */
@@ -43,16 +44,13 @@ static void place(Entry *entries, Py_ssize_t capacity, uint64_t key, uint64_t va
 }
 
 static int table_resize(Table *table, Py_ssize_t capacity) {
-    Entry *entries = PyMem_Calloc((size_t)capacity, sizeof(Entry));
-    if (entries == NULL) {
-        PyErr_NoMemory();
-        return -1;
-    }
+    Entry *entries = PyMem_RawCalloc((size_t)capacity, sizeof(Entry));
+    if (entries == NULL) return -1;
     for (Py_ssize_t i = 0; i < table->capacity; i++) {
         if (table->entries[i].key != 0)
             place(entries, capacity, table->entries[i].key, table->entries[i].value);
     }
-    PyMem_Free(table->entries);
+    PyMem_RawFree(table->entries);
     table->entries = entries;
     table->capacity = capacity;
     return 0;
@@ -68,11 +66,8 @@ static int table_reserve(Table *table) {
 
 /* The one table's keys dealt to SHARDS tables, each about half full. */
 static int map_split(Map *map) {
-    Table *shards = PyMem_Calloc(SHARDS, sizeof(Table));
-    if (shards == NULL) {
-        PyErr_NoMemory();
-        return -1;
-    }
+    Table *shards = PyMem_RawCalloc(SHARDS, sizeof(Table));
+    if (shards == NULL) return -1;
     Py_ssize_t capacity = 2 * (map->used / SHARDS + 1);
     if (capacity < 8) capacity = 8;
     for (Py_ssize_t i = 0; i < SHARDS; i++) {
@@ -86,19 +81,20 @@ static int map_split(Map *map) {
         place(table->entries, table->capacity, entry->key, entry->value);
         table->used++;
     }
-    PyMem_Free(map->one.entries);
+    PyMem_RawFree(map->one.entries);
     map->one = (Table){NULL, 0, 0};
     map->shards = shards;
     return 0;
 fail:
-    for (Py_ssize_t i = 0; i < SHARDS; i++) PyMem_Free(shards[i].entries);
-    PyMem_Free(shards);
+    for (Py_ssize_t i = 0; i < SHARDS; i++) PyMem_RawFree(shards[i].entries);
+    PyMem_RawFree(shards);
     return -1;
 }
 
 /* The value slot of ``key``; an absent key is added first, its value 0 for the caller to
  * set at once (``*created`` says which). NULL on error. One probe for a lookup and an
- * insertion: at millions of keys, each probe of a large table is a cache miss. */
+ * insertion: at millions of keys, each probe of a large table is a cache miss. Out of
+ * memory it sets no error (it runs without the GIL too): the caller raises MemoryError. */
 uint64_t *map_value_slot(Map *map, uint64_t key, int *created) {
     if (key == 0) {
         *created = !map->has_zero;
@@ -207,34 +203,33 @@ int required_key(PyObject *object, uint64_t *key) {
 }
 
 static PyObject *value_to_object(const Map *map, uint64_t value) {
-    if (HOLDS_OBJECTS(map)) return Py_NewRef((PyObject *)(uintptr_t)value);
-    return PyLong_FromUnsignedLongLong(value);
+    return HOLDS_MASKS(map) ? mask_to_int(value) : PyLong_FromUnsignedLongLong(value);
 }
 
-/* The stored form of ``object``; a MaskMap's takes a new reference to it. */
+/* The stored form of ``object`` (a MaskMap's: a mask, maybe allocated). */
 static int value_of(const Map *map, PyObject *object, uint64_t *value) {
+    if (HOLDS_MASKS(map)) return mask_from_int(object, value);
     if (!PyLong_Check(object)) {
         PyErr_Format(PyExc_TypeError, "values are ints, not %.60R", object);
         return -1;
-    }
-    if (HOLDS_OBJECTS(map)) {
-        *value = (uint64_t)(uintptr_t)Py_NewRef(object);
-        return 0;
     }
     *value = PyLong_AsUnsignedLongLong(object);
     return *value == (uint64_t)-1 && PyErr_Occurred() ? -1 : 0;
 }
 
 void release_value(const Map *map, uint64_t value) {
-    if (HOLDS_OBJECTS(map)) Py_DECREF((PyObject *)(uintptr_t)value);
+    if (HOLDS_MASKS(map)) mask_free(value);
 }
 
-int map_set(Map *map, uint64_t key, PyObject *object) {
+static int map_set(Map *map, uint64_t key, PyObject *object) {
     uint64_t value, old;
     if (value_of(map, object, &value) < 0) return -1;
+    sync_settle(map->sync);
     int replaced = map_insert(map, key, value, &old);
+    sync_unlock(map->sync);
     if (replaced < 0) {
         release_value(map, value);
+        PyErr_NoMemory();
         return -1;
     }
     if (replaced) release_value(map, old);
@@ -242,7 +237,7 @@ int map_set(Map *map, uint64_t key, PyObject *object) {
 }
 
 void map_clear_all(Map *map) {
-    Map emptied = *map;  /* the map is emptied first: a value's release may run any code */
+    Map emptied = *map;
     map->one = (Table){NULL, 0, 0};
     map->shards = NULL;
     map->used = 0;
@@ -250,11 +245,11 @@ void map_clear_all(Map *map) {
     map->version++;
     MapCursor at = MAP_START;
     uint64_t key, value;
-    while (HOLDS_OBJECTS(map) && map_next(&emptied, &at, &key, &value)) release_value(map, value);
-    PyMem_Free(emptied.one.entries);
+    while (HOLDS_MASKS(map) && map_next(&emptied, &at, &key, &value)) release_value(map, value);
+    PyMem_RawFree(emptied.one.entries);
     for (Py_ssize_t i = 0; emptied.shards != NULL && i < SHARDS; i++)
-        PyMem_Free(emptied.shards[i].entries);
-    PyMem_Free(emptied.shards);
+        PyMem_RawFree(emptied.shards[i].entries);
+    PyMem_RawFree(emptied.shards);
 }
 
 static PyObject *map_new(PyTypeObject *type, PyObject *args, PyObject *kwargs) {
@@ -265,26 +260,46 @@ static PyObject *map_new(PyTypeObject *type, PyObject *args, PyObject *kwargs) {
     return type->tp_alloc(type, 0);  /* zeroed: empty */
 }
 
+/* A new empty map whose Python calls take ``sync`` (a context's); NULL on error. */
+Map *map_of_context(PyTypeObject *type, Sync *sync) {
+    Map *map = (Map *)PyObject_CallNoArgs((PyObject *)type);
+    if (map != NULL) map->sync = sync_ref(sync);
+    return map;
+}
+
 static void map_dealloc(Map *map) {
     map_clear_all(map);
+    sync_release(map->sync);
     Py_TYPE(map)->tp_free((PyObject *)map);
 }
 
 static int map_contains(Map *map, PyObject *object) {
     uint64_t key, value;
     int found = key_of(object, &key);
-    return found <= 0 ? found : map_lookup(map, key, &value);
+    if (found <= 0) return found;
+    sync_lock(map->sync);
+    found = map_lookup(map, key, &value);
+    sync_unlock(map->sync);
+    return found;
+}
+
+/* The value of ``key`` as an int, read under the context's mutex (the ingest thread may
+ * change a wide mask once it is let go): a new reference; NULL and no error when absent. */
+static PyObject *lookup_object(Map *map, uint64_t key) {
+    uint64_t value;
+    sync_lock(map->sync);
+    PyObject *object = map_lookup(map, key, &value) ? value_to_object(map, value) : NULL;
+    sync_unlock(map->sync);
+    return object;
 }
 
 static PyObject *map_subscript(Map *map, PyObject *object) {
-    uint64_t key, value;
+    uint64_t key;
     int found = key_of(object, &key);
     if (found < 0) return NULL;
-    if (found == 0 || !map_lookup(map, key, &value)) {
-        PyErr_SetObject(PyExc_KeyError, object);
-        return NULL;
-    }
-    return value_to_object(map, value);
+    PyObject *value = found ? lookup_object(map, key) : NULL;
+    if (value == NULL && !PyErr_Occurred()) PyErr_SetObject(PyExc_KeyError, object);
+    return value;
 }
 
 static int map_ass_subscript(Map *map, PyObject *object, PyObject *item) {
@@ -292,7 +307,10 @@ static int map_ass_subscript(Map *map, PyObject *object, PyObject *item) {
     if (item != NULL) return required_key(object, &key) < 0 ? -1 : map_set(map, key, item);
     int found = key_of(object, &key);
     if (found < 0) return -1;
-    if (found == 0 || !map_erase(map, key, &old)) {
+    sync_settle(map->sync);
+    found = found && map_erase(map, key, &old);
+    sync_unlock(map->sync);
+    if (!found) {
         PyErr_SetObject(PyExc_KeyError, object);
         return -1;
     }
@@ -302,10 +320,11 @@ static int map_ass_subscript(Map *map, PyObject *object, PyObject *item) {
 
 static PyObject *map_get(Map *map, PyObject *const *args, Py_ssize_t nargs) {
     if (nargs < 1 || nargs > 2) return PyErr_Format(PyExc_TypeError, "get takes 1 or 2 arguments");
-    uint64_t key, value;
+    uint64_t key;
     int found = key_of(args[0], &key);
     if (found < 0) return NULL;
-    if (found && map_lookup(map, key, &value)) return value_to_object(map, value);
+    PyObject *value = found ? lookup_object(map, key) : NULL;
+    if (value != NULL || PyErr_Occurred()) return value;
     return Py_NewRef(nargs == 2 ? args[1] : Py_None);
 }
 
@@ -314,9 +333,13 @@ static PyObject *map_pop(Map *map, PyObject *const *args, Py_ssize_t nargs) {
     uint64_t key, old;
     int found = key_of(args[0], &key);
     if (found < 0) return NULL;
-    if (found && map_erase(map, key, &old)) {
-        if (HOLDS_OBJECTS(map)) return (PyObject *)(uintptr_t)old;  /* the map's reference */
-        return PyLong_FromUnsignedLongLong(old);
+    sync_settle(map->sync);
+    found = found && map_erase(map, key, &old);
+    sync_unlock(map->sync);
+    if (found) {
+        PyObject *value = value_to_object(map, old);
+        release_value(map, old);
+        return value;
     }
     if (nargs == 2) return Py_NewRef(args[1]);
     PyErr_SetObject(PyExc_KeyError, args[0]);
@@ -324,7 +347,9 @@ static PyObject *map_pop(Map *map, PyObject *const *args, Py_ssize_t nargs) {
 }
 
 static PyObject *map_clear(Map *map, PyObject *unused) {
+    sync_settle(map->sync);
     map_clear_all(map);
+    sync_unlock(map->sync);
     Py_RETURN_NONE;
 }
 
@@ -347,7 +372,9 @@ static PyObject *map_iterate(Map *map, int kind) {
     if (iter == NULL) return NULL;
     iter->map = (Map *)Py_NewRef(map);
     iter->at = (MapCursor)MAP_START;
+    sync_settle(map->sync);  /* the batches the ingest thread holds are part of the walk */
     iter->version = map->version;
+    sync_unlock(map->sync);
     iter->kind = kind;
     return (PyObject *)iter;
 }
@@ -360,21 +387,25 @@ static PyObject *map_items(Map *map, PyObject *unused) { return map_iterate(map,
 static PyObject *iter_next(MapIter *iter) {
     Map *map = iter->map;
     if (map == NULL) return NULL;
-    if (map->version != iter->version) {
+    uint64_t key, value;
+    sync_settle(map->sync);
+    int changed = map->version != iter->version;
+    int more = !changed && map_next(map, &iter->at, &key, &value);
+    PyObject *value_object = more && iter->kind != KEYS ? value_to_object(map, value) : NULL;
+    sync_unlock(map->sync);
+    if (changed) {
         PyErr_SetString(PyExc_RuntimeError, "map changed size during iteration");
         return NULL;
     }
-    uint64_t key, value;
-    if (!map_next(map, &iter->at, &key, &value)) {
+    if (!more) {
         Py_CLEAR(iter->map);
         return NULL;
     }
-    if (iter->kind == KEYS) return PyLong_FromUnsignedLongLong(key);
-    if (iter->kind == VALUES) return value_to_object(map, value);
+    if (iter->kind == VALUES) return value_object;
     PyObject *key_object = PyLong_FromUnsignedLongLong(key);
-    PyObject *value_object = key_object ? value_to_object(map, value) : NULL;
+    if (iter->kind == KEYS || key_object == NULL) return key_object;
     PyObject *pair = value_object ? PyTuple_Pack(2, key_object, value_object) : NULL;
-    Py_XDECREF(key_object);
+    Py_DECREF(key_object);
     Py_XDECREF(value_object);
     return pair;
 }
@@ -427,8 +458,15 @@ static PyObject *map_repr(Map *map) {
     return repr;
 }
 
+static Py_ssize_t map_len(Map *map) {
+    sync_lock(map->sync);
+    Py_ssize_t length = map_length(map);
+    sync_unlock(map->sync);
+    return length;
+}
+
 static PyMappingMethods map_as_mapping = {
-    .mp_length = (lenfunc)map_length,
+    .mp_length = (lenfunc)map_len,
     .mp_subscript = (binaryfunc)map_subscript,
     .mp_ass_subscript = (objobjargproc)map_ass_subscript,
 };

@@ -6,14 +6,16 @@
 #include <Python.h>
 #include <stdint.h>
 
+#include "sync.h"
+
 /* Why not dicts: a dict entry of an int key costs its slot plus the key's int object and,
  * for an int value, the value's; every lookup follows the key's pointer. Here a key
  * and its value are 16 bytes inline, at most 3/4 of the slots used (open addressing, linear
  * probing, deletion by backward shift: no tombstones).
  *
  * HashMap: uint64 -> uint64 (engine hash -> prefix hash, or a hash -> a count).
- * MaskMap: uint64 -> int object (prefix hash -> owner bitmask; masks may be wider than 64
- *          bits, and a single owner's mask is that owner's one shared bit object).
+ * MaskMap: uint64 -> owner mask (prefix hash -> its owners' bits, masks.h; read and set
+ *          as ints, of any width).
  * Both behave like dicts for what the index asks of them: len, in, [], get, pop, del,
  * iteration over keys / values / items (an error if the map changes meanwhile), clear, ==.
  * A key that is not an unsigned 64-bit int is never present, and cannot be stored.
@@ -21,7 +23,7 @@
 
 typedef struct {
     uint64_t key;  /* 0: a free slot (the key 0 itself is kept beside the table) */
-    uint64_t value;  /* HashMap: the value; MaskMap: a PyObject* owned by the map */
+    uint64_t value;  /* HashMap: the value; MaskMap: a mask (masks.h), owned by the map */
 } Entry;
 
 typedef struct {
@@ -46,12 +48,13 @@ typedef struct {
     int has_zero;
     uint64_t zero_value;
     uint64_t version;  /* bumped when a key comes or goes: iterators check it */
+    Sync *sync;  /* its context's (sync.h), or NULL: Python's calls take it */
 } Map;
 
 extern PyTypeObject HashMapType;
 extern PyTypeObject MaskMapType;
 
-#define HOLDS_OBJECTS(map) Py_IS_TYPE((PyObject *)(map), &MaskMapType)
+#define HOLDS_MASKS(map) Py_IS_TYPE((PyObject *)(map), &MaskMapType)
 
 static inline uint64_t mix(uint64_t key) {
     key ^= key >> 30;  /* splitmix64's finalizer: keys that share low bits spread too */
@@ -124,10 +127,10 @@ typedef struct {
 int map_next(const Map *map, MapCursor *at, uint64_t *key, uint64_t *value);
 uint64_t *map_value_slot(Map *map, uint64_t key, int *created);
 int map_erase(Map *map, uint64_t key, uint64_t *old);
+Map *map_of_context(PyTypeObject *type, Sync *sync);
 int key_of(PyObject *object, uint64_t *key);
 int required_key(PyObject *object, uint64_t *key);
 void release_value(const Map *map, uint64_t value);
-int map_set(Map *map, uint64_t key, PyObject *object);
 void map_clear_all(Map *map);
 
 #endif

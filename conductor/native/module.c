@@ -11,8 +11,11 @@
  *   blocks.c   the index's hot state, ContextBlocks (a context's blocks) and Holdings
  *              (an owner's on one tier), changed only by its methods
  *   walk.c     ContextBlocks.walk: a query's walk over the GPU tier's owner masks
+ *   masks.c    owner masks in machine words, the values of a MaskMap
  *   lane.c     the ingest lane: a msgpack batch (msgpack.h) read whole, applied by
  *              ContextBlocks.apply_packed
+ *   ingest.c   IngestThread: the lane's batches applied beside the event loop, without
+ *              the GIL, under each context's mutex (sync.h)
  *   decode.c   the Python decoders' helpers: hashes normalized, token ids read in place
  *   json.c     a JSON prompt's token ids read in place
  */
@@ -24,13 +27,17 @@ extern PyMethodDef hashing_methods[], lane_methods[], decode_methods[], json_met
 int maps_exec(PyObject *module);  /* HashMap, MaskMap */
 int blocks_exec(PyObject *module);  /* ContextBlocks, Holdings */
 int lane_exec(PyObject *module);  /* PackedBatch */
+int ingest_exec(PyObject *module);  /* IngestThread */
 
 static int native_exec(PyObject *module) {
     PyMethodDef *functions[] = {hashing_methods, lane_methods, decode_methods, json_methods};
     for (size_t i = 0; i < sizeof functions / sizeof *functions; i++) {
         if (PyModule_AddFunctions(module, functions[i]) < 0) return -1;
     }
-    return maps_exec(module) < 0 || blocks_exec(module) < 0 || lane_exec(module) < 0 ? -1 : 0;
+    return maps_exec(module) < 0 || blocks_exec(module) < 0 || lane_exec(module) < 0
+                   || ingest_exec(module) < 0
+               ? -1
+               : 0;
 }
 
 static PyModuleDef_Slot native_slots[] = {

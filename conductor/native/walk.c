@@ -6,6 +6,7 @@
 
 #include "blocks.h"
 #include "maps.h"
+#include "masks.h"
 
 /* Owner masks as arrays of 64-bit words: a 1,000-slot mask is 16 words, and/compare in a
  * loop, where each int operation in Python allocates a new 1,000-bit int. */
@@ -27,7 +28,7 @@ static Py_ssize_t words_of(PyObject *value) {
 #endif
 }
 
-/* The low ``words`` words of ``value`` (an int >= 0, maybe wider) into ``out``. */
+/* The low ``words`` words of ``value`` (an int >= 0) into ``out``. */
 static int low_words(PyObject *value, uint64_t *out, Py_ssize_t words, Scratch *scratch) {
     Py_ssize_t whole = words_of(value);
     if (whole < 0) return -1;
@@ -118,15 +119,17 @@ PyObject *context_walk(ContextBlocks *self, PyObject *const *args, Py_ssize_t na
     PyObject **items = PySequence_Fast_ITEMS(hashes);
     uint64_t *held = alive + words, *stopped = held + words;
     if (words > 0 && low_words(interest, alive, words, &scratch) < 0) goto fail;
+    sync_lock(self->sync);  /* let go at done or fail_locked */
     for (Py_ssize_t position = 0; position < count && words > 0; position++) {
-        uint64_t key, mask;
+        uint64_t key, *mask = NULL;
+        const uint64_t *bits;
         int found = key_of(items[position], &key);
-        if (found < 0) goto fail;
-        if (found && map_lookup(blocks, key, &mask)) {
-            if (low_words((PyObject *)(uintptr_t)mask, held, words, &scratch) < 0) goto fail;
-        } else {
-            memset(held, 0, (size_t)words * sizeof(uint64_t));
-        }
+        if (found < 0) goto fail_locked;
+        if (found) mask = map_value_of(blocks, key);
+        size_t known = mask != NULL ? mask_words(mask, &bits) : 0;
+        if (known > (size_t)words) known = (size_t)words;
+        if (known) memcpy(held, bits, known * sizeof(uint64_t));
+        memset(held + known, 0, ((size_t)words - known) * sizeof(uint64_t));
         uint64_t any_stopped = 0, any_alive = 0;
         for (Py_ssize_t w = 0; w < words; w++) {
             stopped[w] = alive[w] & ~held[w];
@@ -134,15 +137,18 @@ PyObject *context_walk(ContextBlocks *self, PyObject *const *args, Py_ssize_t na
             any_stopped |= stopped[w];
             any_alive |= alive[w];
         }
-        if (any_stopped && add_stop(stops, stopped, words, position) < 0) goto fail;
+        if (any_stopped && add_stop(stops, stopped, words, position) < 0) goto fail_locked;
         if (!any_alive) goto done;
     }
-    if (add_stop(stops, alive, words, count) < 0) goto fail;
+    if (add_stop(stops, alive, words, count) < 0) goto fail_locked;
 done:
+    sync_unlock(self->sync);
     PyMem_Free(alive);
     PyMem_Free(scratch.bytes);
     Py_DECREF(hashes);
     return stops;
+fail_locked:
+    sync_unlock(self->sync);
 fail:
     PyMem_Free(alive);
     PyMem_Free(scratch.bytes);

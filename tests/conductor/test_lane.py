@@ -329,10 +329,12 @@ async def test_the_manager_decodes_the_rest_when_the_lane_stops_half_way(
     """Between two steps of a batch, the engine's rank-1 stream (whose batches say rank 0,
     so it shares the rank-0 slot) stores a CPU block: the lane stops taking the batch's
     removals, and the manager decodes the batch and applies it from the first event the
-    lane did not apply. The counters are the batch's, once."""
+    lane did not apply. The counters are the batch's, once. (The loop applies the lane's
+    batches in steps: with the ingest thread a batch is applied whole.)"""
     table = PrefixCacheTable()
     metrics = ConductorMetrics(table)
-    manager = ServiceManager(table, metrics, StoreWatch(table, metrics, str, 2.0), StreamLimits())
+    stores = StoreWatch(table, metrics, str, 2.0)
+    manager = ServiceManager(table, metrics, stores, StreamLimits(), ingest_thread=False)
     manager.loop_share.step_s = 0.0  # a step per part: a yield after every 32 events
     monkeypatch.setattr("conductor.manager.BLOCKS_PER_CLOCK_READ", 64)  # 32 of 1 block
     fields = {"type": "vLLM", "modelname": "m", "instance_id": "i0", "block_size": BS}

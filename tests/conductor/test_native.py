@@ -44,8 +44,8 @@ def test_the_blocks_take_only_holdings_of_their_own_context() -> None:
         state.apply_packed(_packed(), theirs, 0, 1, 0)
     with pytest.raises(TypeError, match=r"hold takes 3 arguments \(1 given\)"):
         state.hold(state.owner(1)[0])  # type: ignore[call-arg]
-    for bit in (0, -2, 1.0):
-        with pytest.raises(ValueError, match="bit must be an int > 0"):
+    for bit in (0, -2, 1.0, 3, (1 << 70) | 1):
+        with pytest.raises(ValueError, match="bit must be a power of two"):
             state.owner(bit)  # type: ignore[arg-type]
     with pytest.raises(TypeError):
         _native.Holdings()  # type: ignore[call-arg]
@@ -163,12 +163,16 @@ def test_a_map_answers_as_a_dict_after_any_operations(kind: type, operations: li
     assert bool(mapping) == bool(reference)
 
 
-def test_a_mask_map_keeps_the_objects_it_was_given() -> None:
-    bit = 1 << 200  # masks wider than 64 bits
+@pytest.mark.parametrize("mask", [1 << 62, 1 << 63, (1 << 200) | 5, 2**64 - 1, 0])
+def test_a_mask_map_keeps_masks_of_any_width(mask: int) -> None:
+    """Bits 0-62 are kept in the entry itself, a mask with a bit from 63 on beside it."""
     masks = _native.MaskMap()
-    masks[5] = bit
-    assert masks[5] is bit and masks.get(5) is bit and masks.pop(5) is bit
+    masks[5] = mask
+    assert masks[5] == masks.get(5) == list(masks.values())[0] == mask
+    assert masks.pop(5) == mask
     assert repr(masks) == "conductor._native.MaskMap({})"
+    with pytest.raises(OverflowError):
+        masks[5] = -1
 
 
 @pytest.mark.parametrize("kind", [_native.HashMap, _native.MaskMap])
@@ -222,6 +226,27 @@ def test_a_map_split_into_shards_answers_as_a_dict(kind: type) -> None:
     for key in range(70_000):
         mapping[key] = key + 1
     assert len(mapping) == 70_000 and mapping.get(69_999) == 70_000
+
+
+def test_masks_widen_and_narrow_as_owners_past_bit_62_come_and_go() -> None:
+    """Owners 0-62 share a mask kept in the entry; one from 63 on makes it wide, and its
+    going makes it inline again: the masks read back the same either way."""
+    state = _native.ContextBlocks(16)
+    bits = [0, 62, 63, 64, 130]
+    owners = {bit: state.owner(1 << bit)[0] for bit in bits}
+    for bit, owner in owners.items():
+        state.hold(owner, [1000 + bit, 2000 + bit], [7, 8 + bit])
+    assert state.blocks[0][7] == sum(1 << bit for bit in bits)
+    assert state.walk([7], 1 << 130 | 1 << 63 | 1) == [([0, 63, 130], (1, 1, 1, 1))]
+    state.release(owners[130], [1130])
+    state.evict(owners[64], [1064])
+    assert state.blocks[0][7] == 1 << 63 | 1 << 62 | 1
+    state.clear(owners[63])
+    assert state.blocks[0][7] == 1 << 62 | 1
+    assert state.walk([7, 8], 1 << 62 | 1) == [([62], (1, 1, 1, 1)), ([0], (2, 2, 2, 2))]
+    for bit in (0, 62):
+        state.clear(owners[bit])
+    assert dict(state.blocks[0].items()) == {8 + 64: 1 << 64, 8 + 130: 1 << 130}
 
 
 def test_clear_empties_a_split_map() -> None:
