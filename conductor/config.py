@@ -509,9 +509,10 @@ class Settings(StrictModel):
         "routes through aiohttp (off: aiohttp answers every request)",
     )
     ingest_thread: bool = Field(
-        default=True,
+        default=False,
         description="apply the C lane's event batches on a thread of their own, beside the "
-        "event loop (off: the loop applies them in steps between requests)",
+        "event loop (off: the loop applies them in steps between requests; on a 2-vCPU VM "
+        "the steps keep the query tail lower, docs/architecture.md \"Cores\")",
     )
     max_connections: int = Field(
         default=512,

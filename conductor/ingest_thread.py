@@ -10,7 +10,8 @@ A stream does not wait for its batch to be applied before it reads the next one:
 overlap, and the thread keeps a stream's batches in order. The loop hears of a finished
 batch through a pipe it watches and runs the batch's callback then. At most
 ``max_backlog`` batches wait for the thread; a stream that would give it more waits
-(``room``).
+(``room``). While the service answers a request the thread waits between two steps
+(``pause``), as the loop's own steps wait (``runtime.LoopShare``).
 """
 
 from __future__ import annotations
@@ -76,6 +77,11 @@ class IngestLane:
             waiter = self._waiting.popleft()
             if not waiter.done():
                 waiter.set_result(None)
+
+    def pause(self, answering: bool) -> None:
+        """Requests are being answered (True; 2 ms at most each time) or none is (False):
+        on a machine of few cores a query then has a core without the thread's work."""
+        self._thread.pause(answering)
 
     def close(self) -> None:
         """Stop the thread once the batches given are applied, and answer them."""

@@ -109,7 +109,7 @@ class ServiceManager:
         metrics: ConductorMetrics,
         stores: StoreWatch,
         limits: StreamLimits | None = None,
-        ingest_thread: bool = True,
+        ingest_thread: bool = False,
     ) -> None:
         self.table = table
         self.metrics = metrics
@@ -139,7 +139,7 @@ class ServiceManager:
         self.ingest_gate.set()
         self._applying = 0  # batches being applied (in steps) right now
         # the C lane's batches applied beside the loop (conductor.ingest_thread), made at
-        # the first; off: the loop applies them in steps
+        # the first; off (the default): the loop applies them in steps
         self.ingest_thread = ingest_thread
         self._lane: IngestLane | None = None
         # service key -> the batches a resumed stream's publisher no longer held (/health)
@@ -407,6 +407,7 @@ class ServiceManager:
         await asyncio.gather(*(s.stop() for s in self._subscribers.values()))
         self._subscribers.clear()
         if self._lane is not None:
+            self.loop_share.on_answering = None
             self._lane.close()
             self._lane = None
         self.context.destroy(linger=0)  # term() would wait forever for a socket left open
@@ -548,6 +549,7 @@ class ServiceManager:
             return False
         if self._lane is None:
             self._lane = IngestLane()
+            self.loop_share.on_answering = self._lane.pause
         key, stats = registration.key, ApplyStats()
 
         def on_applied(answer: Applied | BaseException) -> None:

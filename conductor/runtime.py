@@ -283,6 +283,9 @@ class LoopShare:
         self._requests = 0  # being answered
         self._yielding = True  # turns wait for requests; off once one waited defer_s
         self._deferred: asyncio.TimerHandle | None = None  # a release waiting for them
+        # told True when a request begins and no other is being answered, False when none
+        # is left: the ingest thread waits meanwhile (conductor.ingest_thread)
+        self.on_answering: Callable[[bool], None] | None = None
 
     async def turn(self) -> None:
         """Return in a later round, after the streams queued before this one."""
@@ -314,11 +317,15 @@ class LoopShare:
     def request_began(self) -> None:
         self._requests += 1
         self._last_request = time.monotonic()
+        if self._requests == 1 and self.on_answering is not None:
+            self.on_answering(True)
 
     def request_ended(self) -> None:
         self._requests -= 1
         if self._requests:
             return
+        if self.on_answering is not None:
+            self.on_answering(False)
         self._yielding = True
         if self._deferred is not None:
             self._deferred.cancel()

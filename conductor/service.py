@@ -47,7 +47,7 @@ def state_path(settings: Settings, config_path: str) -> Path | None:
 
 
 def index_manager(
-    config: ConductorConfig, limits: StreamLimits, ingest_thread: bool = True
+    config: ConductorConfig, limits: StreamLimits, ingest_thread: bool = False
 ) -> ServiceManager:
     """The index and what feeds it: the streams' subscribers, the store checks, metrics.
     The service serves it over HTTP; a router with ``conductor.embedded`` asks it itself."""

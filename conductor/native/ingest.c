@@ -13,6 +13,8 @@
 #include <errno.h>
 #include <fcntl.h>
 #include <pthread.h>
+#include <stdatomic.h>
+#include <time.h>
 #include <unistd.h>
 
 #include "blocks.h"
@@ -22,6 +24,7 @@
 #ifndef STEP_BLOCKS
 #define STEP_BLOCKS 64  /* about 30 µs of applying at a million blocks */
 #endif
+#define PAUSE_MAX_NS 2000000  /* how long a request holds the thread back at most */
 
 typedef struct Job {
     struct Job *next;
@@ -37,9 +40,12 @@ typedef struct {
 typedef struct {
     PyObject_HEAD
     pthread_mutex_t mutex;  /* the queues and ``stopping`` */
-    pthread_cond_t wake;
+    pthread_cond_t wake, resumed;
     Queue queued, finished;
     int stopping, started;
+    atomic_int paused;  /* requests are being answered (pause()) */
+    atomic_ullong pauses;  /* pause(True) calls so far: each pause is waited for once */
+    unsigned long long waited;  /* the thread's: the last pause it waited for */
     pthread_t thread;
     int pipe[2];  /* read end for the event loop, write end for the thread */
 } IngestThread;
@@ -51,14 +57,41 @@ static void queue_push(Queue *queue, Job *job) {
     queue->last = job;
 }
 
-/* Apply one batch in steps under its context's mutex; the context settles with its last. */
-static void apply_job(Job *job) {
+/* While requests are being answered the thread waits, PAUSE_MAX_NS at most per pause (so
+ * queries that never stop cannot stop ingest): on a machine of few cores a query then has
+ * a core to itself, as LoopShare gives it the loop. */
+static void wait_while_paused(IngestThread *self) {
+    unsigned long long pause = atomic_load(&self->pauses);
+    if (!atomic_load(&self->paused) || pause == self->waited) return;
+    self->waited = pause;
+    struct timespec deadline;
+    clock_gettime(CLOCK_REALTIME, &deadline);
+    deadline.tv_nsec += PAUSE_MAX_NS;
+    deadline.tv_sec += deadline.tv_nsec / 1000000000;
+    deadline.tv_nsec %= 1000000000;
+    pthread_mutex_lock(&self->mutex);
+    while (atomic_load(&self->paused) && atomic_load(&self->pauses) == pause && !self->stopping
+           && pthread_cond_timedwait(&self->resumed, &self->mutex, &deadline) == 0) {
+    }
+    pthread_mutex_unlock(&self->mutex);
+}
+
+/* Apply one batch in steps under its context's mutex (let go while paused); the context
+ * settles with its last. */
+static void apply_job(IngestThread *self, Job *job) {
     Sync *sync = ((ContextBlocks *)job->context)->sync;
+    wait_while_paused(self);
     sync_after_waiters(sync);
     for (;;) {
         apply_steps(&job->task, STEP_BLOCKS, &job->applied);
         if (job->applied.fault.kind || job->applied.reached >= job->task.batch->count) break;
-        sync_let_in(sync);
+        if (atomic_load(&self->paused) && atomic_load(&self->pauses) != self->waited) {
+            pthread_mutex_unlock(&sync->mutex);
+            wait_while_paused(self);
+            sync_after_waiters(sync);
+        } else {
+            sync_let_in(sync);
+        }
     }
     if (--sync->pending == 0) pthread_cond_broadcast(&sync->settled);
     pthread_mutex_unlock(&sync->mutex);
@@ -75,7 +108,7 @@ static void *run(void *arg) {
         self->queued.first = job->next;
         if (self->queued.first == NULL) self->queued.last = NULL;
         pthread_mutex_unlock(&self->mutex);
-        apply_job(job);
+        apply_job(self, job);
         pthread_mutex_lock(&self->mutex);
         int unheard = self->finished.first == NULL;  /* else the loop was woken already */
         queue_push(&self->finished, job);
@@ -93,6 +126,7 @@ static void stop(IngestThread *self) {
     pthread_mutex_lock(&self->mutex);
     self->stopping = 1;
     pthread_cond_signal(&self->wake);
+    pthread_cond_signal(&self->resumed);
     pthread_mutex_unlock(&self->mutex);
     Py_BEGIN_ALLOW_THREADS
     pthread_join(self->thread, NULL);
@@ -118,6 +152,7 @@ static PyObject *ingest_new(PyTypeObject *type, PyObject *args, PyObject *kwargs
     self->pipe[0] = self->pipe[1] = -1;
     pthread_mutex_init(&self->mutex, NULL);
     pthread_cond_init(&self->wake, NULL);
+    pthread_cond_init(&self->resumed, NULL);
     if (pipe(self->pipe) < 0 || fcntl(self->pipe[0], F_SETFL, O_NONBLOCK) < 0
         || fcntl(self->pipe[1], F_SETFL, O_NONBLOCK) < 0) {
         PyErr_SetFromErrno(PyExc_OSError);
@@ -146,6 +181,7 @@ static void ingest_dealloc(IngestThread *self) {
     }
     pthread_mutex_destroy(&self->mutex);
     pthread_cond_destroy(&self->wake);
+    pthread_cond_destroy(&self->resumed);
     Py_TYPE(self)->tp_free((PyObject *)self);
 }
 
@@ -239,6 +275,26 @@ static PyObject *ingest_fileno(IngestThread *self, PyObject *unused) {
     return PyLong_FromLong(self->pipe[0]);
 }
 
+PyDoc_STRVAR(ingest_pause_doc,
+"pause(answering, /)\n--\n\n"
+"True: requests are being answered, the thread waits between two steps (2 ms at most for\n"
+"this pause); False: none is left, it goes on.");
+
+static PyObject *ingest_pause(IngestThread *self, PyObject *answering) {
+    int paused = PyObject_IsTrue(answering);
+    if (paused < 0) return NULL;
+    if (paused) {
+        atomic_fetch_add(&self->pauses, 1);
+        atomic_store(&self->paused, 1);
+    } else if (atomic_load(&self->paused)) {
+        pthread_mutex_lock(&self->mutex);
+        atomic_store(&self->paused, 0);
+        pthread_cond_signal(&self->resumed);
+        pthread_mutex_unlock(&self->mutex);
+    }
+    Py_RETURN_NONE;
+}
+
 static PyObject *ingest_close(IngestThread *self, PyObject *unused) {
     stop(self);
     Py_RETURN_NONE;
@@ -247,6 +303,7 @@ static PyObject *ingest_close(IngestThread *self, PyObject *unused) {
 static PyMethodDef ingest_methods[] = {
     {"submit", (PyCFunction)(void (*)(void))ingest_submit, METH_FASTCALL, ingest_submit_doc},
     {"finished", (PyCFunction)ingest_finished, METH_NOARGS, ingest_finished_doc},
+    {"pause", (PyCFunction)ingest_pause, METH_O, ingest_pause_doc},
     {"fileno", (PyCFunction)ingest_fileno, METH_NOARGS,
      "fileno()\n--\n\nthe pipe to watch: readable when a batch finished"},
     {"close", (PyCFunction)ingest_close, METH_NOARGS,

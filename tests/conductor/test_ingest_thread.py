@@ -18,6 +18,7 @@ import msgpack
 import pytest
 
 from conductor import _native
+from conductor.hashing import PrefixHash
 from conductor.ingest_thread import IngestLane
 
 BS = 4
@@ -131,7 +132,7 @@ def test_walks_and_lookups_meanwhile_see_the_blocks_grow() -> None:
         deepest = max(position for _, (position, *_) in stops)
         assert reached <= deepest <= len(hashes)
         reached, walks = deepest, walks + 1
-        mask = state.blocks[0].get(query[0], 0)
+        mask = state.blocks[0].get(PrefixHash(query[0]), 0)
         assert mask in (0, 1, 1 << 100, 1 | 1 << 100)
         finished += len(thread.finished())
     assert state.walk(query, 1 | 1 << 100) == [([0, 100], (4000, 4000, 4000, 4000))]
@@ -156,6 +157,26 @@ def test_what_changes_or_iterates_the_maps_waits_for_the_context_s_batches() -> 
     assert state.clear(owner[0]) == 40_000  # every copy of both batches: it waited too
     assert len(state.engine_prefix) == len(state.blocks[0]) == 0
     assert [token for token, _ in wait_for(thread, 2)] == ["stored", "again"]
+    thread.close()
+
+
+def test_a_request_being_answered_holds_the_thread_back_2_ms_at_most() -> None:
+    """``pause(True)`` (LoopShare's first request): the thread waits between steps, for at
+    most 2 ms a pause, so queries that never stop cannot stop ingest."""
+    state, (owner,) = new_context([0])
+    thread = _native.IngestThread()
+    payload = msgpack.packb([0.0, [["BlockStored", [1], None, [0] * BS, BS, None, None]]])
+    for _ in range(2):
+        thread.pause(True)  # never resumed: the 2 ms pass
+        began = time.monotonic()
+        thread.submit(state, pack(payload), owner, 0, 0, None)
+        wait_for(thread, 1)
+        assert time.monotonic() - began >= 0.0015
+        thread.pause(False)
+    thread.pause(True)
+    thread.pause(False)  # resumed at once: nothing to wait for
+    thread.submit(state, pack(payload), owner, 0, 0, None)
+    wait_for(thread, 1)
     thread.close()
 
 

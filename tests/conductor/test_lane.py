@@ -10,6 +10,7 @@ test_index.py runs through the lane too.
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import json
 from pathlib import Path
@@ -329,8 +330,7 @@ async def test_the_manager_decodes_the_rest_when_the_lane_stops_half_way(
     """Between two steps of a batch, the engine's rank-1 stream (whose batches say rank 0,
     so it shares the rank-0 slot) stores a CPU block: the lane stops taking the batch's
     removals, and the manager decodes the batch and applies it from the first event the
-    lane did not apply. The counters are the batch's, once. (The loop applies the lane's
-    batches in steps: with the ingest thread a batch is applied whole.)"""
+    lane did not apply. The counters are the batch's, once."""
     table = PrefixCacheTable()
     metrics = ConductorMetrics(table)
     stores = StoreWatch(table, metrics, str, 2.0)
@@ -361,3 +361,52 @@ async def test_the_manager_decodes_the_rest_when_the_lane_stops_half_way(
     assert counted == {"events_applied": 40, "blocks_stored": 32, "blocks_removed": 8}
     check_invariants(table)
     await manager.close()
+
+
+async def test_the_manager_s_ingest_thread_ends_as_the_loop_s_steps() -> None:
+    """With ``ingest_thread`` the lane's batches are applied on the thread while the stream
+    reads on (a backlog of 4 here, so some batches wait for room): once ``ingest_paused``
+    let them finish, the index and the counters are the loop's, batches the lane declines
+    (a CPU event) included in order, and an unregistered stream's late answers count
+    nothing."""
+    fields = {"type": "vLLM", "modelname": "m", "instance_id": "i0", "block_size": BS}
+    engine = Registration.model_validate({**fields, "endpoint": "tcp://127.0.0.1:1"})
+    payloads = [stored_payload([PRIMER_HASH], [0, 0])]
+    for n in range(60):
+        events: list[Any] = [["BlockStored", [1000 + n], None, [n, n], None, None]]
+        if n % 7 == 3:
+            events.append(["BlockRemoved", [1000 + n - 1]])
+        if n == 30:
+            events = [["BlockStored", [5], None, [1, 2], None, None, "CPU"]]  # decoded
+        payloads.append(msgpack.packb([0.0, events, 0]))
+    results = []
+    for thread in (True, False):
+        table = PrefixCacheTable()
+        metrics = ConductorMetrics(table)
+        stores = StoreWatch(table, metrics, str, 2.0)
+        manager = ServiceManager(table, metrics, stores, StreamLimits(), ingest_thread=thread)
+        table.add_stream(engine.source())
+        manager.registrations[engine.key] = engine
+        for seq, payload in enumerate(payloads):
+            for waiting in manager._ingest(engine, Message(b"", seq, payload), replayed=False):
+                if waiting is not None:
+                    await asyncio.wait_for(waiting, 10)
+            if thread and manager._lane is not None:
+                manager._lane.max_backlog = 4
+        async with manager.ingest_paused(10):
+            counted = {
+                name: metrics.sample(f"conductor_{name}_total", {"stream": engine.key})
+                for name in ("events_applied", "blocks_stored", "blocks_removed")
+            }
+            results.append((snapshot(table), counted))
+            check_invariants(table)
+        if thread:  # a batch given, then its stream unregistered before it is applied
+            late = msgpack.packb([0.0, [["BlockStored", [9], None, [7, 7], None, None]], 0])
+            assert next(manager._ingest(engine, Message(b"", 99, late), False), None) is None
+            del manager.registrations[engine.key]
+            async with manager.ingest_paused(10):
+                sample = metrics.sample("conductor_blocks_stored_total", {"stream": engine.key})
+                assert sample == counted["blocks_stored"]
+        await manager.close()
+    assert results[0] == results[1]
+    assert results[0][1]["blocks_stored"] == 61
