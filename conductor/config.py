@@ -512,7 +512,7 @@ class Settings(StrictModel):
         default=False,
         description="apply the C lane's event batches on a thread of their own, beside the "
         "event loop (off: the loop applies them in steps between requests; on a 2-vCPU VM "
-        "the steps keep the query tail lower, docs/architecture.md \"Cores\")",
+        'the steps keep the query tail lower, docs/architecture.md "Cores")',
     )
     max_connections: int = Field(
         default=512,

@@ -122,7 +122,7 @@ static int release_engine_hash(const ContextBlocks *context, uint64_t engine_has
 }
 
 /* The owner holds one copy fewer of a block (``every_copy``: none): 1 when it held it, 0
- * when not, -1 and the fault when the context's maps lack what the owner's name. Its last
+ * when not, -1 and the fault when the context's maps lack what the owner's maps name. Its last
  * copy gone, the block is forgotten; its prefix keeps the owner's bit while another engine
  * hash of the owner still stands for it. */
 static int release_block(const Holdings *h, uint64_t engine_hash, int every_copy, Fault *fault) {

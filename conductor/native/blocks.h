@@ -41,7 +41,7 @@ extern PyTypeObject HoldingsType;
 
 /* The rules below run without the GIL (an ingest thread applies batches with them), so
  * they raise nothing: a failure is a Fault, which raise_fault turns into the exception. */
-typedef enum { FAULT_MEMORY = 1, FAULT_NO_ENGINE_HASH, FAULT_NO_PREFIX } FaultKind;
+typedef enum { FAULT_NONE, FAULT_MEMORY, FAULT_NO_ENGINE_HASH, FAULT_NO_PREFIX } FaultKind;
 typedef struct {
     FaultKind kind;
     uint64_t hash;  /* the hash the index had no entry for */

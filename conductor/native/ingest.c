@@ -112,9 +112,10 @@ static void *run(void *arg) {
         pthread_mutex_lock(&self->mutex);
         int unheard = self->finished.first == NULL;  /* else the loop was woken already */
         queue_push(&self->finished, job);
-        char one = 1;
-        if (unheard && write(self->pipe[1], &one, 1) < 0 && errno != EAGAIN) {
-            /* no other error can happen to a pipe its reader keeps open */
+        if (unheard) {
+            char one = 1;  /* a full pipe (EAGAIN) has bytes for the loop to read already */
+            ssize_t written = write(self->pipe[1], &one, 1);
+            (void)written;
         }
     }
     pthread_mutex_unlock(&self->mutex);

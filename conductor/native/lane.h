@@ -42,7 +42,7 @@ typedef struct {
 typedef struct {
     Py_ssize_t reached;  /* the first event not applied */
     Py_ssize_t stored, removed, orphaned, mismatched;
-    Fault fault;  /* kind 0: none */
+    Fault fault;  /* FAULT_NONE: none */
 } Applied;
 
 int lane_task(ContextBlocks *context, PyObject *packed, PyObject *owner, PyObject *root,
