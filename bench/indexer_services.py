@@ -145,6 +145,10 @@ class IndexerService(Protocol):
         """The service's own proof that nothing was lost (empty when it has none)."""
         ...
 
+    def describe(self) -> dict[str, Any]:
+        """How it was started, for the JSON."""
+        ...
+
 
 ProbeSender = Callable[[Sequence[int]], None]
 """Sends the probe (``probe_tokens``) of each stream listed by position."""
@@ -285,6 +289,9 @@ class Ours(_Running):
     def counters(self, blocks: int, events: int) -> dict[str, float]:
         return verify_clean(self.client, blocks, events)
 
+    def describe(self) -> dict[str, Any]:
+        return {"cpus": self.cpus, "args": list(self.args), "env": dict(self.env)}
+
 
 # -- NVIDIA Dynamo ----------------------------------------------------------------------
 def dynamo_python() -> str:
@@ -370,6 +377,9 @@ class Dynamo(_Running):
     def counters(self, blocks: int, events: int) -> dict[str, float]:
         return {}
 
+    def describe(self) -> dict[str, Any]:
+        return {"cpus": self.cpus, "threads": self.threads, "python": self.python}
+
 
 # -- upstream Mooncake C++ --------------------------------------------------------------
 HASH_PROFILE = {
@@ -421,3 +431,6 @@ class Cpp(_Running):
 
     def counters(self, blocks: int, events: int) -> dict[str, float]:
         return {}
+
+    def describe(self) -> dict[str, Any]:
+        return {"cpus": self.cpus, "binary": str(self.binary)}

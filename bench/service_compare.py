@@ -21,7 +21,7 @@ The whole run happens inside a private network namespace: Dynamo and the C++ con
 bind 0.0.0.0, so the module re-executes itself under ``unshare -n`` (root) with only its
 loopback up; every service, publisher and the client share that 127.0.0.1.
 
-Usage: ``python -m bench.service_compare [--quick] [--services ours,dynamo]
+Usage: ``python -m bench.service_compare [--quick] [--services ours,dynamo,cpp]
 [--dynamo-threads N ...] [--cpp PATH] [--ours-cpus 0 | 0,1] [--ours-arg=--flag ...]
 [--json PATH]``. A table of ratios (ours ÷ peer) ends the run; everything goes to JSON.
 """
@@ -699,7 +699,7 @@ def run(scale: Scale, services: Sequence[IndexerService]) -> dict[str, Any]:
         result["services"][service.name] = {
             "modes": [mode.name for mode in service.modes],
             "grid": [],
-            **describe(service),
+            **service.describe(),
         }
     print("\n== ingest (20 events of 16 blocks per batch, unpaced, every batch checked)")
     for name, ingest in bench_ingest_runs(services, pool, scale).items():
@@ -727,23 +727,14 @@ def run(scale: Scale, services: Sequence[IndexerService]) -> dict[str, Any]:
     return result
 
 
-def describe(service: IndexerService) -> dict[str, Any]:
-    """How the service was started, for the JSON."""
-    if isinstance(service, Ours):
-        return {"cpus": service.cpus, "args": list(service.args), "env": dict(service.env)}
-    if isinstance(service, Dynamo):
-        return {"cpus": service.cpus, "threads": service.threads, "python": service.python}
-    if isinstance(service, Cpp):
-        return {"cpus": service.cpus, "binary": str(service.binary)}
-    return {}
-
-
 def parse_args(argv: list[str]) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="a ~30-second smoke run")
     parser.add_argument("--json", type=Path, default=DEFAULT_JSON, help="where to write JSON")
     parser.add_argument(
-        "--services", default="ours,dynamo", help="comma-separated: ours, dynamo (default both)"
+        "--services",
+        default="ours,dynamo,cpp",
+        help="comma-separated: ours, dynamo, cpp (default all; cpp needs --cpp)",
     )
     parser.add_argument(
         "--dynamo-threads", type=int, action="append", help="Dynamo's --threads (repeatable; 2)"
@@ -772,7 +763,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
 def build_services(args: argparse.Namespace) -> list[IndexerService]:
     """The services asked for; a peer that cannot run is skipped with a line saying why."""
     wanted = {name.strip() for name in args.services.split(",") if name.strip()}
-    unknown = wanted - {"ours", "dynamo"}
+    unknown = wanted - {"ours", "dynamo", "cpp"}
     if unknown:
         raise SystemExit(f"unknown services: {', '.join(sorted(unknown))}")
     services: list[IndexerService] = []
@@ -786,12 +777,13 @@ def build_services(args: argparse.Namespace) -> list[IndexerService]:
         else:
             for threads in args.dynamo_threads or [2]:
                 services.append(Dynamo(threads, python, args.peer_cpus))
-    if args.cpp is None:
-        print("skipping upstream C++: no --cpp PATH given")
-    elif not os.access(args.cpp, os.X_OK):
-        print(f"skipping upstream C++: {args.cpp} is not an executable")
-    else:
-        services.append(Cpp(args.cpp, args.peer_cpus))
+    if "cpp" in wanted:
+        if args.cpp is None:
+            print("skipping upstream C++: no --cpp PATH given")
+        elif not os.access(args.cpp, os.X_OK):
+            print(f"skipping upstream C++: {args.cpp} is not an executable")
+        else:
+            services.append(Cpp(args.cpp, args.peer_cpus))
     return services
 
 

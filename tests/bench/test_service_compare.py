@@ -5,6 +5,7 @@ hash chain equals the reference, and the expected answers."""
 from __future__ import annotations
 
 import msgpack
+import pytest
 
 from bench.harness import BLOCK_SIZE
 from bench.indexer_services import HASH_ALGORITHM, HASH_SEED, Ours, _instances_msgpack
@@ -13,7 +14,9 @@ from bench.service_compare import (
     BatchPool,
     Scale,
     VllmHashes,
+    build_services,
     expected_answer,
+    parse_args,
     query_prompt,
     round_robin,
     run,
@@ -54,3 +57,20 @@ def test_every_phase_runs_against_our_service() -> None:
     assert loaded["json"]["requests"] > 0 and loaded["catch_up_s"] >= 0
     assert loaded["applied_blocks_per_s"] > 0 and loaded["blocks_sent"] > 0
     assert result["ratios"] == {}  # one service: nothing to compare
+
+
+def test_the_services_asked_for_are_the_ones_built(capsys: pytest.CaptureFixture[str]) -> None:
+    """``--services`` names every service, the C++ one too (it also needs ``--cpp``)."""
+    binary = "/bin/true"  # any executable: nothing is started here
+    built = build_services(parse_args(["--services", "ours", "--cpp", binary]))
+    assert [s.name for s in built] == ["ours"]
+    built = build_services(parse_args(["--services", "ours,cpp", "--cpp", binary, "--ours-arg=-x"]))
+    assert [s.name for s in built] == ["ours", "cpp"]
+    assert [s.describe() for s in built] == [
+        {"cpus": None, "args": ["-x"], "env": {}},
+        {"cpus": None, "binary": binary},
+    ]
+    assert build_services(parse_args(["--services", "cpp"])) == []
+    assert "no --cpp PATH given" in capsys.readouterr().out
+    with pytest.raises(SystemExit, match="unknown services: go"):
+        build_services(parse_args(["--services", "ours,go"]))
