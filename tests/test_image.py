@@ -107,20 +107,6 @@ def test_the_entrypoint_serves_the_mounted_config_and_the_healthcheck_sees_it(tm
     assert _healthcheck(f"http://{HOST}:{free_port()}/health") != 0
 
 
-def test_the_readmes_deploy_section_names_what_the_repository_holds() -> None:
-    """The README's Deploy section builds this Dockerfile and names files that exist."""
-    section = (REPO / "README.md").read_text().split("## Deploy", 1)[1].split("\n## ", 1)[0]
-    commands = section.split("```bash", 1)[1].split("```", 1)[0]
-    assert re.search(r"docker build -t \S+ \.", commands), commands
-    named = re.findall(r"`((?:deploy|docs)/[\w./-]+)`", section)
-    named += re.findall(r"\]\(((?:deploy|docs)/[\w./-]+)", section)
-    named += re.findall(r"(deploy/[\w./-]+\.ya?ml)", section)
-    assert "deploy/compose.yaml" in named and "deploy/vllm/kustomization.yaml" in named
-    for path in named:
-        assert (REPO / path.split("#")[0]).exists(), f"{path} is not in the repository"
-    assert "127.0.0.1" not in commands  # containers reach each other by name
-
-
 def _in_build_context(path: str) -> bool:
     """Whether ``.dockerignore`` lets ``path`` into the build context: its patterns in
     order, the last that matches decides, ``!`` letting in (Docker's rule; a pattern also

@@ -32,31 +32,20 @@ from typing import Any
 import pytest
 
 from publishers.local import HOST, free_port
-from tests.container.podman import IMAGE, REPO, podman
-
-yaml = pytest.importorskip("yaml")
+from tests.container.manifests import (
+    DEPLOY,
+    PROJECT_IMAGE,
+    WORKLOADS,
+    documents,
+    one,
+    pod_spec,
+    yaml,
+)
+from tests.container.podman import IMAGE, podman
 
 pytestmark = pytest.mark.needs("podman")
 
-DEPLOY = REPO / "deploy"
-PROJECT_IMAGE = "mooncake-conductor"  # the manifests' name for the image
-WORKLOADS = ("Pod", "Deployment", "StatefulSet")
 PROMPT = "The conductor indexes every engine's KV blocks. " * 12
-
-
-def documents(path: Path) -> list[dict[str, Any]]:
-    return [doc for doc in yaml.safe_load_all(path.read_text()) if doc]
-
-
-def one(docs: list[dict[str, Any]], kind: str, name: str | None = None) -> dict[str, Any]:
-    found = [d for d in docs if d["kind"] == kind and name in (None, d["metadata"]["name"])]
-    assert len(found) == 1, f"{kind} {name}: {len(found)} documents"
-    return found[0]
-
-
-def pod_spec(doc: dict[str, Any]) -> dict[str, Any]:
-    spec: dict[str, Any] = doc["spec"] if doc["kind"] == "Pod" else doc["spec"]["template"]["spec"]
-    return spec
 
 
 def for_podman(docs: list[dict[str, Any]], configmaps: dict[str, dict[str, str]]) -> list[Any]:

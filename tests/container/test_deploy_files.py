@@ -25,20 +25,21 @@ from fleet.registrar.settings import Settings, parse_settings
 from publishers.engine import __main__ as engine_sim
 from router import __main__ as router_main
 from router import config as router_config
+from tests.container.manifests import (
+    DEPLOY,
+    PROJECT_IMAGE,
+    WORKLOADS,
+    documents,
+    one,
+    pod_spec,
+    yaml,
+)
 from tests.container.podman import REPO
 from tests.support.parts import VLLM_PYTHON
 
-yaml = pytest.importorskip("yaml")
-
-DEPLOY = REPO / "deploy"
 OVERLAYS = ("sim", "vllm")
-PROJECT_IMAGE = "mooncake-conductor"
 # the conductor's settings the Dockerfile's ENV sets (CONDUCTOR_CONFIG_PATH among them)
 IMAGE_ENV = dict(re.findall(r"(CONDUCTOR_\w+)=(\S+)", (REPO / "Dockerfile").read_text()))
-
-
-def documents(path: Path) -> list[dict[str, Any]]:
-    return [doc for doc in yaml.safe_load_all(path.read_text()) if doc]
 
 
 def manifests(overlay: str) -> list[dict[str, Any]]:
@@ -51,19 +52,8 @@ def manifests(overlay: str) -> list[dict[str, Any]]:
     ]  # fmt: skip
 
 
-def one(docs: list[dict[str, Any]], kind: str, name: str) -> dict[str, Any]:
-    found = [d for d in docs if d["kind"] == kind and d["metadata"]["name"] == name]
-    assert len(found) == 1, f"{kind} {name}: {len(found)} documents"
-    return found[0]
-
-
-def pod_spec(doc: dict[str, Any]) -> dict[str, Any]:
-    spec: dict[str, Any] = doc["spec"] if doc["kind"] == "Pod" else doc["spec"]["template"]["spec"]
-    return spec
-
-
 def workloads(docs: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    return [d for d in docs if d["kind"] in ("Pod", "Deployment", "StatefulSet")]
+    return [d for d in docs if d["kind"] in WORKLOADS]
 
 
 def container(doc: dict[str, Any], name: str) -> dict[str, Any]:
@@ -192,13 +182,19 @@ def test_the_conductor_accepts_its_config_and_keeps_state_on_its_volume(tmp_path
 
 
 @pytest.mark.parametrize("overlay", OVERLAYS)
-def test_the_router_names_the_conductor_service_and_every_engine_pod(overlay: str) -> None:
+def test_the_router_names_the_conductor_service_and_every_engine_pod(
+    overlay: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
     docs = manifests(overlay)
     router = one(docs, "Deployment", "router")
     spec = container(router, "router")
-    args = argv(spec, environment(docs, spec, "router-0"))
-    parsed = router_main.build_parser().parse_args(args)
+    env = environment(docs, spec, "router-0")
+    for name in ("ROUTER_HOST", "ROUTER_PORT"):  # the listen address: env, not flags
+        monkeypatch.setenv(name, env[name])
+    parsed = router_main.build_parser().parse_args(argv(spec, env))
     assert parsed.config == Path("/etc/mooncake/router.json")
+    address = one(docs, "ConfigMap", "router")["data"]
+    assert (parsed.host, parsed.port) == (address["host"], int(address["port"]))
     config = router_config.RouterConfig.model_validate(
         json.loads(one(docs, "ConfigMap", "router")["data"]["router.json"])
     )
@@ -360,6 +356,14 @@ def test_the_readme_deploy_section_and_docs_deploy_md_point_at_what_exists() -> 
     readme = (REPO / "README.md").read_text()
     section = readme.split("\n## Deploy\n", 1)[1].split("\n## ", 1)[0]
     guide = (DEPLOY.parent / "docs/deploy.md").read_text()
+    commands = section.split("```bash", 1)[1].split("```", 1)[0]
+    assert re.search(r"docker build -t \S+ \.", commands), commands  # this Dockerfile
+    assert "127.0.0.1" not in commands  # containers reach each other by name
+    named = re.findall(r"`((?:deploy|docs)/[\w./-]+)`", section)
+    named += re.findall(r"(deploy/[\w./-]+\.ya?ml)", section)
+    assert "deploy/compose.yaml" in named and "deploy/vllm/kustomization.yaml" in named
+    for path in named:
+        assert (REPO / path).exists(), f"{path} is not in the repository"
     for target in re.findall(r"kubectl apply -k (\S+?)`?\s", section + guide):
         assert (REPO / target / "kustomization.yaml").is_file(), target
     for target in re.findall(r"docker compose -f (\S+)", section + guide):
