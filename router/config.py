@@ -518,10 +518,15 @@ def add_cli_flags(parser: argparse.ArgumentParser) -> None:
         "(docs/router.md); the flags below override its values",
     )
     parser.add_argument(
-        "--host", default="0.0.0.0", help="address to listen on (default 0.0.0.0: all)"
+        "--host",
+        default=os.environ.get("ROUTER_HOST", "0.0.0.0"),
+        help="address to listen on (env ROUTER_HOST; default 0.0.0.0: all)",
     )
     parser.add_argument(
-        "--port", type=port_number, default=8000, help="port to listen on (default 8000)"
+        "--port",
+        type=port_number,
+        default=os.environ.get("ROUTER_PORT", "8000"),  # a string default goes through type
+        help="port to listen on (env ROUTER_PORT; default 8000)",
     )
     parser.add_argument(
         "--prefiller-hosts",

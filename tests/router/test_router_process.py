@@ -227,3 +227,15 @@ def test_every_option_says_what_it_does():
         assert help_text not in generic and len(help_text) >= 20, action.option_strings
     result = run_router("--help")
     assert result.returncode == 0 and "--stream-headers-timeout-seconds" in result.stdout
+
+
+def test_the_listen_address_comes_from_the_environment_unless_a_flag_names_it(monkeypatch):
+    monkeypatch.setenv("ROUTER_HOST", "127.0.0.1")
+    monkeypatch.setenv("ROUTER_PORT", "8123")
+    parsed = build_parser().parse_args([])
+    assert (parsed.host, parsed.port) == ("127.0.0.1", 8123)
+    parsed = build_parser().parse_args(["--host", "::1", "--port", "9000"])
+    assert (parsed.host, parsed.port) == ("::1", 9000)
+    monkeypatch.setenv("ROUTER_PORT", "80000")
+    with pytest.raises(SystemExit):
+        build_parser().parse_args([])
