@@ -38,9 +38,9 @@ from typing import Any
 import aiohttp
 from aiohttp import web
 
-from conductor.config import DEFAULT_STORE_CHECK_INTERVAL_S
+from conductor.config import DEFAULT_STORE_CHECK_INTERVAL_S, DEFAULT_STORE_CHECK_SILENCE_S
 from conductor.index import PrefixCacheTable, StreamSource
-from conductor.kv_store_watch import check_store, fetch_keys
+from conductor.kv_store_watch import check_store, check_timeout, fetch_keys
 from conductor.wire.events import BlockStored, EventBatch, Tier
 from publishers.local import HOST, LocalService
 
@@ -51,6 +51,7 @@ CHAIN_BLOCKS = 1000  # blocks per announced chain (one BlockStored event)
 EVICTED_SHARE = 20  # the pool holds 1/20 more blocks than the store lists: evicted ones
 SIZES = (10_000, 100_000, 1_000_000)
 QUICK_SIZES = (1_000, 10_000, 100_000)
+CHECK_TIMEOUT = check_timeout(DEFAULT_STORE_CHECK_SILENCE_S)  # the conductor's, by default
 
 
 def digest(block: int) -> bytes:
@@ -116,7 +117,7 @@ async def one_check(url: str, table: PrefixCacheTable) -> dict[str, float]:
 
     ticking = asyncio.create_task(ticker())
     await asyncio.sleep(0.01)
-    async with aiohttp.ClientSession() as session:
+    async with aiohttp.ClientSession(timeout=CHECK_TIMEOUT) as session:
         started, cpu_started = time.perf_counter(), time.process_time()
         keys, dropped = await check_store(table, session, STORE, url)
         done, cpu_done = time.perf_counter(), time.process_time()
@@ -202,7 +203,7 @@ async def real_master(keys: int) -> dict[str, Any]:
                 assert codes == 0 or not any(codes), f"puts failed: {codes}"
             url = f"http://127.0.0.1:{local.metrics_port}"
             seconds = []
-            async with aiohttp.ClientSession() as session:
+            async with aiohttp.ClientSession(timeout=CHECK_TIMEOUT) as session:
                 for _ in range(3):
                     started = time.perf_counter()
                     answer = await fetch_keys(session, url)

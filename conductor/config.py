@@ -45,6 +45,7 @@ from .wire.events import MASK64
 DEFAULT_PORT = 13333
 DEFAULT_CONFIG_PATH = "~/.mooncake/conductor_config.json"
 DEFAULT_STORE_CHECK_INTERVAL_S = 2.0
+DEFAULT_STORE_CHECK_SILENCE_S = 10.0
 DEFAULT_STORE_ADMIN_PORT = 9003  # mooncake_master's -metrics_port default
 MIN_STORE_CHECK_INTERVAL_S = 0.05  # a check fetches every key of the store: not a busy loop
 
@@ -363,6 +364,8 @@ class ConductorConfig(StrictModel):
     kv_store_check_interval_s: float = Field(
         default=DEFAULT_STORE_CHECK_INTERVAL_S, ge=MIN_STORE_CHECK_INTERVAL_S, le=3600
     )
+    # how long a master may stay silent during a check before the store counts as down
+    kv_store_check_silence_s: float = Field(default=DEFAULT_STORE_CHECK_SILENCE_S, gt=0, le=60)
 
     @model_validator(mode="before")
     @classmethod

@@ -32,6 +32,7 @@ from typing import Any, cast
 
 import aiohttp
 
+from .config import DEFAULT_STORE_CHECK_SILENCE_S
 from .failures import connect_failure
 from .index import PrefixCacheTable
 from .metrics import ConductorMetrics
@@ -43,9 +44,14 @@ log = logging.getLogger(__name__)
 KEY_DIGEST = re.compile(rb"@([0-9a-fA-F]{16,128})\r?$", re.MULTILINE)
 CHUNK_BYTES = 1 << 18  # parsed between two yields to the loop: ~2,300 keys, a few ms
 MAX_CHECK_SHARE = 0.2  # of the conductor's time a store's checks may take at most
+
+
 # a dead master refuses at once; a hung one is down after 10 s of silence; a million keys
 # stream for seconds (bench/kv_store_check_bench.py), so only the whole answer gets 60 s
-CHECK_TIMEOUT = aiohttp.ClientTimeout(total=60, sock_connect=2, sock_read=10)
+def check_timeout(silence_s: float) -> aiohttp.ClientTimeout:
+    """A check's bounds: the connection within 2 s, ``silence_s`` of silence at most, the
+    whole key list within 60 s."""
+    return aiohttp.ClientTimeout(total=60, sock_connect=min(2, silence_s), sock_read=silence_s)
 
 
 class CheckFailed(Exception):
@@ -87,10 +93,11 @@ class StoreKeys:
 
 
 async def fetch_keys(session: aiohttp.ClientSession, admin_url: str) -> StoreKeys:
-    """Every key the master holds; raises CheckFailed when it cannot say."""
-    keys = StoreKeys()
+    """Every key the master holds, within the session's timeout (``check_timeout``); raises
+    CheckFailed when it cannot say."""
+    keys, timeout = StoreKeys(), session.timeout
     try:
-        async with session.get(f"{admin_url}/get_all_keys", timeout=CHECK_TIMEOUT) as response:
+        async with session.get(f"{admin_url}/get_all_keys") as response:
             if response.status != 200:
                 raise CheckFailed("status", f"GET /get_all_keys answered {response.status}")
             async for chunk in response.content.iter_chunked(CHUNK_BYTES):
@@ -99,8 +106,8 @@ async def fetch_keys(session: aiohttp.ClientSession, admin_url: str) -> StoreKey
     except TimeoutError:
         raise CheckFailed(
             "timeout",
-            f"no connection within {CHECK_TIMEOUT.sock_connect:g} s, {CHECK_TIMEOUT.sock_read:g} s"
-            f" of silence or no whole answer within {CHECK_TIMEOUT.total:g} s",
+            f"no connection within {timeout.sock_connect:g} s, {timeout.sock_read:g} s"
+            f" of silence or no whole answer within {timeout.total:g} s",
         ) from None
     except aiohttp.ClientConnectorError as error:
         raise CheckFailed("unreachable", connect_failure(error)) from None
@@ -147,11 +154,13 @@ class StoreWatch:
         metrics: ConductorMetrics,
         admin_url: Callable[[str], str],
         interval: float,
+        silence_s: float = DEFAULT_STORE_CHECK_SILENCE_S,
     ) -> None:
         self._table = table
         self._metrics = metrics
         self._admin_url = admin_url
         self._interval = interval
+        self._timeout = check_timeout(silence_s)
         self._stores: dict[str, _Store] = {}
         self._session: aiohttp.ClientSession | None = None
 
@@ -160,7 +169,7 @@ class StoreWatch:
         if kv_store in self._stores:
             return
         if self._session is None:
-            self._session = aiohttp.ClientSession()
+            self._session = aiohttp.ClientSession(timeout=self._timeout)
         store = self._stores[kv_store] = _Store(self._admin_url(kv_store))
         self._metrics.store_state.labels(kv_store).state(store.state)
         store.task = asyncio.create_task(self._run(kv_store, store), name=f"check:{kv_store}")

@@ -53,7 +53,13 @@ def index_manager(
     The service serves it over HTTP; a router with ``conductor.embedded`` asks it itself."""
     table = PrefixCacheTable()
     metrics = ConductorMetrics(table)
-    stores = StoreWatch(table, metrics, config.store_admin_url, config.kv_store_check_interval_s)
+    stores = StoreWatch(
+        table,
+        metrics,
+        config.store_admin_url,
+        config.kv_store_check_interval_s,
+        config.kv_store_check_silence_s,
+    )
     return ServiceManager(table, metrics, stores, limits, ingest_thread)
 
 

@@ -21,7 +21,7 @@ import pytest
 from aiohttp import web
 
 from conductor.config import ConductorConfig, one_line
-from conductor.kv_store_watch import CHECK_TIMEOUT, StoreKeys
+from conductor.kv_store_watch import StoreKeys
 from conductor.wire import BlockStored, decode_batch
 from conductor.wire.events import Tier
 from tests.support.api import eventually, get, metric, post, query, register_and_connect
@@ -167,6 +167,7 @@ def test_store_admin_urls_default_to_the_masters_host_on_port_9003() -> None:
     assert config.store_admin_url("10.0.0.7:50051") == "http://10.0.0.7:9003"
     assert config.store_admin_url("[::1]:50051") == "http://[::1]:9003"
     assert config.kv_store_check_interval_s == 2.0
+    assert config.kv_store_check_silence_s == 10.0
 
 
 @pytest.mark.parametrize(
@@ -178,6 +179,8 @@ def test_store_admin_urls_default_to_the_masters_host_on_port_9003() -> None:
         ({"kv_store_admin_urls": {STORE: 9003}}, f"kv_store_admin_urls.{STORE}"),
         ({"kv_store_check_interval_s": 0}, "greater than or equal to 0.05"),
         ({"kv_store_check_interval_s": "2"}, "kv_store_check_interval_s"),
+        ({"kv_store_check_silence_s": 0}, "kv_store_check_silence_s"),
+        ({"kv_store_check_silence_s": 61}, "less than or equal to 60"),
     ],
 )
 def test_store_settings_are_validated(config: dict, message: str) -> None:
@@ -368,16 +371,17 @@ async def test_a_master_that_stops_answering_is_down_after_its_silence_timeout(
     conductor_factory, admin, http, publisher_factory
 ):
     """A hung master (it accepts the request, then says nothing) is down once the check's
-    silence timeout passes, and its pool is emptied."""
+    silence timeout (``kv_store_check_silence_s``, 1 s here) passes, and its pool is
+    emptied."""
     admin.keys = [store_key(h) for h in HASHES]
-    base = conductor_factory(config=store_config(admin)).url
+    conductor = conductor_factory(config={**store_config(admin), "kv_store_check_silence_s": 1})
+    base = conductor.url
     a = publisher_factory()
     await register_and_connect(http, base, a, "engine-a", kv_store=STORE)
     await a.publish([stored(HASHES, PROMPT, medium="cpu")])
     await eventually(lambda: cpu_of(http, base, "engine-a"), lambda cpu: cpu == 12)
     admin.gate = asyncio.Event()  # never opened
-    silence = CHECK_TIMEOUT.sock_read
-    assert silence is not None
+    silence = 1.0
     health = await eventually(
         lambda: store_health(http, base),
         lambda h: h["kv_stores"][STORE]["state"] == "down",
@@ -386,4 +390,5 @@ async def test_a_master_that_stops_answering_is_down_after_its_silence_timeout(
     assert health["kv_stores"][STORE]["blocks"] == 0
     text = await (await http.get(f"{base}/metrics")).text()
     assert f'conductor_kv_store_checks_total{{kv_store="{STORE}",outcome="timeout"}} 1.0' in text
+    assert "1 s of silence" in conductor.log(), conductor.log_tail()
     admin.gate.set()
