@@ -483,9 +483,12 @@ class ServiceManager:
         packed = None
         if self.table.lane_takes(key):
             packed = pack_batch(message.payload, message.topic, registration.block_size)
-        if packed is not None and self._give_thread(registration, message, replayed, packed):
-            if self._lane is not None and self._lane.full:
-                yield self._lane.room()
+        lane = (
+            None if packed is None else self._give_thread(registration, message, replayed, packed)
+        )
+        if lane is not None:
+            if lane.full:
+                yield lane.room()
             return
         if packed is not None:
 
@@ -541,15 +544,16 @@ class ServiceManager:
 
     def _give_thread(
         self, registration: Registration, message: Message, replayed: bool, packed: PackedBatch
-    ) -> bool:
+    ) -> IngestLane | None:
         """Give the packed batch to the ingest thread (made at the first), counted once it
-        is applied; False, nothing given, when the thread is off or the lane does not take
-        the batch. The stream reads its next batch meanwhile."""
+        is applied; returns the thread's lane, or None, nothing given, when the thread is
+        off or the lane does not take the batch. The stream reads its next batch meanwhile."""
         if not self.ingest_thread:
-            return False
-        if self._lane is None:
-            self._lane = IngestLane()
-            self.loop_share.on_answering = self._lane.pause
+            return None
+        lane = self._lane
+        if lane is None:
+            lane = self._lane = IngestLane()
+            self.loop_share.on_answering = lane.pause
         key, stats = registration.key, ApplyStats()
 
         def on_applied(answer: Applied | BaseException) -> None:
@@ -562,10 +566,10 @@ class ServiceManager:
                 count_packed(stats, 0, answer)
                 self._count_batch(registration, stats, replayed, packed.timestamp)
 
-        if not self.table.submit_packed(key, packed, self._lane, on_applied):
-            return False
+        if not self.table.submit_packed(key, packed, lane, on_applied):
+            return None
         self._applying += 1  # until applied: a snapshot waits for it (ingest_paused)
-        return True
+        return lane
 
     def _apply_failed(self, key: str, message: Message, error: BaseException) -> None:
         """A bug costs one batch, counted and logged, never the stream's reader task."""

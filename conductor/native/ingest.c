@@ -208,13 +208,6 @@ static PyObject *ingest_submit(IngestThread *self, PyObject *const *args, Py_ssi
         PyErr_SetString(PyExc_ValueError, "submit: bad start");
         return NULL;
     }
-    pthread_mutex_lock(&self->mutex);
-    int stopping = self->stopping || !self->started;
-    pthread_mutex_unlock(&self->mutex);
-    if (stopping) {
-        PyErr_SetString(PyExc_RuntimeError, "the ingest thread is closed");
-        return NULL;
-    }
     Job *job = PyMem_RawCalloc(1, sizeof(Job));
     if (job == NULL) return PyErr_NoMemory();
     job->context = Py_NewRef(args[0]);
@@ -223,14 +216,24 @@ static PyObject *ingest_submit(IngestThread *self, PyObject *const *args, Py_ssi
     job->token = Py_NewRef(args[5]);
     job->task = task;
     job->applied.reached = start;
-    sync_lock(context->sync);
-    context->sync->pending++;
-    sync_unlock(context->sync);
-    pthread_mutex_lock(&self->mutex);
-    queue_push(&self->queued, job);
-    pthread_cond_signal(&self->wake);
+    Sync *sync = context->sync;
+    sync_lock(sync);
+    sync->pending++;  /* before the thread can see the job */
+    sync_unlock(sync);
+    pthread_mutex_lock(&self->mutex);  /* the check and the push at once: close() may run */
+    int closed = self->stopping;
+    if (!closed) {
+        queue_push(&self->queued, job);
+        pthread_cond_signal(&self->wake);
+    }
     pthread_mutex_unlock(&self->mutex);
-    Py_RETURN_NONE;
+    if (!closed) Py_RETURN_NONE;
+    sync_lock(sync);
+    if (--sync->pending == 0) pthread_cond_broadcast(&sync->settled);
+    sync_unlock(sync);
+    job_free(job);
+    PyErr_SetString(PyExc_RuntimeError, "the ingest thread is closed");
+    return NULL;
 }
 
 /* The exception being raised, taken (3.11 has no PyErr_GetRaisedException). */

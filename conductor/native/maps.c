@@ -403,7 +403,10 @@ static PyObject *iter_next(MapIter *iter) {
     }
     if (iter->kind == VALUES) return value_object;
     PyObject *key_object = PyLong_FromUnsignedLongLong(key);
-    if (iter->kind == KEYS || key_object == NULL) return key_object;
+    if (iter->kind == KEYS || key_object == NULL) {
+        Py_XDECREF(value_object);
+        return key_object;
+    }
     PyObject *pair = value_object ? PyTuple_Pack(2, key_object, value_object) : NULL;
     Py_DECREF(key_object);
     Py_XDECREF(value_object);

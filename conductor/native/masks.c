@@ -22,7 +22,7 @@ int mask_add(uint64_t *mask, size_t bit) {
     size_t needed = bit / 64 + 1;
     WideMask *wide = mask_is_wide(*mask) ? mask_wide(*mask) : NULL;
     if (wide == NULL || wide->words < needed) {
-        WideMask *grown = wide_new(wide != NULL && wide->words > needed ? wide->words : needed);
+        WideMask *grown = wide_new(needed);
         if (grown == NULL) return -1;
         if (wide != NULL) memcpy(grown->bits, wide->bits, wide->words * sizeof(uint64_t));
         else grown->bits[0] = *mask;
