@@ -122,16 +122,24 @@ def machine() -> dict[str, Any]:
 
 # -- a conductor under test ------------------------------------------------------------
 class Http:
-    """A minimal keep-alive client: one TCP connection, sequential requests.
+    """A minimal keep-alive client: sequential requests, ``/query`` and ``/query_by_hash``
+    on a TCP connection of their own, everything else on another.
 
+    That is how a router holds its conductor connections (``router.conductor_client``):
+    our service answers a connection that only queries in its query lane and hands any
+    other to aiohttp for good (``conductor.query_lane``), so a shared connection would time
+    aiohttp instead. Every service gets the same two connections.
     ``http.client`` adds little overhead of its own, so the latency measured is mostly the
     service's (plus loopback and the client's parsing).
     """
 
+    QUERY_PATHS = frozenset({"/query", "/query_by_hash"})
+
     def __init__(self, port: int, timeout: float = 30.0) -> None:
         self.port = port
         self.timeout = timeout
-        self.conn = http.client.HTTPConnection("127.0.0.1", port, timeout=timeout)
+        self.queries = http.client.HTTPConnection("127.0.0.1", port, timeout=timeout)
+        self.others = http.client.HTTPConnection("127.0.0.1", port, timeout=timeout)
 
     def raw(
         self,
@@ -143,12 +151,13 @@ class Http:
     ) -> tuple[int, bytes]:
         headers = {"Content-Type": content_type} if body is not None else {}
         headers |= extra_headers or {}
+        conn = self.queries if path in self.QUERY_PATHS else self.others
         try:
-            self.conn.request(method, path, body=body, headers=headers)
-            response = self.conn.getresponse()
+            conn.request(method, path, body=body, headers=headers)
+            response = conn.getresponse()
             return response.status, response.read()
         except (http.client.HTTPException, OSError):
-            self.conn.close()  # reconnect on the next call
+            conn.close()  # reconnect on the next call
             raise
 
     def json(self, method: str, path: str, payload: Any = None) -> Any:
@@ -165,7 +174,8 @@ class Http:
         return data.decode()
 
     def close(self) -> None:
-        self.conn.close()
+        self.queries.close()
+        self.others.close()
 
 
 CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
