@@ -19,6 +19,7 @@ from tests.support.wire_publisher import WirePublisher
 __all__ = ["REPO", "ConductorProcess"]
 
 SKIPPED_FOR_PARTS_ENV = "MOONCAKE_SKIPPED_FOR_PARTS"  # a file: .ci/run's second phase reads it
+SKIPPED_FOR_PARTS = "skipped_for_parts"  # a user property: it reaches pytest-xdist's controller
 _skipped_for_parts: list[str] = []
 
 
@@ -50,6 +51,14 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         items[:] = [item for item in items if item.nodeid in wanted]
 
 
+def pytest_xdist_auto_num_workers(config: pytest.Config) -> int:
+    """``-n auto`` (pyproject's addopts): two workers where there are two cores, one where
+    real engines can run here (3 GB each, two at most at once: one test at a time)."""
+    if parts.missing("vllm") is None or parts.missing("sglang") is None:
+        return 1
+    return min(2, os.cpu_count() or 1)
+
+
 @pytest.hookimpl(tryfirst=True)  # before any fixture starts an engine or a store
 def pytest_runtest_setup(item: pytest.Item) -> None:
     """The one gate for the heavy parts: skip, saying why, or fail under --require-parts."""
@@ -59,13 +68,26 @@ def pytest_runtest_setup(item: pytest.Item) -> None:
         return
     if item.config.getoption("require_parts"):
         pytest.fail("a needed part is missing: " + "; ".join(reasons), pytrace=False)
-    _skipped_for_parts.append(item.nodeid)
+    item.user_properties.append((SKIPPED_FOR_PARTS, True))
     pytest.skip("; ".join(reasons))
 
 
+def pytest_runtest_logreport(report: pytest.TestReport) -> None:
+    """Each skip for a part, wherever it ran: here, or in a pytest-xdist worker."""
+    if (
+        report.when == "setup"
+        and report.skipped
+        and (SKIPPED_FOR_PARTS, True) in report.user_properties
+    ):
+        _skipped_for_parts.append(report.nodeid)
+
+
 def pytest_sessionfinish(session: pytest.Session) -> None:
+    """The skips' ids, written once: by the controller, not by each worker."""
+    if hasattr(session.config, "workerinput"):
+        return
     if path := os.environ.get(SKIPPED_FOR_PARTS_ENV):
-        Path(path).write_text("".join(nodeid + "\n" for nodeid in _skipped_for_parts))
+        Path(path).write_text("".join(nodeid + "\n" for nodeid in sorted(_skipped_for_parts)))
 
 
 @pytest.fixture

@@ -48,6 +48,14 @@ def _gone(pids: list[int], timeout: float = 10.0) -> bool:
 
 
 @pytest.fixture
+def short_tmp(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A TMPDIR for a fleet that makes its own run directory: the engines' IPC socket paths
+    in it must stay within 107 bytes, and a test's ``tmp_path`` under pytest-xdist
+    (``.../popen-gw1/test_the_fleet_says_where_it_w0``) leaves too few."""
+    return tmp_path_factory.mktemp("t")
+
+
+@pytest.fixture
 def sim_fleet(tmp_path: Path):
     fleet = FleetProcess(tmp_path / "run", SIM_FLEET)
     yield fleet
@@ -351,13 +359,12 @@ async def test_a_sim_fleet_on_the_model_tokenizer_tokenizes_in_the_router(tmp_pa
 
 @pytest.mark.parametrize("keep", [False, True], ids=["removed", "kept"])
 def test_the_fleet_says_where_it_writes_and_removes_only_its_own_run_dir(
-    tmp_path: Path, keep: bool
+    tmp_path: Path, short_tmp: Path, keep: bool
 ) -> None:
     """The tiny model's cache and the run directory are named at start; a run directory the
     fleet made goes with a clean stop (unless --keep-run-dir), and nothing else is left in
     TMPDIR."""
-    home, tmp = tmp_path / "home", tmp_path / "tmp"
-    tmp.mkdir()
+    home, tmp = tmp_path / "home", short_tmp
     model = home / ".cache" / "mooncake" / "tiny-model"
     if keep:
         write_tiny_model(model)  # as an earlier run would have
@@ -386,9 +393,10 @@ def test_the_fleet_says_where_it_writes_and_removes_only_its_own_run_dir(
         assert list(tmp.iterdir()) == []
 
 
-def test_an_engine_whose_port_is_taken_says_so_and_the_run_dir_stays(tmp_path: Path) -> None:
-    tmp = tmp_path / "tmp"
-    tmp.mkdir()
+def test_an_engine_whose_port_is_taken_says_so_and_the_run_dir_stays(
+    tmp_path: Path, short_tmp: Path
+) -> None:
+    tmp = short_tmp
     with socket.socket() as taken:
         taken.bind(("127.0.0.1", 0))
         taken.listen()

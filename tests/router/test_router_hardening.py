@@ -405,7 +405,10 @@ async def test_sigint_stops_an_idle_router(tmp_path, odd_engines):
     try:
         router.wait_ready()
         router.process.send_signal(signal.SIGINT)
-        assert await asyncio.to_thread(router.process.wait, 2.0) == 0
+        try:
+            assert await asyncio.to_thread(router.process.wait, 2.0) == 0
+        except subprocess.TimeoutExpired:
+            pytest.fail(f"still running 2 s after SIGINT; its log:\n{router.log_tail(40)}")
     finally:
         router.kill()
 
