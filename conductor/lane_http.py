@@ -25,7 +25,9 @@ LANE_ROUTES = ("/query", "/query_by_hash")  # what the lane answers
 _LANE_TARGETS = frozenset(route.encode() for route in LANE_ROUTES)
 MAX_HEAD_BYTES = 8190  # aiohttp's own limit on a request line and on a header line
 _TOKEN = rb"[!#$%&'*+\-.^_`|~0-9A-Za-z]+"  # a header name, as RFC 9110 has it
-_HEADER_LINE = re.compile(rb"(" + _TOKEN + rb"):[ \t]*([^\x00-\x08\x0a-\x1f\x7f]*?)[ \t]*")
+# every header line at once: a token, a colon, a value without control bytes (a tab is no
+# control byte here), each line ended by CRLF (one regex over the block, not one a line)
+_HEADER_BLOCK = re.compile(rb"(?:" + _TOKEN + rb":[^\x00-\x08\x0a-\x1f\x7f]*\r\n)*")
 _DECLINED_HEADERS = frozenset({"transfer-encoding", "expect", "upgrade"})
 _VERSIONS = {b"HTTP/1.1": (1, 1), b"HTTP/1.0": (1, 0)}
 _REASONS = {status.value: status.phrase for status in HTTPStatus}
@@ -80,7 +82,7 @@ class Head:
 
 def parse_head(head: bytes) -> Head | None:
     """``head`` (up to, not with, the blank line) if the lane serves it, else None."""
-    request_line, *lines = head.split(b"\r\n")
+    request_line, _, header_block = head.partition(b"\r\n")
     parts = request_line.split(b" ")
     if len(parts) != 3:
         return None
@@ -88,14 +90,15 @@ def parse_head(head: bytes) -> Head | None:
     version = _VERSIONS.get(version_text)
     if method != b"POST" or target not in _LANE_TARGETS or version is None:
         return None
+    if header_block:
+        header_block += b"\r\n"
+        if _HEADER_BLOCK.fullmatch(header_block) is None:
+            return None
     headers: CIMultiDict[str] = CIMultiDict()
     length = None
-    for line in lines:
-        match = _HEADER_LINE.fullmatch(line)
-        if match is None:
-            return None
-        name = match[1].decode("ascii")
-        value = match[2].decode("latin-1")
+    for line in header_block.decode("latin-1").split("\r\n")[:-1]:
+        name, _, value = line.partition(":")
+        value = value.strip(" \t")
         lowered = name.lower()
         if lowered in _DECLINED_HEADERS:
             return None
