@@ -30,7 +30,7 @@ from conductor.config import one_line
 from conductor.runtime import add_version_flag, run
 
 from . import spec as fleet_spec
-from .plan import FleetPlan, make_plan
+from .plan import FleetPlan, make_plan, socket_path_problem
 from .supervisor import HEALTH_TIMEOUT, STOP_TIMEOUT_S, ChildProcess, wait_until_healthy
 from .tiny_model import write_tiny_model
 from .watchdog import Watchdog
@@ -333,6 +333,9 @@ def main(argv: list[str] | None = None) -> None:
     except OSError as error:
         sys.exit(f"mooncake-fleet: cannot write the tiny model: {error}")
     run_dir = RunDirectory.choose(args.run_dir, args.keep_run_dir)
+    if problem := socket_path_problem(spec, run_dir.path):
+        run_dir.finish(0)  # nothing written to it yet: a directory made here goes
+        sys.exit(f"mooncake-fleet: {problem}")
     print(run_dir.announce(), flush=True)
     plan = make_plan(spec, run_dir.path, model_dir)
     exit_code = EXIT_CRASHED  # unless the fleet returns: a traceback's logs are kept too

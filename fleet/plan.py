@@ -24,6 +24,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import zmq
+
 from publishers.local import free_port
 
 from .service import ServicePlan
@@ -200,7 +202,7 @@ def _engine_plan(
             shm_prefixes=SGLANG_SHM_PREFIXES,
             details={"model": model.name},
         )
-    events = f"ipc://{run_dir / f'{engine.name}.events'}"
+    events = f"ipc://{events_socket(run_dir, engine)}"
     common = [
         "--served-model-name",
         model.name,
@@ -340,6 +342,26 @@ def router_config(
         _model_entry(spec, model, instances(model), tokenizer(model)) for model in spec.models
     ]
     return {**common, "models": entries}
+
+
+def events_socket(run_dir: Path, engine: EngineSpec) -> Path:
+    """The unix socket a vLLM or simulated engine publishes its KV events on."""
+    return run_dir / f"{engine.name}.events"
+
+
+def socket_path_problem(spec: FleetSpec, run_dir: Path) -> str | None:
+    """Why the engines' event sockets cannot live in ``run_dir``: a unix socket's path
+    holds ``zmq.IPC_PATH_MAX_LEN`` bytes (107 on Linux), and a deep TMPDIR or ``--run-dir``
+    passes it, which each engine would otherwise report only as it fails to bind."""
+    paths = [events_socket(run_dir, e) for e in spec.engines if e.kind != "sglang"]
+    longest = max(paths, key=lambda path: len(os.fsencode(path)), default=None)
+    if longest is None or len(os.fsencode(longest)) <= zmq.IPC_PATH_MAX_LEN:
+        return None
+    return (
+        f"the run directory is too deep for the engines' event sockets: {longest} is "
+        f"{len(os.fsencode(longest))} bytes, a unix socket's path at most "
+        f"{zmq.IPC_PATH_MAX_LEN}; give a shorter --run-dir or TMPDIR"
+    )
 
 
 def make_plan(spec: FleetSpec, run_dir: Path, model_dir: Path | None) -> FleetPlan:

@@ -459,3 +459,22 @@ def test_a_fleet_killed_while_an_engine_is_stopped_leaves_nothing_behind(
         for process in tree:  # a failed test must not leave a stopped engine behind
             with contextlib.suppress(psutil.Error):
                 process.kill()
+
+
+def test_a_run_directory_too_deep_for_the_event_sockets_stops_before_anything_starts(
+    tmp_path: Path,
+) -> None:
+    """A unix socket's path holds 107 bytes: a deeper run directory is one line at start,
+    naming the path and the fix, not an engine failing to bind its events socket."""
+    path = tmp_path / "fleet.json"
+    path.write_text(json.dumps(SIM_FLEET))
+    deep = tmp_path / ("d" * 100)
+    result = subprocess.run(
+        [sys.executable, "-m", "fleet", "up", str(path), "--run-dir", str(deep)],
+        capture_output=True, text=True, timeout=30,
+    )  # fmt: skip
+    assert result.returncode == 1 and not result.stdout
+    assert result.stderr.startswith("mooncake-fleet: the run directory is too deep")
+    assert f"{deep}/alpha.events is" in result.stderr
+    assert "give a shorter --run-dir or TMPDIR" in result.stderr
+    assert not deep.exists()  # nothing written
