@@ -194,21 +194,30 @@ MODEL_FILES = {
 def write_tiny_model(directory: Path) -> Path:
     """Writes the model into ``directory`` whole: into a sibling first, renamed when
     complete, so an interrupted run never leaves a model that looks finished. An existing
-    ``directory`` is replaced only when it holds nothing but a tiny model's files."""
-    if directory.exists() and not (
-        directory.is_dir() and {p.name for p in directory.iterdir()} <= MODEL_FILES
-    ):
+    ``directory`` is replaced only when it holds nothing but a tiny model's files. One that
+    another process renamed into place meanwhile (two fleets starting at once on a fresh
+    machine) is whole, and may be read already: it is kept, and this copy dropped."""
+    existed = directory.exists()
+    if existed and not _holds_only_model_files(directory):
         raise FileExistsError(f"{directory} exists and is not a tiny model: not replacing it")
     directory.parent.mkdir(parents=True, exist_ok=True)
     partial = Path(tempfile.mkdtemp(prefix=f".{directory.name}-", dir=directory.parent))
     try:
         _write_files(partial)
-        if directory.exists():
+        if existed:
             shutil.rmtree(directory)
-        partial.replace(directory)
+        try:
+            partial.rename(directory)  # onto a directory that is not empty: refused
+        except OSError:
+            if not (directory.is_dir() and _holds_only_model_files(directory)):
+                raise
     finally:
         shutil.rmtree(partial, ignore_errors=True)
     return directory
+
+
+def _holds_only_model_files(directory: Path) -> bool:
+    return directory.is_dir() and {p.name for p in directory.iterdir()} <= MODEL_FILES
 
 
 def _write_files(directory: Path) -> None:

@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
 
 import numpy as np
+import pytest
 from safetensors.numpy import load_file
 from tokenizers import Tokenizer
 
@@ -121,3 +123,26 @@ def test_the_lora_adapter_fits_the_model_as_peft_lays_it_out(tmp_path: Path) -> 
     assert {name: weight.shape for name, weight in weights.items()} == expected
     assert all(weight.dtype == np.float32 and np.all(weight != 0) for weight in weights.values())
     assert all(np.abs(weight).max() < 1 for weight in weights.values())
+
+
+def test_a_model_another_process_wrote_meanwhile_is_kept(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Two fleets starting at once on a fresh machine both write the model: the one that
+    renames its copy into place second keeps the first one's (which the first fleet's
+    engines may be reading), and leaves no partial copy behind."""
+    target = tmp_path / "tiny-model"
+    write_files = tiny_model._write_files
+
+    def while_another_process_finishes(partial: Path) -> None:
+        write_files(partial)
+        monkeypatch.setattr(tiny_model, "_write_files", write_files)
+        tiny_model.write_tiny_model(target)  # the other process, done first
+        (target / "config.json").touch()  # marks its copy: it must stay in place
+        os.utime(target / "config.json", (1, 1))
+
+    monkeypatch.setattr(tiny_model, "_write_files", while_another_process_finishes)
+    assert tiny_model.write_tiny_model(target) == target
+    assert (target / "config.json").stat().st_mtime == 1  # the other process's copy
+    assert {p.name for p in target.iterdir()} == tiny_model.MODEL_FILES
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["tiny-model"]  # no partial left
