@@ -8,6 +8,8 @@ import json
 import msgpack
 import pytest
 
+from conductor.api import HttpLimits, _decode_msgpack, _plain_msgpack
+from conductor.config import QueryRequest
 from tests.support.api import get, post, register_and_connect, registration
 
 VALID_QUERY = {"model": "m", "block_size": 4, "token_ids": [1, 2, 3, 4]}
@@ -189,6 +191,42 @@ async def test_msgpack_bodies_get_the_answers_json_bodies_get(served, http, body
         answer = msgpack.unpackb(await response.read())
     assert response.status == status, answer
     assert error is None or answer["error"].startswith(error), answer
+
+
+PACKED = b"\x01\x00\x00\x00\x02\x00\x00\x00"
+
+
+@pytest.mark.parametrize(
+    "fields",
+    [
+        {"model": "m", "block_size": 4, "token_ids": PACKED},
+        {"model": "m", "block_size": 4, "lora_name": "a", "tenant_id": "t", "token_ids": b""},
+        {"token_ids": PACKED, "model": "m", "block_size": 8, "instance_id": "i", "cache_salt": "s"},
+    ],
+)
+def test_a_plain_msgpack_query_is_read_as_the_general_way_reads_it(fields):
+    """``_plain_msgpack``, the msgpack fast path, gives the model the general way gives."""
+    body, items = msgpack.packb(fields), HttpLimits().item_limits["/query"]
+    general = QueryRequest.model_validate(_decode_msgpack(body, items))
+    assert _plain_msgpack(body, QueryRequest, items) == general
+
+
+@pytest.mark.parametrize(
+    "body",
+    [
+        msgpack.packb(VALID_QUERY),  # an item array: counted and checked the general way
+        msgpack.packb({**VALID_QUERY, "token_ids": PACKED, "extra": 1}),  # an unknown key
+        msgpack.packb({**VALID_QUERY, "token_ids": PACKED, "block_size": "4"}),  # invalid
+        msgpack.packb({**VALID_QUERY, "token_ids": b"\x01"}),  # not whole int32s
+        msgpack.packb({**VALID_QUERY, "token_ids": PACKED}).replace(b"\xa1m", b"\xa1\xff"),
+        msgpack.packb({1: PACKED}),
+        msgpack.packb([PACKED]),
+        msgpack.packb({"model": "m", "block_size": 4}),  # no token_ids
+        msgpack.packb({**VALID_QUERY, "token_ids": PACKED, "model": "m" * 70_000}),  # large
+    ],
+)
+def test_the_msgpack_fast_path_leaves_anything_unusual_to_the_general_way(body):
+    assert _plain_msgpack(body, QueryRequest, HttpLimits().item_limits["/query"]) is None
 
 
 async def test_msgpack_that_cannot_be_decoded_is_400(served, http):
