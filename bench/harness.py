@@ -39,6 +39,7 @@ from typing import Any, Protocol
 
 import zmq
 
+from conductor.lane_http import LANE_ROUTES
 from publishers.local import HOST, LocalService
 
 BLOCK_SIZE = 16
@@ -151,7 +152,7 @@ class Http:
     ) -> tuple[int, bytes]:
         headers = {"Content-Type": content_type} if body is not None else {}
         headers |= extra_headers or {}
-        conn = self.queries if path in self.QUERY_PATHS else self.others
+        conn = self.queries if path in LANE_ROUTES else self.others
         try:
             conn.request(method, path, body=body, headers=headers)
             response = conn.getresponse()

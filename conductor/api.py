@@ -29,6 +29,7 @@ from .body_shape import (
     BodyShape,
     Malformed,
     NotAnObject,
+    is_msgpack_bin,
     json_shape,
     msgpack_fields,
     msgpack_shape,
@@ -117,7 +118,7 @@ NO_CONTEXT_LISTED = 16  # contexts named in the header at most
 NO_CONTEXT_TEXT_CHARS = 80  # of each name in it: a header line stays well under 8 KiB
 _progress_decoder = msgspec.json.Decoder(list[str])
 _msgpack_numbers = msgspec.msgpack.Decoder(list[int] | bytes)  # an item array, or ints packed
-_msgpack_map = msgspec.msgpack.Decoder(dict[str, Any])  # a body read whole (_plain_msgpack)
+_msgpack_map = msgspec.msgpack.Decoder(dict[str, Any])  # a plain body read whole
 Body = TypeVar("Body", bound=BaseModel)
 Answer = TypeVar("Answer")
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
@@ -373,19 +374,21 @@ def _plain_msgpack(body: bytes, model: type[Body], items: ItemLimit) -> Body | N
     fields whose array is a bin (token ids packed: what the router and upstream's C++
     proxy send) and whose other fields are small. None for anything else (an item array,
     an unknown key, an invalid value), which the general way then counts, reads field by
-    field and reports precisely; 1.7 µs against that way's 7.3 in-process."""
+    field and reports precisely; 3.3 µs against that way's 7.3 in-process. The map is
+    looked at still encoded first: an item array is never decoded twice."""
     try:
-        fields = _msgpack_map.decode(body)
-    except (msgspec.MsgspecError, ValueError):  # ValueError: a string of bad UTF-8
+        encoded = msgpack_fields(body)
+    except (NotAnObject, Malformed):
         return None
-    arrays = [fields[name] for name in items.names if name in fields]
-    if len(arrays) != 1 or not isinstance(arrays[0], bytes):
+    arrays = [memoryview(encoded[name]) for name in items.names if name in encoded]
+    if len(arrays) != 1 or not is_msgpack_bin(arrays[0]):
         return None
-    if len(body) - len(arrays[0]) > SMALL_BODY_BYTES or not fields.keys() <= accepted_fields(model):
+    rest_bytes = len(body) - len(arrays[0])
+    if rest_bytes > SMALL_BODY_BYTES or not encoded.keys() <= accepted_fields(model):
         return None
     try:
-        return model.model_validate(fields)
-    except ValidationError:
+        return model.model_validate(_msgpack_map.decode(body))
+    except (msgspec.MsgspecError, ValueError):  # bad UTF-8, or invalid (a ValidationError)
         return None
 
 

@@ -94,6 +94,11 @@ def msgpack_shape(
     )
 
 
+def is_msgpack_bin(value: memoryview) -> bool:
+    """Whether an encoded msgpack value (one of ``msgpack_fields``'s) is a bin."""
+    return len(value) > 0 and value[0] in _MSGPACK_BINS
+
+
 def _msgpack_value(value: bytes, bytes_per_item: int) -> BodyShape:
     head = value[0]
     if head in _MSGPACK_BINS:

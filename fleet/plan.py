@@ -353,14 +353,14 @@ def socket_path_problem(spec: FleetSpec, run_dir: Path) -> str | None:
     """Why the engines' event sockets cannot live in ``run_dir``: a unix socket's path
     holds ``zmq.IPC_PATH_MAX_LEN`` bytes (107 on Linux), and a deep TMPDIR or ``--run-dir``
     passes it, which each engine would otherwise report only as it fails to bind."""
-    paths = [events_socket(run_dir, e) for e in spec.engines if e.kind != "sglang"]
-    longest = max(paths, key=lambda path: len(os.fsencode(path)), default=None)
-    if longest is None or len(os.fsencode(longest)) <= zmq.IPC_PATH_MAX_LEN:
+    sockets = [events_socket(run_dir, e) for e in spec.engines if e.kind != "sglang"]
+    length, longest = max(((len(os.fsencode(s)), s) for s in sockets), default=(0, None))
+    if length <= zmq.IPC_PATH_MAX_LEN:
         return None
     return (
         f"the run directory is too deep for the engines' event sockets: {longest} is "
-        f"{len(os.fsencode(longest))} bytes, a unix socket's path at most "
-        f"{zmq.IPC_PATH_MAX_LEN}; give a shorter --run-dir or TMPDIR"
+        f"{length} bytes, a unix socket's path at most {zmq.IPC_PATH_MAX_LEN}; give a "
+        "shorter --run-dir or TMPDIR"
     )
 
 

@@ -209,7 +209,7 @@ def write_tiny_model(directory: Path) -> Path:
         try:
             partial.rename(directory)  # onto a directory that is not empty: refused
         except OSError:
-            if not (directory.is_dir() and _holds_only_model_files(directory)):
+            if not _holds_only_model_files(directory):
                 raise
     finally:
         shutil.rmtree(partial, ignore_errors=True)

@@ -10,7 +10,8 @@ from bench.harness import JSON_TYPE, running_service
 def test_queries_stay_in_the_query_lane_after_other_requests() -> None:
     """``/health`` and ``/metrics`` go on one connection; ``/query`` on another, which
     the conductor answers in its query lane (``conductor.query_lane``), the path a
-    router's queries take. aiohttp names itself in a ``Server`` header; the lane does not."""
+    router's queries take. aiohttp names itself in a ``Server`` header; the lane does not,
+    and would no more once anything else had been asked on that connection."""
     body = json.dumps({"model": "m", "block_size": 16, "token_ids": list(range(16))}).encode()
     with running_service() as (_, client):
         client.json("GET", "/health")
@@ -18,6 +19,7 @@ def test_queries_stay_in_the_query_lane_after_other_requests() -> None:
         for _ in range(2):
             status, _ = client.raw("POST", "/query", body)
             assert status == 200
+        assert client.queries.sock is not None  # raw sent its queries on this connection
         client.queries.request("POST", "/query", body, {"Content-Type": JSON_TYPE})
         answer = client.queries.getresponse()
         answer.read()
