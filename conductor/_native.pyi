@@ -118,3 +118,18 @@ class IngestThread:
     def pause(self, answering: bool, /) -> None: ...
     def fileno(self) -> int: ...
     def close(self) -> None: ...
+
+class QueryPlan:
+    """How to answer a context's plain query (conductor/native/answer.c)."""
+
+    def __init__(
+        self,
+        context: ContextBlocks,
+        bits: Sequence[int],
+        names: tuple[bytes, ...],
+        parts: tuple[bytes, ...],
+        opener: bytes,
+        closer: bytes,
+        msgpack: bool,
+    ) -> None: ...
+    def answer(self, tokens: bytes, root: int, hits_only: bool, /) -> bytes | None: ...

@@ -60,9 +60,10 @@ from .dialect import (
     tier_values,
 )
 from .hash_profile import HashProfile
+from .hashing import salt_root
 from .http_guard import CONNECTION_PROTOCOL, ConnectionGuard
 from .index import ContextKey, ContextView, InstanceMatch
-from .lane_http import LANE_ROUTES, ApiRequest, LaneRequest
+from .lane_http import LANE_ROUTES, ApiRequest, Head, LaneRequest, answer_head
 from .loads import (
     DEFAULT_WAIT_S,
     LEASE_HEADER,
@@ -84,6 +85,8 @@ from .manager import (
     ServiceNotFound,
 )
 from .persistence import StateFile
+from .plain_query import Dialect
+from .plain_query import plan as plain_plan
 from .query_lane import LaneSettings, QueryLane
 from .routed import RoutedPrompts, RoutedRequest, raise_hits
 from .security import BearerAuth, EndpointAllowlist, EndpointRefused, Unauthorized
@@ -486,6 +489,24 @@ def _each_answer(
     return answers
 
 
+def _content_headers(content_type: str) -> tuple[tuple[str, str], ...]:
+    """The headers the handler's answers in this content type carry (its ``reply``'s)."""
+    return tuple(web.Response(body=b"", content_type=content_type).headers.items())
+
+
+# the plain query's answers (conductor.plain_query), as the handler writes them
+_GO_PLAIN = Dialect(
+    False, _json_encode, _go_match, lambda tenant, answers: {tenant: answers},
+    _content_headers("application/json"),
+)  # fmt: skip
+_CPP_PLAIN = Dialect(
+    True, _msgpack_encode, cpp_match, lambda _, answers: {"instances": answers},
+    _content_headers(MSGPACK),
+)  # fmt: skip
+# a query with one of these asks for more than the plain answer
+_NOT_PLAIN_HEADERS = (TIERS_HEADER, REPLICA_HEADER, PROGRESS_HEADER)
+
+
 def _tiers(request: ApiRequest, default: frozenset[str]) -> frozenset[str]:
     """The tiers the answer names: the request's ``TIERS_HEADER``, else the dialect's."""
     value = request.headers.get(TIERS_HEADER)
@@ -641,6 +662,54 @@ class ConductorApi:
             response.headers[OTHERS_HEADER] = str(self.loads.count_others(replica))
         self._query_seconds["/query"].observe(time.perf_counter() - started)
         return response
+
+    def answer_plain(self, head: Head, body: bytes, transport: Any) -> bytes | None:
+        """A plain ``/query``'s whole answer, from C (``conductor.plain_query``), counted as
+        the handler counts one; None for any other request, which the handler answers."""
+        started = time.perf_counter()
+        headers = head.headers
+        cpp = head.content_type == MSGPACK
+        if (
+            head.path != "/query"
+            or any(name in headers for name in _NOT_PLAIN_HEADERS)
+            or (not cpp and MSGPACK in headers.get("Accept", ""))
+            or self.routed.holds_any()
+        ):
+            return None
+        try:
+            self.options.auth.check(head)
+        except Unauthorized:
+            return None  # the handler refuses it, and logs so
+        query = self._plain_query(cpp, body)
+        if query is None or query.instance_id is not None:
+            return None
+        if len(query.token_ids) // 4 > self.options.limits.max_query_tokens:
+            return None
+        fleet = self.table.plain_fleet(query.context_key())
+        dialect = _CPP_PLAIN if cpp else _GO_PLAIN
+        plan = plain_plan(fleet, dialect) if fleet is not None else None
+        if plan is None:
+            return None
+        hits_only = headers.get(HITS_ONLY_HEADER) == "1"
+        answer = plan.answer(query.token_ids, salt_root(query.cache_salt or ""), hits_only)
+        if answer is None:
+            return None
+        self._count("/query", 200)
+        self.metrics.plain_queries.inc()
+        self._query_seconds["/query"].observe(time.perf_counter() - started)
+        if self.options.guard is not None:
+            self.options.guard.request_done(transport)
+        return answer_head(200, dialect.headers, len(answer), head.keep_alive) + answer
+
+    def _plain_query(self, cpp: bool, body: bytes) -> QueryRequest | None:
+        """The body, if the fast readers take it whole (else the handler reads it)."""
+        if cpp:
+            items = self.options.limits.item_limits.get("/query")
+            return _plain_msgpack(body, QueryRequest, items) if items else None
+        try:
+            return QueryRequest.from_plain_json(body)
+        except ValidationError:
+            return None
 
     def _with_routed(
         self, body: QueryRequest, matches: dict[str, InstanceMatch]
@@ -915,14 +984,18 @@ class ConductorApi:
         except Exception:
             log.exception("unhandled error on %s %s", request.method, request.path)
             response = _refusal(request, ApiError(500, "internal error"))
-        counter = self._answered.get((route, response.status))
-        if counter is None:  # labels() costs a few µs a request; routes x statuses are few
-            counter = self.metrics.http_requests.labels(route, str(response.status))
-            self._answered[(route, response.status)] = counter
-        counter.inc()
+        self._count(route, response.status)
         if self.options.guard is not None:
             self.options.guard.request_done(request.transport)
         return response
+
+    def _count(self, route: str, status: int) -> None:
+        counter = self._answered.get((route, status))
+        if counter is None:  # labels() costs a few µs a request; routes x statuses are few
+            counter = self._answered[(route, status)] = self.metrics.http_requests.labels(
+                route, str(status)
+            )
+        counter.inc()
 
     async def answer_lane(self, request: LaneRequest) -> web.Response:
         """A query the lane read (``conductor.query_lane``), answered as aiohttp would."""
@@ -938,6 +1011,7 @@ class ConductorApi:
             limits = self.options.limits
             settings = self._lane_settings = LaneSettings(
                 self.answer_lane,
+                self.answer_plain,
                 runner.server,  # type: ignore[arg-type]  # set up before any connection
                 limits.body_bytes,
                 limits.body_timeout_s,

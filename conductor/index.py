@@ -161,6 +161,21 @@ class InstanceMatch:
 
 
 @dataclass(frozen=True, slots=True)
+class PlainFleet:
+    """A context whose plain queries C answers whole (``conductor.plain_query``): Go prefix
+    hashes, no pool, every instance one engine slot, all of one DP rank. It lasts as long
+    as the context's slots do (a slot coming or going makes a new one)."""
+
+    blocks: ContextBlocks
+    tenant: str
+    rank: int
+    names: tuple[str, ...]  # the instances, in instance-id order
+    bits: tuple[int, ...]  # the slot index of each
+    # what conductor.plain_query made of it, by dialect: dropped with it
+    plans: dict[object, object] = field(default_factory=dict)
+
+
+@dataclass(frozen=True, slots=True)
 class _Engines:
     """A context's engine slots as queries see them."""
 
@@ -175,6 +190,7 @@ class _Engines:
     # that rank, and each slot index's instance id ("": no engine slot)
     uniform_rank: int | None
     names: list[str]
+    plain: PlainFleet | None  # see PlainFleet
 
 
 class _Slot:
@@ -493,8 +509,17 @@ class PrefixContext:
                 for index, (instance_id, _) in single.items():
                     names[index] = instance_id
             rank = single_ranks.pop() if uniform else None
-            self._engines = _Engines(mask, masks, zero, single, rank, names)
+            plain = None
+            if rank is not None and self.profile is None and not self.pool_mask:
+                ordered = sorted((name, index) for index, (name, _) in single.items())
+                names_in_order = tuple(name for name, _ in ordered)
+                indices = tuple(index for _, index in ordered)
+                plain = PlainFleet(self._state, self.key.tenant_id, rank, names_in_order, indices)
+            self._engines = _Engines(mask, masks, zero, single, rank, names, plain)
         return self._engines
+
+    def plain_fleet(self) -> PlainFleet | None:
+        return self._engine_set().plain
 
     def _holders(self, prefix_hash: PrefixHash) -> int:
         """The bits of the slots that hold this block on some tier, through a pool too."""
@@ -1032,6 +1057,11 @@ class PrefixCacheTable:
         if context is None:
             return None
         return context.match(context.query_hashes(token_ids, salt), instance_id)
+
+    def plain_fleet(self, context_key: ContextKey) -> PlainFleet | None:
+        """The context's ``PlainFleet``; None when its queries are not plain, or it is unknown."""
+        context = self.contexts.get(context_key)
+        return None if context is None else context.plain_fleet()
 
     def match_prefix_hashes(
         self,

@@ -12,7 +12,7 @@ connection to aiohttp, which answers it as it always did (its errors included).
 from __future__ import annotations
 
 import re
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from http import HTTPStatus
 from typing import Any, Protocol
@@ -34,16 +34,21 @@ _REASONS = {status.value: status.phrase for status in HTTPStatus}
 DEFAULT_CONTENT_TYPE = "application/octet-stream"  # aiohttp's, for a body without one
 
 
-class ApiRequest(Protocol):
+class RequestHead(Protocol):
+    """What a request's checks read before its body: a ``Head`` has it too."""
+
+    @property
+    def path(self) -> str: ...
+    @property
+    def headers(self) -> Mapping[str, str]: ...
+
+
+class ApiRequest(RequestHead, Protocol):
     """What the query routes and their checks read of a request: aiohttp's
     ``web.Request``, or the lane's ``LaneRequest``."""
 
     @property
     def method(self) -> str: ...
-    @property
-    def path(self) -> str: ...
-    @property
-    def headers(self) -> Mapping[str, str]: ...
     @property
     def content_type(self) -> str: ...
     @property
@@ -118,13 +123,20 @@ def parse_head(head: bytes) -> Head | None:
     return Head(target.decode("ascii"), CIMultiDictProxy(headers), media_type, length, keep_alive)
 
 
+def answer_head(
+    status: int, headers: Iterable[tuple[str, str]], length: int, keep_alive: bool
+) -> bytes:
+    """An answer's head: its status, ``headers`` and the body's ``length``."""
+    lines = [f"HTTP/1.1 {status} {_REASONS.get(status, 'Unknown')}"]
+    lines += [f"{name}: {value}" for name, value in headers]
+    lines.append(f"Content-Length: {length}")
+    if not keep_alive:
+        lines.append("Connection: close")
+    return ("\r\n".join(lines) + "\r\n\r\n").encode("latin-1")
+
+
 def answer_bytes(response: web.Response, keep_alive: bool) -> bytes:
     """``response`` as HTTP/1.1 bytes: its status, headers and body, with its length."""
     body = response.body
     assert isinstance(body, bytes), "the query handlers answer with bytes"
-    lines = [f"HTTP/1.1 {response.status} {_REASONS.get(response.status, 'Unknown')}"]
-    lines += [f"{name}: {value}" for name, value in response.headers.items()]
-    lines.append(f"Content-Length: {len(body)}")
-    if not keep_alive:
-        lines.append("Connection: close")
-    return ("\r\n".join(lines) + "\r\n\r\n").encode("latin-1") + body
+    return answer_head(response.status, response.headers.items(), len(body), keep_alive) + body

@@ -175,6 +175,12 @@ class ConductorMetrics:
         self.http_requests = counter(
             "conductor_http_requests_total", "HTTP requests answered", ("route", "status")
         )
+        self.plain_queries = Counter(
+            "conductor_plain_queries_total",
+            "Queries answered from the index straight to their bytes, in C (conductor."
+            "plain_query); the others of conductor_http_requests_total went the general way",
+            registry=registry,
+        )
         self.services = Gauge(
             "conductor_registered_services", "Registered event streams", registry=registry
         )

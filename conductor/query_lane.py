@@ -1,13 +1,15 @@
 """A connection's protocol: the query routes answered directly, the rest by aiohttp.
 
 Each connection starts in the lane. A request ``lane_http.parse_head`` accepts is read
-whole and answered by the API's own handler (``ConductorApi.answer_lane``: the same
-checks, errors, metrics and dialects as through aiohttp); requests on a connection are
-answered one after the other, in order. At the first request the lane does not serve
-(another route, a body too large, chunked, malformed), the connection goes to aiohttp's
-protocol for good, with every byte not yet answered, so aiohttp answers it exactly as it
-would have from the start. A router keeps its query connections apart
-(``router.conductor_client``), so they stay in the lane.
+whole and answered at once if it is a plain query (``ConductorApi.answer_plain``, from C:
+``conductor.plain_query``), else by the API's own handler (``ConductorApi.answer_lane``:
+the same checks, errors, metrics and dialects as through aiohttp); requests on a
+connection are answered one after the other, in order (a long pipeline of plain queries
+``PLAIN_AT_ONCE`` a round of the loop, so ingest gets its turns). At the first request
+the lane does not serve (another route, a body too large, chunked, malformed), the
+connection goes to aiohttp's protocol for good, with every byte not yet answered, so
+aiohttp answers it exactly as it would have from the start. A router keeps its query
+connections apart (``router.conductor_client``), so they stay in the lane.
 """
 
 from __future__ import annotations
@@ -24,15 +26,19 @@ from .lane_http import HEAD_END, MAX_HEAD_BYTES, Head, LaneRequest, answer_bytes
 
 log = logging.getLogger(__name__)
 PAUSE_BUFFER_BYTES = 4 * 1024 * 1024  # pipelined bytes held while a request is answered
+PLAIN_AT_ONCE = 16  # pipelined plain queries answered in one go: then the loop's other work
 
 Answerer = Callable[[LaneRequest], Awaitable[web.Response]]
+# a plain query's whole answer, given its head, body and connection; None: not plain
+PlainAnswerer = Callable[[Head, bytes, asyncio.Transport], bytes | None]
 
 
 @dataclass(frozen=True)
 class LaneSettings:
-    """What the lane needs of the API: its answerer, aiohttp's protocol, the limits."""
+    """What the lane needs of the API: its answerers, aiohttp's protocol, the limits."""
 
     answer: Answerer
+    answer_plain: PlainAnswerer
     aiohttp_protocol: Callable[[], asyncio.Protocol]
     body_limit: Callable[[str], int]
     body_timeout_s: float
@@ -53,6 +59,7 @@ class QueryLane(asyncio.Protocol):
         # a head whose body is still arriving, and where that body starts in the buffer
         self._waiting_body: tuple[Head, int] | None = None
         self._timer: asyncio.TimerHandle | None = None
+        self._later: asyncio.Handle | None = None  # the rest of a long pipeline, next round
 
     # -- asyncio.Protocol ------------------------------------------------------------------
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
@@ -66,7 +73,7 @@ class QueryLane(asyncio.Protocol):
             self.inner.data_received(data)
             return
         self.buffer += data
-        if self.answering is None:
+        if self.answering is None and self._later is None:
             self._next()
         elif len(self.buffer) > PAUSE_BUFFER_BYTES and not self.paused:
             self.paused = True
@@ -80,6 +87,8 @@ class QueryLane(asyncio.Protocol):
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._disarm()
+        if self._later is not None:
+            self._later.cancel()
         if self.inner is not None:
             self.inner.connection_lost(exc)
         elif self.answering is not None:
@@ -95,7 +104,31 @@ class QueryLane(asyncio.Protocol):
 
     # -- the lane ----------------------------------------------------------------------------
     def _next(self) -> None:
-        """Answer the buffer's first request if it is whole; hand over if it is not ours."""
+        """Answer the buffer's whole requests in order: a plain query at once, any other
+        by the answerer's task (the next waits for it); hand over at one not ours."""
+        for _ in range(PLAIN_AT_ONCE):
+            if not self.buffer or self.answering is not None or self.inner is not None:
+                return
+            request = self._take()
+            if request is None:
+                return
+            head, body = request
+            assert self.transport is not None
+            answer = self.settings.answer_plain(head, body, self.transport)
+            if answer is None:
+                self._start(head, body)
+            elif not self._written(answer, head.keep_alive):
+                return
+        if self.buffer and self.answering is None and self.inner is None:
+            self._later = asyncio.get_running_loop().call_soon(self._go_on)
+
+    def _go_on(self) -> None:
+        self._later = None
+        self._next()
+
+    def _take(self) -> tuple[Head, bytes] | None:
+        """The buffer's first request if it is whole (taken out of it); None if it is not
+        (yet), or not ours (then handed over)."""
         if self._waiting_body is not None:  # its head was read already
             head, start = self._waiting_body
         else:
@@ -103,22 +136,22 @@ class QueryLane(asyncio.Protocol):
             if end < 0:
                 if len(self.buffer) > MAX_HEAD_BYTES:
                     self._hand_over()
-                return
+                return None
             parsed = parse_head(bytes(self.buffer[:end]))
             if parsed is None or parsed.length > self.settings.body_limit(parsed.path):
                 self._hand_over()
-                return
+                return None
             head, start = parsed, end + len(HEAD_END)
         if len(self.buffer) - start < head.length:
             if self._waiting_body is None:  # the rest of the body, within the timeout
                 self._waiting_body = head, start
                 self._arm(self.settings.body_timeout_s)
-            return
+            return None
         self._disarm()
         self._waiting_body = None
         body = bytes(self.buffer[start : start + head.length])
         del self.buffer[: start + head.length]
-        self._start(head, body)
+        return head, body
 
     def _start(self, head: Head, body: bytes | None) -> None:
         request = LaneRequest(
@@ -137,19 +170,23 @@ class QueryLane(asyncio.Protocol):
         finally:
             self.answering = None
         keep_alive = request.keep_alive and response.keep_alive is not False
+        if self._written(answer_bytes(response, keep_alive), keep_alive):
+            self._next()
+
+    def _written(self, answer: bytes, keep_alive: bool) -> bool:
+        """``answer`` sent; whether the connection stays for the next request."""
         assert self.transport is not None
         if self.transport.is_closing():
-            return
-        self.transport.write(answer_bytes(response, keep_alive))
+            return False
+        self.transport.write(answer)
         if not keep_alive:
             self._close()
-            return
+            return False
         if self.paused:
             self.paused = False
             self.transport.resume_reading()
         self._arm(self.settings.keepalive_timeout_s)
-        if self.buffer:
-            self._next()
+        return True
 
     def _hand_over(self) -> None:
         """From now on aiohttp serves this connection, from the first unanswered byte."""

@@ -92,6 +92,10 @@ class RoutedPrompts:
     def __len__(self) -> int:
         return sum(len(reports) for reports in self._by_first.values())
 
+    def holds_any(self) -> bool:
+        """Whether a report is held: ``match`` finds none while none is."""
+        return bool(self._by_first)
+
     def add(self, request: RoutedRequest) -> bool:
         """Record a report; False when its prompt has no complete block (nothing to share)."""
         key = request.context_key()

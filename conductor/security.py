@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from aiohttp import web
 
 from .config import Registration
-from .lane_http import ApiRequest
+from .lane_http import RequestHead
 
 # what changes the index or the answers (/routed: a routed prompt counts as a hit for a
 # while; /loads: a replica's load is in the other replicas' answers)
@@ -56,7 +56,7 @@ class BearerAuth:
             return False
         return self.all_routes or path in MUTATING_ROUTES
 
-    def check(self, request: ApiRequest) -> None:
+    def check(self, request: RequestHead) -> None:
         if not self.required(request.path):
             return
         scheme, _, given = request.headers.get("Authorization", "").partition(" ")

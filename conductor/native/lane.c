@@ -299,9 +299,7 @@ void apply_steps(const LaneTask *task, Py_ssize_t max_blocks, Applied *applied) 
         for (size_t k = 0; k < e->hash_count && !applied->fault.kind;) {
             size_t first = k;
             for (; k < e->hash_count && k - first < HOLD_CHUNK; k++) {
-                put_le64(buffer, chain);
-                memcpy(buffer + 8, tokens + k * step, step);
-                chains[k - first] = chain = xxh64(buffer, 8 + step, 0);
+                chains[k - first] = chain = block_hash(chain, tokens + k * step, step, buffer);
             }
             hold_blocks(gpu, hashes + first, chains, (Py_ssize_t)(k - first), &applied->fault);
         }

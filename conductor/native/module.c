@@ -18,6 +18,7 @@
  *              the GIL, under each context's mutex (sync.h)
  *   decode.c   the Python decoders' helpers: hashes normalized, token ids read in place
  *   json.c     a JSON prompt's token ids read in place
+ *   answer.c   QueryPlan: the plain query's answer, from the index to its bytes
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -28,6 +29,7 @@ int maps_exec(PyObject *module);  /* HashMap, MaskMap */
 int blocks_exec(PyObject *module);  /* ContextBlocks, Holdings */
 int lane_exec(PyObject *module);  /* PackedBatch */
 int ingest_exec(PyObject *module);  /* IngestThread */
+int answer_exec(PyObject *module);  /* QueryPlan */
 
 static int native_exec(PyObject *module) {
     PyMethodDef *functions[] = {hashing_methods, lane_methods, decode_methods, json_methods};
@@ -35,7 +37,7 @@ static int native_exec(PyObject *module) {
         if (PyModule_AddFunctions(module, functions[i]) < 0) return -1;
     }
     return maps_exec(module) < 0 || blocks_exec(module) < 0 || lane_exec(module) < 0
-                   || ingest_exec(module) < 0
+                   || ingest_exec(module) < 0 || answer_exec(module) < 0
                ? -1
                : 0;
 }

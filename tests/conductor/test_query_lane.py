@@ -23,6 +23,7 @@ from tests.support.wire_publisher import stored
 BLOCK = 4
 TOKENS = list(range(1, 9))  # two blocks
 QUERY = {"model": "m", "block_size": BLOCK, "token_ids": TOKENS}
+PACKED = b"".join(token.to_bytes(4, "little") for token in TOKENS)  # as the router sends them
 
 
 def request(
@@ -99,6 +100,10 @@ async def pair(conductor_factory, http, publisher_factory):
 SAME_ANSWERS = {
     "a hit, JSON": as_json(QUERY),
     "a hit, msgpack": as_msgpack(QUERY),
+    "a hit, msgpack, tokens packed": as_msgpack({**QUERY, "token_ids": PACKED}),
+    "only hits, msgpack": as_msgpack(
+        {**QUERY, "token_ids": PACKED}, extra="X-Conductor-Hits-Only: 1\r\n"
+    ),
     "only hits": as_json(QUERY, extra="X-Conductor-Hits-Only: 1\r\n"),
     "one instance": as_json({**QUERY, "instance_id": "engine-a"}),
     "no context": as_json({**QUERY, "block_size": 16}),
@@ -158,6 +163,24 @@ async def test_pipelined_and_split_requests_are_answered_in_order(pair):
         for _, _, body in (first, second, third)
     ]
     assert matched == [8, 4, 4]
+
+
+async def test_many_pipelined_plain_queries_are_answered_in_order_and_counted(pair, http):
+    """Plain queries are answered at once, in a loop over the buffer: a thousand in one
+    write must neither recurse nor reorder."""
+    with_lane, _ = pair
+    plain = "conductor_plain_queries_total"
+    before = await metric(http, with_lane.url, plain)
+    one, other = as_json(QUERY), as_json({**QUERY, "token_ids": TOKENS[:4]})
+    reader, writer = await asyncio.open_connection("127.0.0.1", port_of(with_lane))
+    writer.write((one + other) * 500)
+    matched = []
+    for _ in range(1000):
+        _, headers, body = await read_answer(reader)
+        matched.append(json.loads(body)["default"]["engine-a"]["longest_matched"])
+    writer.close()
+    assert matched == [8, 4] * 500
+    assert await metric(http, with_lane.url, plain) == before + 1000
 
 
 @pytest.mark.parametrize(

@@ -1,0 +1,299 @@
+/* The plain query's answer, from the index straight to its bytes (conductor.plain_query).
+ *
+ * Why: answering a 1-block query in Python (validation, the match's objects, the answer's
+ * dicts, their encoding) cost ~80 µs of CPU in the service, more than the kernel's own
+ * work on the request, as the interpreter runs it cold between two requests. For the usual
+ * context (Go prefix hashes, no pool, every instance one engine slot of one DP rank, blocks
+ * on the GPU tier only) an instance's answer is one number, the tokens its slot holds in a
+ * row from the prompt's start: a QueryPlan walks the GPU tier's masks for those and writes
+ * each instance's answer from templates the service's own encoders made
+ * (conductor.plain_query), so both ways answer alike byte for byte (the tests compare them).
+ */
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+#include <stdint.h>
+#include <string.h>
+
+#include "blocks.h"
+#include "hashing.h"
+#include "maps.h"
+#include "masks.h"
+
+typedef struct {
+    PyObject_HEAD
+    ContextBlocks *context;
+    Py_ssize_t count;  /* instances, in the answer's order */
+    size_t *bits;  /* each instance's slot bit */
+    PyObject *names;  /* a tuple of bytes: each instance's key, as written before its value */
+    PyObject *parts;  /* a tuple of bytes: the value's template, cut where a number goes */
+    PyObject *opener, *closer;  /* bytes: what the answer starts and ends with */
+    int msgpack;  /* numbers and the map's length in msgpack; else JSON, entries by commas */
+    size_t words;  /* of the widest slot bit */
+} QueryPlan;
+
+static void plan_dealloc(QueryPlan *self) {
+    Py_XDECREF(self->context);
+    Py_XDECREF(self->names);
+    Py_XDECREF(self->parts);
+    Py_XDECREF(self->opener);
+    Py_XDECREF(self->closer);
+    PyMem_Free(self->bits);
+    Py_TYPE(self)->tp_free((PyObject *)self);
+}
+
+static int all_bytes(PyObject *tuple, const char *what) {
+    for (Py_ssize_t i = 0; i < PyTuple_GET_SIZE(tuple); i++) {
+        if (!PyBytes_Check(PyTuple_GET_ITEM(tuple, i))) {
+            PyErr_Format(PyExc_TypeError, "%s must be bytes", what);
+            return -1;
+        }
+    }
+    return 0;
+}
+
+static int plan_init(QueryPlan *self, PyObject *args, PyObject *kwargs) {
+    static char *keywords[] = {"context", "bits", "names", "parts", "opener", "closer",
+                               "msgpack", NULL};
+    ContextBlocks *context;
+    PyObject *bits, *names, *parts, *opener, *closer;
+    int msgpack;
+    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "O!OO!O!SSp:QueryPlan", keywords,
+                                     &ContextBlocksType, &context, &bits, &PyTuple_Type, &names,
+                                     &PyTuple_Type, &parts, &opener, &closer, &msgpack)) {
+        return -1;
+    }
+    if (self->context != NULL) {
+        PyErr_SetString(PyExc_TypeError, "a QueryPlan is made once");
+        return -1;
+    }
+    PyObject *seq = PySequence_Fast(bits, "bits must be a sequence of slot bits");
+    if (seq == NULL) return -1;
+    Py_ssize_t count = PySequence_Fast_GET_SIZE(seq);
+    if (count != PyTuple_GET_SIZE(names) || PyTuple_GET_SIZE(parts) < 1
+        || all_bytes(names, "names") < 0 || all_bytes(parts, "parts") < 0) {
+        if (!PyErr_Occurred())
+            PyErr_SetString(PyExc_ValueError, "a name for each bit, a template of one part or more");
+        Py_DECREF(seq);
+        return -1;
+    }
+    self->bits = PyMem_Calloc(count > 0 ? (size_t)count : 1, sizeof(size_t));
+    if (self->bits == NULL) {
+        Py_DECREF(seq);
+        PyErr_NoMemory();
+        return -1;
+    }
+    self->words = 1;
+    for (Py_ssize_t i = 0; i < count; i++) {
+        size_t bit = PyLong_AsSize_t(PySequence_Fast_GET_ITEM(seq, i));
+        if (bit == (size_t)-1 && PyErr_Occurred()) {
+            Py_DECREF(seq);
+            return -1;
+        }
+        if (bit > (size_t)1 << 24) {
+            Py_DECREF(seq);
+            PyErr_SetString(PyExc_ValueError, "a slot bit is 2**24 at most");
+            return -1;
+        }
+        self->bits[i] = bit;
+        if (bit / 64 + 1 > self->words) self->words = bit / 64 + 1;
+    }
+    Py_DECREF(seq);
+    self->count = count;
+    self->context = (ContextBlocks *)Py_NewRef(context);
+    self->names = Py_NewRef(names);
+    self->parts = Py_NewRef(parts);
+    self->opener = Py_NewRef(opener);
+    self->closer = Py_NewRef(closer);
+    self->msgpack = msgpack;
+    return 0;
+}
+
+/* ``value`` as msgpack writes an unsigned int (the shortest form), or in decimal. */
+static char *put_number(char *out, uint64_t value, int msgpack) {
+    if (!msgpack) {
+        char digits[20];
+        int n = 0;
+        do digits[n++] = (char)('0' + value % 10);
+        while ((value /= 10) != 0);
+        while (n) *out++ = digits[--n];
+        return out;
+    }
+    int bytes;
+    if (value < 0x80) {
+        *out++ = (char)value;
+        return out;
+    }
+    if (value <= 0xff) {
+        *out++ = (char)0xcc;
+        bytes = 1;
+    } else if (value <= 0xffff) {
+        *out++ = (char)0xcd;
+        bytes = 2;
+    } else if (value <= 0xffffffff) {
+        *out++ = (char)0xce;
+        bytes = 4;
+    } else {
+        *out++ = (char)0xcf;
+        bytes = 8;
+    }
+    for (int i = bytes - 1; i >= 0; i--) *out++ = (char)(value >> (8 * i));
+    return out;
+}
+
+/* A msgpack map's length, in the shortest form. */
+static char *put_map_length(char *out, size_t count) {
+    if (count < 16) {
+        *out++ = (char)(0x80 | count);
+    } else if (count <= 0xffff) {
+        *out++ = (char)0xde;
+        *out++ = (char)(count >> 8);
+        *out++ = (char)count;
+    } else {
+        *out++ = (char)0xdf;
+        for (int i = 3; i >= 0; i--) *out++ = (char)(count >> (8 * i));
+    }
+    return out;
+}
+
+static char *put_bytes(char *out, PyObject *bytes) {
+    memcpy(out, PyBytes_AS_STRING(bytes), (size_t)PyBytes_GET_SIZE(bytes));
+    return out + PyBytes_GET_SIZE(bytes);
+}
+
+/* Each slot's blocks held in a row from the prompt's start, in ``held_at`` (by bit): the
+ * blocks of ``tokens`` hashed one by one from ``root`` while some slot still holds them.
+ * The context's mutex is held. */
+static void walk_blocks(QueryPlan *self, const uint8_t *tokens, Py_ssize_t blocks,
+                        uint64_t root, uint8_t *buffer, uint64_t *alive, uint32_t *held_at) {
+    Map *gpu = self->context->tiers[0];
+    size_t words = self->words, step = 4 * (size_t)self->context->block_size;
+    uint64_t chain = root;
+    Py_ssize_t position = 0;
+    for (; position < blocks; position++) {
+        chain = block_hash(chain, tokens + position * step, step, buffer);
+        const uint64_t *mask = map_value_of(gpu, chain), *held = NULL;
+        size_t known = mask != NULL ? mask_words(mask, &held) : 0;
+        uint64_t any_alive = 0;
+        for (size_t w = 0; w < words; w++) {
+            uint64_t holders = w < known ? held[w] : 0;
+            for (uint64_t stopped = alive[w] & ~holders; stopped; stopped &= stopped - 1)
+                held_at[w * 64 + __builtin_ctzll(stopped)] = (uint32_t)position;
+            alive[w] &= holders;
+            any_alive |= alive[w];
+        }
+        if (!any_alive) return;
+    }
+    for (size_t w = 0; w < words; w++) {
+        for (uint64_t left = alive[w]; left; left &= left - 1)
+            held_at[w * 64 + __builtin_ctzll(left)] = (uint32_t)position;
+    }
+}
+
+/* The answer's bytes: each instance (with a hit, given ``hits_only``) and its tokens. */
+static PyObject *write_answer(QueryPlan *self, const uint32_t *held_at, int hits_only) {
+    Py_ssize_t parts = PyTuple_GET_SIZE(self->parts), written = 0;
+    size_t template = 0, size = 0;
+    for (Py_ssize_t p = 0; p < parts; p++)
+        template += (size_t)PyBytes_GET_SIZE(PyTuple_GET_ITEM(self->parts, p));
+    template += (size_t)(parts - 1) * 20 + 1;  /* a number's digits at most, a comma */
+    for (Py_ssize_t i = 0; i < self->count; i++) {
+        if (hits_only && held_at[self->bits[i]] == 0) continue;
+        size += (size_t)PyBytes_GET_SIZE(PyTuple_GET_ITEM(self->names, i)) + template;
+        written++;
+    }
+    size += (size_t)PyBytes_GET_SIZE(self->opener) + (size_t)PyBytes_GET_SIZE(self->closer) + 5;
+    PyObject *answer = PyBytes_FromStringAndSize(NULL, (Py_ssize_t)size);
+    if (answer == NULL) return NULL;
+    char *out = put_bytes(PyBytes_AS_STRING(answer), self->opener);
+    if (self->msgpack) out = put_map_length(out, (size_t)written);
+    int first = 1;
+    for (Py_ssize_t i = 0; i < self->count; i++) {
+        uint64_t blocks = held_at[self->bits[i]];
+        if (hits_only && blocks == 0) continue;
+        if (!self->msgpack && !first) *out++ = ',';
+        first = 0;
+        out = put_bytes(out, PyTuple_GET_ITEM(self->names, i));
+        uint64_t tokens = blocks * (uint64_t)self->context->block_size;
+        for (Py_ssize_t p = 0; p < parts; p++) {
+            if (p) out = put_number(out, tokens, self->msgpack);
+            out = put_bytes(out, PyTuple_GET_ITEM(self->parts, p));
+        }
+    }
+    out = put_bytes(out, self->closer);
+    if (_PyBytes_Resize(&answer, out - PyBytes_AS_STRING(answer)) < 0) return NULL;
+    return answer;
+}
+
+PyDoc_STRVAR(plan_answer_doc,
+"answer(tokens, root, hits_only, /)\n--\n\n"
+"The answer's bytes for a prompt (``tokens``: int32 little-endian bytes) whose prefix\n"
+"hashes chain from ``root``: each instance's tokens held in a row on the GPU tier; only\n"
+"those with a hit given ``hits_only``. None when the context holds blocks on another tier,\n"
+"which the general way then answers.");
+
+static PyObject *plan_answer(QueryPlan *self, PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs != 3) {
+        return PyErr_Format(PyExc_TypeError, "answer takes 3 arguments (%zd given)", nargs);
+    }
+    if (!PyBytes_Check(args[0])) {
+        return PyErr_Format(PyExc_TypeError, "tokens must be bytes, not %.60R", args[0]);
+    }
+    uint64_t root = PyLong_AsUnsignedLongLongMask(args[1]);
+    if (root == (uint64_t)-1 && PyErr_Occurred()) return NULL;
+    int hits_only = PyObject_IsTrue(args[2]);
+    if (hits_only < 0) return NULL;
+    ContextBlocks *context = self->context;
+    Py_ssize_t step = 4 * context->block_size;
+    Py_ssize_t blocks = step > 0 ? PyBytes_GET_SIZE(args[0]) / step : 0;
+    size_t slots = self->words * 64;
+    uint8_t stack[8 + 4 * 64];
+    uint8_t *buffer = step <= 4 * 64 ? stack : PyMem_Malloc(8 + (size_t)step);
+    uint64_t *alive = PyMem_Calloc(self->words, sizeof(uint64_t));
+    uint32_t *held_at = PyMem_Calloc(slots, sizeof(uint32_t));
+    PyObject *answer = NULL;
+    if (buffer == NULL || alive == NULL || held_at == NULL) {
+        PyErr_NoMemory();
+        goto done;
+    }
+    for (Py_ssize_t i = 0; i < self->count; i++) alive[self->bits[i] / 64] |= 1ULL << self->bits[i] % 64;
+    sync_lock(context->sync);
+    int other_tiers = map_length(context->tiers[1]) || map_length(context->tiers[2]);
+    if (!other_tiers) {
+        walk_blocks(self, (const uint8_t *)PyBytes_AS_STRING(args[0]), blocks, root, buffer,
+                    alive, held_at);
+    }
+    sync_unlock(context->sync);
+    answer = other_tiers ? Py_NewRef(Py_None) : write_answer(self, held_at, hits_only);
+done:
+    if (buffer != stack) PyMem_Free(buffer);
+    PyMem_Free(alive);
+    PyMem_Free(held_at);
+    return answer;
+}
+
+static PyMethodDef plan_methods[] = {
+    {"answer", (PyCFunction)(void (*)(void))plan_answer, METH_FASTCALL, plan_answer_doc},
+    {NULL, NULL, 0, NULL},
+};
+
+PyTypeObject QueryPlanType = {
+    PyVarObject_HEAD_INIT(NULL, 0)
+    .tp_name = "conductor._native.QueryPlan",
+    .tp_doc = PyDoc_STR(
+        "QueryPlan(context, bits, names, parts, opener, closer, msgpack)\n--\n\n"
+        "How to answer a plain query of a context (a ContextBlocks) whose instances each\n"
+        "own one slot (``bits``, in the answer's order): ``names`` (each instance's key, as\n"
+        "written), ``parts`` (an instance's value cut where its tokens go), the answer's\n"
+        "``opener`` and ``closer``, in msgpack or JSON."),
+    .tp_basicsize = sizeof(QueryPlan),
+    .tp_flags = Py_TPFLAGS_DEFAULT,
+    .tp_new = PyType_GenericNew,
+    .tp_init = (initproc)plan_init,
+    .tp_dealloc = (destructor)plan_dealloc,
+    .tp_methods = plan_methods,
+};
+
+int answer_exec(PyObject *module) {
+    if (PyType_Ready(&QueryPlanType) < 0) return -1;
+    return PyModule_AddObjectRef(module, "QueryPlan", (PyObject *)&QueryPlanType);
+}

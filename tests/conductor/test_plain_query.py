@@ -1,0 +1,235 @@
+"""The plain query's answer from C (conductor.plain_query) is the handler's, byte for byte.
+
+Random fleets (one to seventy instances, so owner masks wider than a word too; one DP rank
+or several; a pool; blocks on the CPU tier; holes left by removals) are queried with random
+prompts, salts, contexts and headers, in JSON and in msgpack; wherever the plain path
+answers, its bytes must be those of the handler's answer to the same request (the real
+index and API, in-process: the lane's tests compare both over sockets).
+"""
+
+from __future__ import annotations
+
+import json
+import random
+from dataclasses import dataclass
+from typing import Any
+
+import msgpack
+import pytest
+
+from conductor.api import ApiOptions, ConductorApi, HttpLimits
+from conductor.index import PrefixCacheTable, StreamSource
+from conductor.kv_store_watch import StoreWatch
+from conductor.lane_http import LaneRequest, answer_bytes, parse_head
+from conductor.manager import ServiceManager
+from conductor.metrics import ConductorMetrics
+from conductor.routed import RoutedRequest
+from conductor.security import BearerAuth, EndpointAllowlist
+from conductor.stream_limits import StreamLimits
+from conductor.wire.events import BlockRemoved, BlockStored, EventBatch, Tier
+
+MODEL = "m"
+HITS_ONLY = "X-Conductor-Hits-Only: 1\r\n"
+
+
+@dataclass
+class Fleet:
+    """A context's random fleet and what its queries may ask for."""
+
+    table: PrefixCacheTable
+    api: ConductorApi
+    block_size: int
+    prompts: list[list[int]]
+    plain: bool  # every query of its context must be answered plainly
+
+
+def make_api(table: PrefixCacheTable, token: str = "") -> ConductorApi:
+    metrics = ConductorMetrics(table)
+    manager = ServiceManager(
+        table, metrics, StoreWatch(table, metrics, str, 2.0), StreamLimits(), ingest_thread=False
+    )
+    return ConductorApi(
+        manager, ApiOptions(HttpLimits(), BearerAuth(token), EndpointAllowlist(allow_all=True))
+    )
+
+
+def source(instance: str, block_size: int, dp_rank: int = 0, pool: bool = False) -> StreamSource:
+    return StreamSource(
+        key=f"{instance}|default|{dp_rank}",
+        instance_id=instance,
+        tenant_id="default",
+        model_name=MODEL,
+        lora_name="",
+        block_size=block_size,
+        dp_rank=dp_rank,
+        shared_pool=pool,
+    )
+
+
+def random_fleet(rng: random.Random) -> Fleet:
+    block_size = rng.choice((1, 4, 16))
+    table = PrefixCacheTable()
+    base = [rng.randrange(-(2**31), 2**31) for _ in range(12 * block_size)]
+    prompts = [base, base[: 5 * block_size] + [7] * 7 * block_size, list(range(12 * block_size))]
+    rank = rng.choice((0, 0, 3))
+    several_ranks = rng.random() < 0.2
+    pool = rng.random() < 0.15
+    cpu_tier = rng.random() < 0.15
+    count = rng.choice((1, 2, 8, 40, 70))
+    sources = [source(f"engine-{i:02d}", block_size, rank) for i in range(count)]
+    if several_ranks:
+        sources.append(source("engine-00", block_size, rank + 1))
+    if pool:
+        sources.append(source("pool", block_size, pool=True))
+    for registered in sources:
+        table.add_stream(registered)
+    for registered in sources:
+        events: list[BlockStored | BlockRemoved] = []
+        for _ in range(rng.randrange(3)):
+            which = rng.randrange(len(prompts))
+            blocks = rng.randrange(1, 13)
+            hashes = [which * 1000 + b + 1 for b in range(blocks)]
+            tokens = prompts[which][: blocks * block_size]
+            tier = Tier.CPU if cpu_tier and rng.random() < 0.5 else None
+            events.append(BlockStored(hashes, None, tokens, block_size, tier))
+            if rng.random() < 0.3:  # a hole in the middle of the prefix
+                events.append(BlockRemoved([which * 1000 + rng.randrange(blocks) + 1], tier))
+        table.apply(registered.key, EventBatch(0.0, events, registered.dp_rank))
+    plain = not (several_ranks or pool or cpu_tier)
+    return Fleet(table, make_api(table), block_size, prompts, plain)
+
+
+def packed_tokens(tokens: list[int]) -> bytes:
+    """Token ids as the router and upstream's C++ proxy send them: int32 LE in a bin."""
+    return b"".join(token.to_bytes(4, "little", signed=True) for token in tokens)
+
+
+def raw_query(payload: dict[str, object], packed: bool, extra: str = "") -> bytes:
+    if packed:
+        body, kind = msgpack.packb(payload), "application/msgpack"
+    else:
+        body, kind = json.dumps(payload).encode(), "application/json"
+    head = f"POST /query HTTP/1.1\r\nHost: h\r\nContent-Type: {kind}\r\n"
+    return f"{head}Content-Length: {len(body)}\r\n{extra}\r\n".encode() + body
+
+
+async def both_ways(api: ConductorApi, raw: bytes) -> tuple[bytes | None, bytes]:
+    """The plain path's answer (None: declined) and the handler's, to the same request."""
+    end = raw.index(b"\r\n\r\n")
+    head = parse_head(raw[:end])
+    assert head is not None
+    body = raw[end + 4 :]
+    plain = api.answer_plain(head, body, None)  # type: ignore[arg-type]  # no guard here
+    request = LaneRequest(
+        "POST", head.path, head.headers, head.content_type, head.length, body, head.keep_alive,
+        None, "127.0.0.1",
+    )  # fmt: skip
+    return plain, answer_bytes(await api.answer_lane(request), head.keep_alive)
+
+
+def answer_of(raw: bytes) -> dict[str, Any]:
+    """A msgpack answer's body, decoded."""
+    return msgpack.unpackb(raw.partition(b"\r\n\r\n")[2])
+
+
+def random_query(rng: random.Random, fleet: Fleet) -> tuple[dict[str, object], bool, bool]:
+    """A query, whether its token ids are packed (msgpack), whether it asks the fleet's
+    own context plainly (else: another context, a salt, an instance, a header)."""
+    prompt = rng.choice(fleet.prompts)
+    tokens = prompt[: rng.randrange(len(prompt) + 1)]
+    packed = rng.random() < 0.5
+    payload: dict[str, object] = {"model": MODEL, "block_size": fleet.block_size}
+    payload["token_ids"] = packed_tokens(tokens) if packed else tokens
+    own = True
+    twist = rng.random()
+    if twist < 0.05:
+        payload["block_size"] = fleet.block_size + 1
+        own = False
+    elif twist < 0.10:
+        payload["cache_salt"] = "salted"  # no block was stored with it: no hit
+    elif twist < 0.15:
+        payload["instance_id"] = "engine-00"
+        own = False
+    elif twist < 0.20:
+        payload["tenant_id"] = ""  # the default tenant, as the handler reads it
+    return payload, packed, own
+
+
+@pytest.mark.parametrize("seed", range(6))
+async def test_plain_answers_are_the_handlers(seed: int) -> None:
+    rng = random.Random(seed)
+    answered = asked_plainly = 0
+    for _ in range(12):
+        fleet = random_fleet(rng)
+        for _ in range(25):
+            payload, packed, own = random_query(rng, fleet)
+            extra = HITS_ONLY if rng.random() < 0.5 else ""
+            plain, handler = await both_ways(fleet.api, raw_query(payload, packed, extra))
+            if plain is not None:
+                assert plain == handler, payload
+                answered += 1
+            if fleet.plain and own:
+                asked_plainly += 1
+                assert plain is not None, payload
+    print(f"{answered} answered plainly, {asked_plainly} of them had to be")
+    assert answered >= asked_plainly > 0
+
+
+@pytest.mark.parametrize(
+    "extra",
+    [
+        "X-Conductor-Tiers: gpu\r\n",
+        "X-Conductor-Progress: []\r\n",
+        "X-Conductor-Replica: r1\r\n",
+        "Accept: application/msgpack\r\n",
+        "Authorization: Bearer wrong\r\n",
+    ],
+)
+async def test_a_query_asking_for_more_goes_the_general_way(extra: str) -> None:
+    table = PrefixCacheTable()
+    table.add_stream(source("engine-a", 4))
+    api = make_api(table, token="secret")
+    api.options.auth = BearerAuth("secret", all_routes=True)
+    payload = {"model": MODEL, "block_size": 4, "token_ids": [1, 2, 3, 4]}
+    authorized = "Authorization: Bearer secret\r\n"
+    asked = extra if "Authorization" in extra else extra + authorized
+    plain, _ = await both_ways(api, raw_query(payload, False, asked))
+    assert plain is None
+    plain, handler = await both_ways(api, raw_query(payload, False, authorized))
+    assert plain == handler  # the same query, asking nothing more, is plain
+
+
+async def test_a_held_routed_prompt_or_wider_tiers_go_the_general_way() -> None:
+    table = PrefixCacheTable()
+    table.add_stream(source("engine-a", 4))
+    table.add_stream(source("engine-b", 4))
+    api = make_api(table)
+    tokens = [1, 2, 3, 4, 5, 6, 7, 8]
+    table.apply("engine-a|default|0", EventBatch(0.0, [BlockStored([1, 2], None, tokens, 4)]))
+    payload = {"model": MODEL, "block_size": 4, "token_ids": packed_tokens(tokens)}
+    plain, handler = await both_ways(api, raw_query(payload, True))
+    assert plain is not None and plain == handler
+    assert answer_of(plain)["instances"]["engine-a"]["longest_matched"] == 8
+
+    api.routed.add(RoutedRequest.model_validate({**payload, "instance_id": "engine-b"}))
+    plain, handler = await both_ways(api, raw_query(payload, True))
+    assert plain is None and answer_of(handler)["instances"]["engine-b"]["longest_matched"]
+
+    api.routed.forget("engine-b")
+    cpu = BlockStored([9], None, tokens[:4], 4, Tier.CPU)
+    table.apply("engine-b|default|0", EventBatch(0.0, [cpu]))
+    plain, handler = await both_ways(api, raw_query(payload, True))
+    assert plain is None and answer_of(handler)["instances"]["engine-b"]["cpu"] == 4
+
+
+async def test_plain_answers_are_counted() -> None:
+    table = PrefixCacheTable()
+    table.add_stream(source("engine-a", 4))
+    api = make_api(table)
+    payload = {"model": MODEL, "block_size": 4, "token_ids": [1, 2, 3, 4]}
+    for _ in range(3):
+        plain, _ = await both_ways(api, raw_query(payload, False))
+        assert plain is not None
+    metrics = api.metrics
+    assert metrics.plain_queries._value.get() == 3
+    assert metrics.http_requests.labels("/query", "200")._value.get() == 6  # both ways
