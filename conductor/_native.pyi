@@ -128,8 +128,11 @@ class QueryPlan:
         bits: Sequence[int],
         names: tuple[bytes, ...],
         parts: tuple[bytes, ...],
+        kinds: bytes,
         opener: bytes,
         closer: bytes,
         msgpack: bool,
     ) -> None: ...
-    def answer(self, tokens: bytes, root: int, hits_only: bool, /) -> bytes | None: ...
+    def answer(
+        self, tokens: bytes, root: int, hits_only: bool, minimum: Sequence[int] | None, /
+    ) -> tuple[bytes, int] | None: ...

@@ -63,7 +63,7 @@ from .hash_profile import HashProfile
 from .hashing import salt_root
 from .http_guard import CONNECTION_PROTOCOL, ConnectionGuard
 from .index import ContextKey, ContextView, InstanceMatch
-from .lane_http import LANE_ROUTES, ApiRequest, Head, LaneRequest, answer_head
+from .lane_http import LANE_ROUTES, ApiRequest, Head, LaneRequest, RequestHead, answer_head
 from .loads import (
     DEFAULT_WAIT_S,
     LEASE_HEADER,
@@ -503,8 +503,6 @@ _CPP_PLAIN = Dialect(
     True, _msgpack_encode, cpp_match, lambda _, answers: {"instances": answers},
     _content_headers(MSGPACK),
 )  # fmt: skip
-# a query with one of these asks for more than the plain answer
-_NOT_PLAIN_HEADERS = (TIERS_HEADER, REPLICA_HEADER, PROGRESS_HEADER)
 
 
 def _tiers(request: ApiRequest, default: frozenset[str]) -> frozenset[str]:
@@ -518,7 +516,7 @@ def _tiers(request: ApiRequest, default: frozenset[str]) -> frozenset[str]:
         raise ApiError(400, str(error), TIERS_HEADER, reason=INVALID_VALUE) from None
 
 
-def _lease_number(request: ApiRequest) -> int | None:
+def _lease_number(request: RequestHead) -> int | None:
     """A query's decision lease number (``conductor.loads``); None without one, a 400 for
     one that is not a number in range."""
     value = request.headers.get(LEASE_HEADER)
@@ -654,8 +652,9 @@ class ConductorApi:
         if matches is not None:
             matches = self._with_routed(body, matches)
         response = self._answer(request, body, matches)
-        if PROGRESS_HEADER in request.headers:
-            response.headers[INDEXED_UNTIL_HEADER] = self._progress(request, body.tenant_id)
+        progress = self._progress(request, body.tenant_id)
+        if progress is not None:
+            response.headers[INDEXED_UNTIL_HEADER] = progress
         if replica is not None:
             others = self.loads.others(replica, matches or ())
             response.headers[LOADS_HEADER] = loads_header(others)
@@ -664,23 +663,26 @@ class ConductorApi:
         return response
 
     def answer_plain(self, head: Head, body: bytes, transport: Any) -> bytes | None:
-        """A plain ``/query``'s whole answer, from C (``conductor.plain_query``), counted as
-        the handler counts one; None for any other request, which the handler answers."""
+        """A plain ``/query``'s whole answer, from C (``conductor.plain_query``), with the
+        handler's headers and counts; None for any other request, which the handler answers
+        (nothing is changed or counted before the answer is sure)."""
         started = time.perf_counter()
         headers = head.headers
         cpp = head.content_type == MSGPACK
         if (
             head.path != "/query"
-            or any(name in headers for name in _NOT_PLAIN_HEADERS)
+            or TIERS_HEADER in headers
             or (not cpp and MSGPACK in headers.get("Accept", ""))
-            or self.routed.holds_any()
         ):
             return None
         try:
             self.options.auth.check(head)
-        except Unauthorized:
+            query = self._plain_query(cpp, body)
+            replica = headers.get(REPLICA_HEADER)
+            lease = _lease_number(head) if replica is not None else None
+            progress = self._progress(head, query.tenant_id) if query else None
+        except (Unauthorized, ApiError):
             return None  # the handler refuses it, and logs so
-        query = self._plain_query(cpp, body)
         if query is None or query.instance_id is not None:
             return None
         if len(query.token_ids) // 4 > self.options.limits.max_query_tokens:
@@ -688,18 +690,35 @@ class ConductorApi:
         fleet = self.table.plain_fleet(query.context_key())
         dialect = _CPP_PLAIN if cpp else _GO_PLAIN
         plan = plain_plan(fleet, dialect) if fleet is not None else None
-        if plan is None:
+        if fleet is None or plan is None:
             return None
+        salt = query.cache_salt or ""
+        minimum = None
+        if self.routed.holds_any():
+            routed = self.routed.match(query.context_key(), query.token_ids, salt)
+            minimum = [routed.get(name, 0) for name in fleet.names] if routed else None
         hits_only = headers.get(HITS_ONLY_HEADER) == "1"
-        answer = plan.answer(query.token_ids, salt_root(query.cache_salt or ""), hits_only)
-        if answer is None:
+        answered = plan.answer(query.token_ids, salt_root(salt), hits_only, minimum)
+        if answered is None:
             return None
+        if replica is not None and not self.loads.try_decide(replica, query.model, lease):
+            return None  # the handler waits for the other replica's decision
+        answer, raised = answered
+        extra = []
+        if progress is not None:
+            extra.append((INDEXED_UNTIL_HEADER, progress))
+        if replica is not None:
+            extra.append((LOADS_HEADER, loads_header(self.loads.others(replica, fleet.name_set))))
+            extra.append((OTHERS_HEADER, str(self.loads.count_others(replica))))
+        if raised:
+            self.metrics.routed_raised.inc(raised)
         self._count("/query", 200)
         self.metrics.plain_queries.inc()
         self._query_seconds["/query"].observe(time.perf_counter() - started)
         if self.options.guard is not None:
             self.options.guard.request_done(transport)
-        return answer_head(200, dialect.headers, len(answer), head.keep_alive) + answer
+        response_headers = chain(dialect.headers, extra) if extra else dialect.headers
+        return answer_head(200, response_headers, len(answer), head.keep_alive) + answer
 
     def _plain_query(self, cpp: bool, body: bytes) -> QueryRequest | None:
         """The body, if the fast readers take it whole (else the handler reads it)."""
@@ -743,11 +762,15 @@ class ConductorApi:
             raise ApiError(429, str(error), "replica", headers={"Retry-After": "1"}) from None
         return reply(request, {"status": "recorded", "replicas": len(self.loads)})
 
-    def _progress(self, request: ApiRequest, tenant: str) -> str:
+    def _progress(self, request: RequestHead, tenant: str) -> str | None:
         """The indexing progress of the instances the progress header names, as JSON (what
-        lets a router count a finished request as in flight until its blocks are in)."""
+        lets a router count a finished request as in flight until its blocks are in); None
+        without the header."""
+        asked = request.headers.get(PROGRESS_HEADER)
+        if asked is None:
+            return None
         try:
-            instances = _progress_decoder.decode(request.headers[PROGRESS_HEADER])
+            instances = _progress_decoder.decode(asked)
         except msgspec.DecodeError:
             instances = None
         if instances is None or len(instances) > MAX_PROGRESS_INSTANCES:

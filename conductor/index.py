@@ -171,6 +171,7 @@ class PlainFleet:
     rank: int
     names: tuple[str, ...]  # the instances, in instance-id order
     bits: tuple[int, ...]  # the slot index of each
+    name_set: frozenset[str]  # the names again, to look up
     # what conductor.plain_query made of it, by dialect: dropped with it
     plans: dict[object, object] = field(default_factory=dict)
 
@@ -514,7 +515,10 @@ class PrefixContext:
                 ordered = sorted((name, index) for index, (name, _) in single.items())
                 names_in_order = tuple(name for name, _ in ordered)
                 indices = tuple(index for _, index in ordered)
-                plain = PlainFleet(self._state, self.key.tenant_id, rank, names_in_order, indices)
+                plain = PlainFleet(
+                    self._state, self.key.tenant_id, rank, names_in_order, indices,
+                    frozenset(names_in_order),
+                )  # fmt: skip
             self._engines = _Engines(mask, masks, zero, single, rank, names, plain)
         return self._engines
 

@@ -124,14 +124,13 @@ class ReplicaLoads:
     async def decide(self, replica: str, model: str, number: int | None) -> None:
         """Wait (at most ``max_wait_s``) until no other replica holds a decision lease on
         ``model``, then take lease ``number`` (None: none) until the replica reports it."""
-        if len(self._leases) > MAX_LEASED_MODELS:
-            self._end_leases("", (), self._clock())  # only the expired ones go
+        if self.try_decide(replica, model, number):
+            return
         deadline = self._clock() + self.max_wait_s
         waited = False
         while True:
             now = self._clock()
-            leases = [lease for lease in self._leases.get(model, ()) if lease.until > now]
-            others = [lease for lease in leases if lease.replica != replica]
+            leases, others = self._leases_now(replica, model, now)
             if not others or now >= deadline:
                 break
             if not waited:
@@ -145,6 +144,28 @@ class ReplicaLoads:
             self.wait_seconds += self._clock() - began
             if others:
                 self.wait_timeouts += 1
+        self._take(replica, model, number, leases)
+
+    def try_decide(self, replica: str, model: str, number: int | None) -> bool:
+        """``decide`` when it need not wait (no other replica holds a lease on ``model``):
+        True, the lease taken; False, nothing done."""
+        if len(self._leases) > MAX_LEASED_MODELS:
+            self._end_leases("", (), self._clock())  # only the expired ones go
+        leases, others = self._leases_now(replica, model, self._clock())
+        if others:
+            return False
+        self._take(replica, model, number, leases)
+        return True
+
+    def _leases_now(
+        self, replica: str, model: str, now: float
+    ) -> tuple[list[_Lease], list[_Lease]]:
+        """The model's leases still running, and those of them other replicas hold."""
+        leases = [lease for lease in self._leases.get(model, ()) if lease.until > now]
+        return leases, [lease for lease in leases if lease.replica != replica]
+
+    def _take(self, replica: str, model: str, number: int | None, leases: list[_Lease]) -> None:
+        """Lease ``number`` (None: none) added to ``leases``, the model's running ones."""
         if number is not None:
             leases.append(_Lease(replica, number, self._clock() + self._lease_s, asyncio.Event()))
         if leases:

@@ -8,16 +8,18 @@ query lane (``conductor.query_lane``) offers each request to ``ConductorApi.answ
 first, which answers a plain one through a ``_native.QueryPlan`` (conductor/native/
 answer.c), and leaves the rest to the handler, which answers everything as before.
 
-Plain is: ``POST /query`` with no header asking for more than the match (no tiers,
-replica, lease or progress header; msgpack asked for only by a msgpack body), a body the
-fast readers accept whole (``config.QueryRequest.from_plain_json``, ``api._plain_msgpack``)
-naming no instance, of a context with a ``PlainFleet`` (Go prefix hashes, no pool, every
-instance one engine slot of one DP rank) whose blocks are all on the GPU tier, while no
-router's routed prompt is held (``conductor.routed``). Then every number in an instance's
-answer is the same, the tokens its slot holds in a row from the prompt's start: a plan
-holds the answer's templates, made here by the handler's own encoders with a sentinel
-where that number goes, and C writes the numbers in. Both ways answer alike byte for
-byte (tests/conductor/test_plain_query.py compares them over random fleets).
+Plain is: ``POST /query`` with no header asking for other tiers (msgpack asked for only by
+a msgpack body), a body the fast readers accept whole (``config.QueryRequest.
+from_plain_json``, ``api._plain_msgpack``) naming no instance, of a context with a
+``PlainFleet`` (Go prefix hashes, no pool, every instance one engine slot of one DP rank)
+whose blocks are all on the GPU tier, and, from a router replica, a decision lease it need
+not wait for (``loads.ReplicaLoads.try_decide``). Then an instance's answer holds two
+numbers: the tokens its slot holds in a row from the prompt's start, in its DP rank's
+fields, and the same raised to what routers routed there (``conductor.routed``), in the
+instance's fields. A plan holds the answer's templates, made here by the handler's own
+encoders with a sentinel where each number goes, and C writes the numbers in. Both ways
+answer alike byte for byte (tests/conductor/test_plain_query.py compares them over random
+fleets, routed prompts and replicas' headers).
 """
 
 from __future__ import annotations
@@ -29,8 +31,10 @@ from typing import Any, cast
 from ._native import QueryPlan
 from .index import InstanceMatch, PlainFleet
 
-SENTINEL = 2**63 - 25  # a number in no template but where a match's tokens go
-CHECK = 12_345  # a second number, to check a template's numbers are all the tokens
+# numbers in no template but where a match's tokens go: the instance's, its DP rank's
+SENTINELS = (2**63 - 25, 2**63 - 52)
+INSTANCE_TOKENS, RANK_TOKENS = 0, 1  # which of them a cut of a template stands for
+CHECKS = (12_345, 678)  # two more, to check that a template's numbers are only those
 
 
 @dataclass(frozen=True, eq=False)
@@ -52,16 +56,45 @@ def plan(fleet: PlainFleet, dialect: Dialect) -> QueryPlan | None:
     return cast(QueryPlan | None, fleet.plans[dialect])
 
 
-def _value(fleet: PlainFleet, dialect: Dialect, tokens: int) -> bytes:
-    """One instance's answer when its slot holds ``tokens`` (on every tier)."""
+def _value(fleet: PlainFleet, dialect: Dialect, tokens: int, rank_tokens: int) -> bytes:
+    """One instance's answer when it holds ``tokens`` (on every tier) and its DP rank
+    ``rank_tokens`` (less, when a routed prompt raised the instance's)."""
     hits = (tokens, tokens, tokens, tokens)
-    return dialect.encode(dialect.write(InstanceMatch(*hits, {fleet.rank: hits})))
+    ranks = {fleet.rank: (rank_tokens, rank_tokens, rank_tokens, rank_tokens)}
+    return dialect.encode(dialect.write(InstanceMatch(*hits, ranks)))
+
+
+def _template(fleet: PlainFleet, dialect: Dialect) -> tuple[tuple[bytes, ...], bytes] | None:
+    """An instance's answer cut where its numbers go, and which number goes in each cut;
+    None if it holds a number that is neither."""
+    encoded = _value(fleet, dialect, *SENTINELS)
+    marks = [dialect.encode(sentinel) for sentinel in SENTINELS]
+    parts, kinds, at = [], bytearray(), 0
+    while True:
+        found = [(encoded.find(mark, at), kind) for kind, mark in enumerate(marks)]
+        found = [(position, kind) for position, kind in found if position >= 0]
+        if not found:
+            break
+        position, kind = min(found)
+        parts.append(encoded[at:position])
+        kinds.append(kind)
+        at = position + len(marks[kind])
+    parts.append(encoded[at:])
+    checks = [dialect.encode(check) for check in CHECKS]
+    filled = (
+        b"".join(part + checks[kind] for part, kind in zip(parts[:-1], kinds, strict=True))
+        + parts[-1]
+    )
+    if filled != _value(fleet, dialect, *CHECKS):
+        return None
+    return tuple(parts), bytes(kinds)
 
 
 def _make(fleet: PlainFleet, dialect: Dialect) -> QueryPlan | None:
-    parts = _value(fleet, dialect, SENTINEL).split(dialect.encode(SENTINEL))
-    if dialect.encode(CHECK).join(parts) != _value(fleet, dialect, CHECK):
+    template = _template(fleet, dialect)
+    if template is None:
         return None
+    parts, kinds = template
     whole = dialect.encode(dialect.wrap(fleet.tenant, {}))
     at = whole.rindex(dialect.encode({}))  # the instances' map: the answer's last value
     if dialect.msgpack:  # C writes the map's length
@@ -70,4 +103,4 @@ def _make(fleet: PlainFleet, dialect: Dialect) -> QueryPlan | None:
     else:  # C writes the entries between the braces, with commas
         opener, closer = whole[: at + 1], whole[at + 1 :]
         names = tuple(dialect.encode(name) + b":" for name in fleet.names)
-    return QueryPlan(fleet.blocks, fleet.bits, names, tuple(parts), opener, closer, dialect.msgpack)
+    return QueryPlan(fleet.blocks, fleet.bits, names, parts, kinds, opener, closer, dialect.msgpack)

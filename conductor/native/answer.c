@@ -19,6 +19,11 @@
 #include "maps.h"
 #include "masks.h"
 
+/* The numbers of an instance's answer: the instance's tokens (raised to what a router
+ * routed there, when a query gives such a minimum) and its DP rank's own (never raised,
+ * as conductor.routed.raise_hits leaves the ranks alone). */
+enum { INSTANCE_TOKENS, RANK_TOKENS };
+
 typedef struct {
     PyObject_HEAD
     ContextBlocks *context;
@@ -26,6 +31,7 @@ typedef struct {
     size_t *bits;  /* each instance's slot bit */
     PyObject *names;  /* a tuple of bytes: each instance's key, as written before its value */
     PyObject *parts;  /* a tuple of bytes: the value's template, cut where a number goes */
+    PyObject *kinds;  /* bytes: which number goes in each cut, INSTANCE_TOKENS or RANK_TOKENS */
     PyObject *opener, *closer;  /* bytes: what the answer starts and ends with */
     int msgpack;  /* numbers and the map's length in msgpack; else JSON, entries by commas */
     size_t words;  /* of the widest slot bit */
@@ -35,6 +41,7 @@ static void plan_dealloc(QueryPlan *self) {
     Py_XDECREF(self->context);
     Py_XDECREF(self->names);
     Py_XDECREF(self->parts);
+    Py_XDECREF(self->kinds);
     Py_XDECREF(self->opener);
     Py_XDECREF(self->closer);
     PyMem_Free(self->bits);
@@ -52,14 +59,14 @@ static int all_bytes(PyObject *tuple, const char *what) {
 }
 
 static int plan_init(QueryPlan *self, PyObject *args, PyObject *kwargs) {
-    static char *keywords[] = {"context", "bits", "names", "parts", "opener", "closer",
-                               "msgpack", NULL};
+    static char *keywords[] = {"context", "bits", "names", "parts", "kinds", "opener",
+                               "closer", "msgpack", NULL};
     ContextBlocks *context;
-    PyObject *bits, *names, *parts, *opener, *closer;
+    PyObject *bits, *names, *parts, *kinds, *opener, *closer;
     int msgpack;
-    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "O!OO!O!SSp:QueryPlan", keywords,
+    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "O!OO!O!SSSp:QueryPlan", keywords,
                                      &ContextBlocksType, &context, &bits, &PyTuple_Type, &names,
-                                     &PyTuple_Type, &parts, &opener, &closer, &msgpack)) {
+                                     &PyTuple_Type, &parts, &kinds, &opener, &closer, &msgpack)) {
         return -1;
     }
     if (self->context != NULL) {
@@ -69,10 +76,17 @@ static int plan_init(QueryPlan *self, PyObject *args, PyObject *kwargs) {
     PyObject *seq = PySequence_Fast(bits, "bits must be a sequence of slot bits");
     if (seq == NULL) return -1;
     Py_ssize_t count = PySequence_Fast_GET_SIZE(seq);
+    int kinds_known = 1;
+    for (Py_ssize_t k = 0; k < PyBytes_GET_SIZE(kinds); k++)
+        kinds_known &= PyBytes_AS_STRING(kinds)[k] == INSTANCE_TOKENS
+                       || PyBytes_AS_STRING(kinds)[k] == RANK_TOKENS;
     if (count != PyTuple_GET_SIZE(names) || PyTuple_GET_SIZE(parts) < 1
+        || PyBytes_GET_SIZE(kinds) != PyTuple_GET_SIZE(parts) - 1 || !kinds_known
         || all_bytes(names, "names") < 0 || all_bytes(parts, "parts") < 0) {
         if (!PyErr_Occurred())
-            PyErr_SetString(PyExc_ValueError, "a name for each bit, a template of one part or more");
+            PyErr_SetString(PyExc_ValueError,
+                            "a name for each bit, a template of one part or more, a kind (0 "
+                            "or 1) for each number between its parts");
         Py_DECREF(seq);
         return -1;
     }
@@ -102,6 +116,7 @@ static int plan_init(QueryPlan *self, PyObject *args, PyObject *kwargs) {
     self->context = (ContextBlocks *)Py_NewRef(context);
     self->names = Py_NewRef(names);
     self->parts = Py_NewRef(parts);
+    self->kinds = Py_NewRef(kinds);
     self->opener = Py_NewRef(opener);
     self->closer = Py_NewRef(closer);
     self->msgpack = msgpack;
@@ -189,15 +204,19 @@ static void walk_blocks(QueryPlan *self, const uint8_t *tokens, Py_ssize_t block
     }
 }
 
-/* The answer's bytes: each instance (with a hit, given ``hits_only``) and its tokens. */
-static PyObject *write_answer(QueryPlan *self, const uint32_t *held_at, int hits_only) {
+/* The answer's bytes: each instance (with a hit, given ``hits_only``) and its tokens,
+ * ``raised[i]`` blocks at least for the instance (``raised``: NULL, none). */
+static PyObject *write_answer(QueryPlan *self, const uint32_t *held_at, const uint64_t *raised,
+                              int hits_only) {
     Py_ssize_t parts = PyTuple_GET_SIZE(self->parts), written = 0;
     size_t template = 0, size = 0;
+    const char *kinds = PyBytes_AS_STRING(self->kinds);
     for (Py_ssize_t p = 0; p < parts; p++)
         template += (size_t)PyBytes_GET_SIZE(PyTuple_GET_ITEM(self->parts, p));
     template += (size_t)(parts - 1) * 20 + 1;  /* a number's digits at most, a comma */
     for (Py_ssize_t i = 0; i < self->count; i++) {
-        if (hits_only && held_at[self->bits[i]] == 0) continue;
+        if (hits_only && held_at[self->bits[i]] == 0 && (raised == NULL || raised[i] == 0))
+            continue;
         size += (size_t)PyBytes_GET_SIZE(PyTuple_GET_ITEM(self->names, i)) + template;
         written++;
     }
@@ -207,15 +226,19 @@ static PyObject *write_answer(QueryPlan *self, const uint32_t *held_at, int hits
     char *out = put_bytes(PyBytes_AS_STRING(answer), self->opener);
     if (self->msgpack) out = put_map_length(out, (size_t)written);
     int first = 1;
+    uint64_t block_size = (uint64_t)self->context->block_size;
     for (Py_ssize_t i = 0; i < self->count; i++) {
         uint64_t blocks = held_at[self->bits[i]];
-        if (hits_only && blocks == 0) continue;
+        uint64_t best = raised != NULL && raised[i] > blocks ? raised[i] : blocks;
+        if (hits_only && best == 0) continue;
         if (!self->msgpack && !first) *out++ = ',';
         first = 0;
         out = put_bytes(out, PyTuple_GET_ITEM(self->names, i));
-        uint64_t tokens = blocks * (uint64_t)self->context->block_size;
         for (Py_ssize_t p = 0; p < parts; p++) {
-            if (p) out = put_number(out, tokens, self->msgpack);
+            if (p) {
+                uint64_t number = kinds[p - 1] == RANK_TOKENS ? blocks : best;
+                out = put_number(out, number * block_size, self->msgpack);
+            }
             out = put_bytes(out, PyTuple_GET_ITEM(self->parts, p));
         }
     }
@@ -224,16 +247,49 @@ static PyObject *write_answer(QueryPlan *self, const uint32_t *held_at, int hits
     return answer;
 }
 
+/* ``minimum`` (a sequence of an int >= 0 for each instance, or None) as blocks in
+ * ``raised``; 1 if given, 0 if None, -1 on error. */
+static int read_minimum(QueryPlan *self, PyObject *minimum, uint64_t **raised) {
+    *raised = NULL;
+    if (minimum == Py_None) return 0;
+    PyObject *seq = PySequence_Fast(minimum, "minimum must be None or a sequence of ints");
+    if (seq == NULL) return -1;
+    if (PySequence_Fast_GET_SIZE(seq) != self->count) {
+        Py_DECREF(seq);
+        PyErr_SetString(PyExc_ValueError, "minimum must give each instance's blocks");
+        return -1;
+    }
+    *raised = PyMem_Calloc(self->count > 0 ? (size_t)self->count : 1, sizeof(uint64_t));
+    if (*raised == NULL) {
+        Py_DECREF(seq);
+        PyErr_NoMemory();
+        return -1;
+    }
+    for (Py_ssize_t i = 0; i < self->count; i++) {
+        unsigned long long blocks = PyLong_AsUnsignedLongLong(PySequence_Fast_GET_ITEM(seq, i));
+        if (blocks == (unsigned long long)-1 && PyErr_Occurred()) {
+            Py_DECREF(seq);
+            PyMem_Free(*raised);
+            *raised = NULL;
+            return -1;
+        }
+        (*raised)[i] = blocks < UINT32_MAX ? blocks : UINT32_MAX;
+    }
+    Py_DECREF(seq);
+    return 1;
+}
+
 PyDoc_STRVAR(plan_answer_doc,
-"answer(tokens, root, hits_only, /)\n--\n\n"
-"The answer's bytes for a prompt (``tokens``: int32 little-endian bytes) whose prefix\n"
-"hashes chain from ``root``: each instance's tokens held in a row on the GPU tier; only\n"
-"those with a hit given ``hits_only``. None when the context holds blocks on another tier,\n"
-"which the general way then answers.");
+"answer(tokens, root, hits_only, minimum, /)\n--\n\n"
+"The answer for a prompt (``tokens``: int32 little-endian bytes) whose prefix hashes\n"
+"chain from ``root``: each instance's tokens held in a row on the GPU tier, at least\n"
+"``minimum[i]`` blocks for instance i (None: no minimum); only those with a hit given\n"
+"``hits_only``. (the answer's bytes, how many instances the minimum raised), or None when\n"
+"the context holds blocks on another tier, which the general way then answers.");
 
 static PyObject *plan_answer(QueryPlan *self, PyObject *const *args, Py_ssize_t nargs) {
-    if (nargs != 3) {
-        return PyErr_Format(PyExc_TypeError, "answer takes 3 arguments (%zd given)", nargs);
+    if (nargs != 4) {
+        return PyErr_Format(PyExc_TypeError, "answer takes 4 arguments (%zd given)", nargs);
     }
     if (!PyBytes_Check(args[0])) {
         return PyErr_Format(PyExc_TypeError, "tokens must be bytes, not %.60R", args[0]);
@@ -242,6 +298,8 @@ static PyObject *plan_answer(QueryPlan *self, PyObject *const *args, Py_ssize_t 
     if (root == (uint64_t)-1 && PyErr_Occurred()) return NULL;
     int hits_only = PyObject_IsTrue(args[2]);
     if (hits_only < 0) return NULL;
+    uint64_t *raised;
+    if (read_minimum(self, args[3], &raised) < 0) return NULL;
     ContextBlocks *context = self->context;
     Py_ssize_t step = 4 * context->block_size;
     Py_ssize_t blocks = step > 0 ? PyBytes_GET_SIZE(args[0]) / step : 0;
@@ -250,7 +308,7 @@ static PyObject *plan_answer(QueryPlan *self, PyObject *const *args, Py_ssize_t 
     uint8_t *buffer = step <= 4 * 64 ? stack : PyMem_Malloc(8 + (size_t)step);
     uint64_t *alive = PyMem_Calloc(self->words, sizeof(uint64_t));
     uint32_t *held_at = PyMem_Calloc(slots, sizeof(uint32_t));
-    PyObject *answer = NULL;
+    PyObject *result = NULL;
     if (buffer == NULL || alive == NULL || held_at == NULL) {
         PyErr_NoMemory();
         goto done;
@@ -263,12 +321,21 @@ static PyObject *plan_answer(QueryPlan *self, PyObject *const *args, Py_ssize_t 
                     alive, held_at);
     }
     sync_unlock(context->sync);
-    answer = other_tiers ? Py_NewRef(Py_None) : write_answer(self, held_at, hits_only);
+    if (other_tiers) {
+        result = Py_NewRef(Py_None);
+        goto done;
+    }
+    Py_ssize_t raised_count = 0;
+    for (Py_ssize_t i = 0; raised != NULL && i < self->count; i++)
+        raised_count += raised[i] > held_at[self->bits[i]];
+    PyObject *answer = write_answer(self, held_at, raised, hits_only);
+    if (answer != NULL) result = Py_BuildValue("(Nn)", answer, raised_count);
 done:
     if (buffer != stack) PyMem_Free(buffer);
     PyMem_Free(alive);
     PyMem_Free(held_at);
-    return answer;
+    PyMem_Free(raised);
+    return result;
 }
 
 static PyMethodDef plan_methods[] = {
@@ -280,11 +347,12 @@ PyTypeObject QueryPlanType = {
     PyVarObject_HEAD_INIT(NULL, 0)
     .tp_name = "conductor._native.QueryPlan",
     .tp_doc = PyDoc_STR(
-        "QueryPlan(context, bits, names, parts, opener, closer, msgpack)\n--\n\n"
+        "QueryPlan(context, bits, names, parts, kinds, opener, closer, msgpack)\n--\n\n"
         "How to answer a plain query of a context (a ContextBlocks) whose instances each\n"
         "own one slot (``bits``, in the answer's order): ``names`` (each instance's key, as\n"
-        "written), ``parts`` (an instance's value cut where its tokens go), the answer's\n"
-        "``opener`` and ``closer``, in msgpack or JSON."),
+        "written), ``parts`` (an instance's value cut where its tokens go), ``kinds`` (for\n"
+        "each cut: 0, the instance's tokens; 1, its rank's), the answer's ``opener`` and\n"
+        "``closer``, in msgpack or JSON."),
     .tp_basicsize = sizeof(QueryPlan),
     .tp_flags = Py_TPFLAGS_DEFAULT,
     .tp_new = PyType_GenericNew,

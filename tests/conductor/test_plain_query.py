@@ -1,10 +1,12 @@
 """The plain query's answer from C (conductor.plain_query) is the handler's, byte for byte.
 
 Random fleets (one to seventy instances, so owner masks wider than a word too; one DP rank
-or several; a pool; blocks on the CPU tier; holes left by removals) are queried with random
-prompts, salts, contexts and headers, in JSON and in msgpack; wherever the plain path
-answers, its bytes must be those of the handler's answer to the same request (the real
-index and API, in-process: the lane's tests compare both over sockets).
+or several; a pool; blocks on the CPU tier; holes left by removals; prompts routers
+routed; another replica's loads) are queried with random prompts, salts, contexts and
+headers (hits only, a replica and its lease, indexing progress), in JSON and in msgpack;
+wherever the plain path answers, its bytes must be those of the handler's answer to the
+same request (the real index and API, in-process: the lane's tests compare both over
+sockets).
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from conductor.api import ApiOptions, ConductorApi, HttpLimits
 from conductor.index import PrefixCacheTable, StreamSource
 from conductor.kv_store_watch import StoreWatch
 from conductor.lane_http import LaneRequest, answer_bytes, parse_head
+from conductor.loads import LEASE_HEADER, REPLICA_HEADER, LoadReport
 from conductor.manager import ServiceManager
 from conductor.metrics import ConductorMetrics
 from conductor.routed import RoutedRequest
@@ -96,7 +99,26 @@ def random_fleet(rng: random.Random) -> Fleet:
                 events.append(BlockRemoved([which * 1000 + rng.randrange(blocks) + 1], tier))
         table.apply(registered.key, EventBatch(0.0, events, registered.dp_rank))
     plain = not (several_ranks or pool or cpu_tier)
-    return Fleet(table, make_api(table), block_size, prompts, plain)
+    api = make_api(table)
+    for _ in range(rng.choice((0, 0, 3))):  # routers sent prompts the index has not seen
+        prompt = rng.choice(prompts)
+        routed = {
+            "model": MODEL,
+            "block_size": block_size,
+            "instance_id": f"engine-0{rng.randrange(3)}",
+        }
+        api.routed.add(
+            RoutedRequest.model_validate(
+                {**routed, "token_ids": prompt[: rng.randrange(len(prompt))]}
+            )
+        )
+    if rng.random() < 0.5:  # another router replica's loads
+        loads = {
+            s.instance_id: {"queued_prefill_tokens": rng.randrange(9), "in_flight": 1}
+            for s in sources[:5]
+        }
+        api.loads.report(LoadReport.model_validate({"replica": "replica-b", "instances": loads}))
+    return Fleet(table, api, block_size, prompts, plain)
 
 
 def packed_tokens(tokens: list[int]) -> bytes:
@@ -164,6 +186,14 @@ async def test_plain_answers_are_the_handlers(seed: int) -> None:
         for _ in range(25):
             payload, packed, own = random_query(rng, fleet)
             extra = HITS_ONLY if rng.random() < 0.5 else ""
+            if rng.random() < 0.3:  # from a router replica, with a lease or without
+                extra += f"{REPLICA_HEADER}: replica-a\r\n"
+                extra += rng.choice(("", f"{LEASE_HEADER}: {rng.randrange(100)}\r\n"))
+            if rng.random() < 0.2:
+                extra += 'X-Conductor-Progress: ["engine-00","nobody"]\r\n'
+            if rng.random() < 0.05:  # not a JSON list: refused by the handler alone
+                extra += "X-Conductor-Progress: engine-00\r\n"
+                own = False
             plain, handler = await both_ways(fleet.api, raw_query(payload, packed, extra))
             if plain is not None:
                 assert plain == handler, payload
@@ -179,13 +209,13 @@ async def test_plain_answers_are_the_handlers(seed: int) -> None:
     "extra",
     [
         "X-Conductor-Tiers: gpu\r\n",
-        "X-Conductor-Progress: []\r\n",
-        "X-Conductor-Replica: r1\r\n",
+        "X-Conductor-Tiers: gpu,cpu,disk\r\n",  # the default, but asked: the handler's
         "Accept: application/msgpack\r\n",
         "Authorization: Bearer wrong\r\n",
+        f"{LEASE_HEADER}: 12\r\n",  # a lease without a replica: ignored by both
     ],
 )
-async def test_a_query_asking_for_more_goes_the_general_way(extra: str) -> None:
+async def test_what_the_plain_path_leaves_to_the_handler(extra: str) -> None:
     table = PrefixCacheTable()
     table.add_stream(source("engine-a", 4))
     api = make_api(table, token="secret")
@@ -193,13 +223,28 @@ async def test_a_query_asking_for_more_goes_the_general_way(extra: str) -> None:
     payload = {"model": MODEL, "block_size": 4, "token_ids": [1, 2, 3, 4]}
     authorized = "Authorization: Bearer secret\r\n"
     asked = extra if "Authorization" in extra else extra + authorized
-    plain, _ = await both_ways(api, raw_query(payload, False, asked))
-    assert plain is None
+    plain, handler = await both_ways(api, raw_query(payload, False, asked))
+    assert (plain is None) == ("Lease" not in extra)
+    assert plain is None or plain == handler
     plain, handler = await both_ways(api, raw_query(payload, False, authorized))
     assert plain == handler  # the same query, asking nothing more, is plain
 
 
-async def test_a_held_routed_prompt_or_wider_tiers_go_the_general_way() -> None:
+async def test_a_replica_that_must_wait_goes_the_general_way() -> None:
+    table = PrefixCacheTable()
+    table.add_stream(source("engine-a", 4))
+    api = make_api(table)
+    api.loads.max_wait_s = 0.01
+    payload = {"model": MODEL, "block_size": 4, "token_ids": [1, 2, 3, 4]}
+    other = f"{REPLICA_HEADER}: replica-b\r\n{LEASE_HEADER}: 1\r\n"
+    plain, _ = await both_ways(api, raw_query(payload, False, other))
+    assert plain is not None  # replica-b holds a lease on the model now
+    plain, handler = await both_ways(api, raw_query(payload, False, f"{REPLICA_HEADER}: a\r\n"))
+    assert plain is None and b"X-Conductor-Other-Replicas: 0" in handler
+    assert api.loads.waits == 1  # the handler waited, the plain path did not
+
+
+async def test_a_routed_prompt_raises_the_instance_and_other_tiers_go_the_general_way() -> None:
     table = PrefixCacheTable()
     table.add_stream(source("engine-a", 4))
     table.add_stream(source("engine-b", 4))
@@ -213,13 +258,15 @@ async def test_a_held_routed_prompt_or_wider_tiers_go_the_general_way() -> None:
 
     api.routed.add(RoutedRequest.model_validate({**payload, "instance_id": "engine-b"}))
     plain, handler = await both_ways(api, raw_query(payload, True))
-    assert plain is None and answer_of(handler)["instances"]["engine-b"]["longest_matched"]
+    assert plain is not None and plain == handler
+    raised = answer_of(plain)["instances"]["engine-b"]
+    assert (raised["longest_matched"], raised["dp"]) == (8, {"0": 0})  # its rank's: not raised
+    assert api.metrics.routed_raised._value.get() == 2  # once each way
 
-    api.routed.forget("engine-b")
     cpu = BlockStored([9], None, tokens[:4], 4, Tier.CPU)
     table.apply("engine-b|default|0", EventBatch(0.0, [cpu]))
     plain, handler = await both_ways(api, raw_query(payload, True))
-    assert plain is None and answer_of(handler)["instances"]["engine-b"]["cpu"] == 4
+    assert plain is None and answer_of(handler)["instances"]["engine-b"]["cpu"] == 8
 
 
 async def test_plain_answers_are_counted() -> None:

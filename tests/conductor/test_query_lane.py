@@ -104,6 +104,12 @@ SAME_ANSWERS = {
     "only hits, msgpack": as_msgpack(
         {**QUERY, "token_ids": PACKED}, extra="X-Conductor-Hits-Only: 1\r\n"
     ),
+    "as our router asks": as_msgpack(
+        {**QUERY, "token_ids": PACKED, "tenant_id": "default", "lora_name": ""},
+        extra="X-Conductor-Hits-Only: 1\r\nX-Conductor-Replica: r1\r\n"
+        "X-Conductor-Replica-Lease: 7\r\n"
+        'X-Conductor-Progress: ["engine-a"]\r\n',
+    ),
     "only hits": as_json(QUERY, extra="X-Conductor-Hits-Only: 1\r\n"),
     "one instance": as_json({**QUERY, "instance_id": "engine-a"}),
     "no context": as_json({**QUERY, "block_size": 16}),
@@ -128,7 +134,8 @@ async def test_the_lane_answers_as_aiohttp_does(pair, case):
     [(status_aiohttp, headers_aiohttp, body_aiohttp)] = await exchange(port_of(without), raw)
     assert (status, body) == (status_aiohttp, body_aiohttp)
     assert "server" not in headers and "server" in headers_aiohttp  # each way was taken
-    for name in ("content-type", "x-conductor-no-context"):
+    ours = ("no-context", "replica-loads", "other-replicas", "indexed-until")
+    for name in ("content-type", *(f"x-conductor-{header}" for header in ours)):
         assert headers.get(name) == headers_aiohttp.get(name), name
 
 
