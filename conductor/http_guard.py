@@ -21,6 +21,7 @@ from typing import Any, cast
 from aiohttp import web
 from prometheus_client import CollectorRegistry, Counter
 
+from .lazy_timer import LazyTimer
 from .runtime import LoopShare
 
 log = logging.getLogger(__name__)
@@ -76,7 +77,7 @@ class GuardedProtocol(asyncio.Protocol):
         self.awaiting_head = True
         self.tail = b""  # the last bytes seen, to find a head end split across reads
         self.answering = False  # a request's first bytes came, its answer not yet
-        self._timer: asyncio.TimerHandle | None = None
+        self._timer: LazyTimer | None = None  # the head's (made with the connection)
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = cast(asyncio.Transport, transport)  # uvloop's is no subclass
@@ -85,20 +86,21 @@ class GuardedProtocol(asyncio.Protocol):
             self.transport.abort()
             return
         self.guard.open[self.transport] = self
-        self._arm()
+        self._timer = LazyTimer(self._head_timed_out)
+        self._timer.arm(self.guard.header_timeout)
         self.inner.connection_made(transport)
 
     def data_received(self, data: bytes) -> None:
         if not self.answering and self.guard.share is not None:
             self.answering = True
             self.guard.share.request_began()
-        if self.awaiting_head:
-            if self._timer is None:
-                self._arm()
+        if self.awaiting_head and self._timer is not None:
+            if not self._timer.armed:
+                self._timer.arm(self.guard.header_timeout)
             seen = self.tail + data
             if HEAD_END in seen:
                 self.awaiting_head = False
-                self._disarm()
+                self._timer.disarm()
             self.tail = seen[-3:]
         self.inner.data_received(data)
 
@@ -106,7 +108,8 @@ class GuardedProtocol(asyncio.Protocol):
         return self.inner.eof_received()
 
     def connection_lost(self, exc: Exception | None) -> None:
-        self._disarm()
+        if self._timer is not None:
+            self._timer.close()
         self.answered()
         if self.transport is not None and self.guard.open.pop(self.transport, None) is not None:
             self.inner.connection_lost(exc)
@@ -122,19 +125,9 @@ class GuardedProtocol(asyncio.Protocol):
             self.answering = False
             self.guard.share.request_ended()
 
-    def _arm(self) -> None:
-        loop = asyncio.get_running_loop()
-        self._timer = loop.call_later(self.guard.header_timeout, self._head_timed_out)
-
-    def _disarm(self) -> None:
-        if self._timer is not None:
-            self._timer.cancel()
-            self._timer = None
-
     def _head_timed_out(self) -> None:
         """Armed at connect and at a head's first byte (an idle keep-alive connection
         between requests is aiohttp's ``keepalive_timeout``)."""
-        self._timer = None
         if self.awaiting_head and self.transport is not None:
             self.guard.refused.labels("header_timeout").inc()
             log.debug("closing a connection whose request head did not arrive in time")

@@ -23,6 +23,7 @@ from typing import cast
 from aiohttp import web
 
 from .lane_http import HEAD_END, MAX_HEAD_BYTES, Head, LaneRequest, answer_bytes, parse_head
+from .lazy_timer import LazyTimer
 
 log = logging.getLogger(__name__)
 PAUSE_BUFFER_BYTES = 4 * 1024 * 1024  # pipelined bytes held while a request is answered
@@ -58,7 +59,8 @@ class QueryLane(asyncio.Protocol):
         self.paused = False
         # a head whose body is still arriving, and where that body starts in the buffer
         self._waiting_body: tuple[Head, int] | None = None
-        self._timer: asyncio.TimerHandle | None = None
+        # idle between requests (keep-alive), or a body arriving too slowly
+        self._timer = LazyTimer(self._timed_out)
         self._later: asyncio.Handle | None = None  # the rest of a long pipeline, next round
 
     # -- asyncio.Protocol ------------------------------------------------------------------
@@ -66,7 +68,7 @@ class QueryLane(asyncio.Protocol):
         self.transport = cast(asyncio.Transport, transport)
         peer = transport.get_extra_info("peername")
         self.remote = peer[0] if isinstance(peer, tuple) else None
-        self._arm(self.settings.keepalive_timeout_s)
+        self._timer.arm(self.settings.keepalive_timeout_s)
 
     def data_received(self, data: bytes) -> None:
         if self.inner is not None:
@@ -86,7 +88,7 @@ class QueryLane(asyncio.Protocol):
         return None  # the transport closes, as aiohttp's protocol has it
 
     def connection_lost(self, exc: Exception | None) -> None:
-        self._disarm()
+        self._timer.close()
         if self._later is not None:
             self._later.cancel()
         if self.inner is not None:
@@ -145,9 +147,9 @@ class QueryLane(asyncio.Protocol):
         if len(self.buffer) - start < head.length:
             if self._waiting_body is None:  # the rest of the body, within the timeout
                 self._waiting_body = head, start
-                self._arm(self.settings.body_timeout_s)
+                self._timer.arm(self.settings.body_timeout_s)
             return None
-        self._disarm()
+        self._timer.disarm()
         self._waiting_body = None
         body = bytes(self.buffer[start : start + head.length])
         del self.buffer[: start + head.length]
@@ -185,12 +187,12 @@ class QueryLane(asyncio.Protocol):
         if self.paused:
             self.paused = False
             self.transport.resume_reading()
-        self._arm(self.settings.keepalive_timeout_s)
+        self._timer.arm(self.settings.keepalive_timeout_s)
         return True
 
     def _hand_over(self) -> None:
         """From now on aiohttp serves this connection, from the first unanswered byte."""
-        self._disarm()
+        self._timer.disarm()
         assert self.transport is not None
         self.inner = self.settings.aiohttp_protocol()
         self.inner.connection_made(self.transport)
@@ -201,23 +203,12 @@ class QueryLane(asyncio.Protocol):
         self.inner.data_received(pending)
 
     def _close(self) -> None:
-        self._disarm()
+        self._timer.disarm()
         if self.transport is not None:
             self.transport.close()
 
-    def _arm(self, seconds: float) -> None:
-        """One timer: idle between requests (keep-alive), or a body arriving too slowly."""
-        self._disarm()
-        self._timer = asyncio.get_running_loop().call_later(seconds, self._timed_out)
-
-    def _disarm(self) -> None:
-        if self._timer is not None:
-            self._timer.cancel()
-            self._timer = None
-
     def _timed_out(self) -> None:
         """Idle too long: closed. A body too slow: answered (408) without it, then closed."""
-        self._timer = None
         if self.answering is not None or self.inner is not None:
             return
         waiting, self._waiting_body = self._waiting_body, None
