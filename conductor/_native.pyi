@@ -136,3 +136,13 @@ class QueryPlan:
     def answer(
         self, tokens: bytes, root: int, hits_only: bool, minimum: Sequence[int] | None, /
     ) -> tuple[bytes, int] | None: ...
+
+class HeadReader:
+    """Reads the plain heads of ``POST <target>`` requests (conductor/native/request.c)."""
+
+    def __init__(self, target: bytes, read: Sequence[str], declined: Sequence[str]) -> None: ...
+    def read(self, head: bytes, /) -> tuple[Any, ...] | None: ...
+
+def plain_query_fields(
+    body: bytes, msgpack: bool, /
+) -> tuple[str, str, str, int, str | None, bytes] | None: ...

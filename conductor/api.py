@@ -25,6 +25,7 @@ from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, Counter, Histogram
 from pydantic import BaseModel, ValidationError
 
+from ._native import HeadReader, plain_query_fields
 from .body_shape import (
     BodyShape,
     Malformed,
@@ -63,7 +64,7 @@ from .hash_profile import HashProfile
 from .hashing import salt_root
 from .http_guard import CONNECTION_PROTOCOL, ConnectionGuard
 from .index import ContextKey, ContextView, InstanceMatch
-from .lane_http import LANE_ROUTES, ApiRequest, Head, LaneRequest, RequestHead, answer_head
+from .lane_http import DECLINED_HEADERS, LANE_ROUTES, ApiRequest, LaneRequest, answer_head
 from .loads import (
     DEFAULT_WAIT_S,
     LEASE_HEADER,
@@ -85,7 +86,7 @@ from .manager import (
     ServiceNotFound,
 )
 from .persistence import StateFile
-from .plain_query import Dialect
+from .plain_query import PLAIN_ROUTE, Dialect, PlainHead
 from .plain_query import plan as plain_plan
 from .query_lane import LaneSettings, QueryLane
 from .routed import RoutedPrompts, RoutedRequest, raise_hits
@@ -505,6 +506,14 @@ _CPP_PLAIN = Dialect(
 )  # fmt: skip
 
 
+# the heads the plain path reads: the values of PlainHead's headers, in its order
+_PLAIN_HEADS = HeadReader(
+    PLAIN_ROUTE.encode(),
+    ("Accept", "Authorization", HITS_ONLY_HEADER, REPLICA_HEADER, LEASE_HEADER, PROGRESS_HEADER),
+    (TIERS_HEADER, *DECLINED_HEADERS),
+)
+
+
 def _tiers(request: ApiRequest, default: frozenset[str]) -> frozenset[str]:
     """The tiers the answer names: the request's ``TIERS_HEADER``, else the dialect's."""
     value = request.headers.get(TIERS_HEADER)
@@ -516,10 +525,9 @@ def _tiers(request: ApiRequest, default: frozenset[str]) -> frozenset[str]:
         raise ApiError(400, str(error), TIERS_HEADER, reason=INVALID_VALUE) from None
 
 
-def _lease_number(request: RequestHead) -> int | None:
-    """A query's decision lease number (``conductor.loads``); None without one, a 400 for
-    one that is not a number in range."""
-    value = request.headers.get(LEASE_HEADER)
+def _lease_number(value: str | None) -> int | None:
+    """A query's decision lease number (``conductor.loads``, the header's ``value``); None
+    without one, a 400 for one that is not a number in range."""
     if value is None:
         return None
     if not value.isascii() or not value.isdigit() or int(value) > MAX_LEASE_NUMBER:
@@ -645,14 +653,15 @@ class ConductorApi:
         _at_most(len(body.token_ids) // 4, limits.max_query_tokens, "token_ids")
         replica = request.headers.get(REPLICA_HEADER)
         if replica is not None:  # after the other replicas' decisions on the model
-            await self.loads.decide(replica, body.model, _lease_number(request))
+            lease = _lease_number(request.headers.get(LEASE_HEADER))
+            await self.loads.decide(replica, body.model, lease)
         matches = self.table.match_tokens(
             body.context_key(), body.token_ids, body.cache_salt or "", body.instance_id
         )
         if matches is not None:
             matches = self._with_routed(body, matches)
         response = self._answer(request, body, matches)
-        progress = self._progress(request, body.tenant_id)
+        progress = self._progress(request.headers.get(PROGRESS_HEADER), body.tenant_id)
         if progress is not None:
             response.headers[INDEXED_UNTIL_HEADER] = progress
         if replica is not None:
@@ -662,46 +671,41 @@ class ConductorApi:
         self._query_seconds["/query"].observe(time.perf_counter() - started)
         return response
 
-    def answer_plain(self, head: Head, body: bytes, transport: Any) -> bytes | None:
+    def answer_plain(self, head: PlainHead, body: bytes, transport: Any) -> bytes | None:
         """A plain ``/query``'s whole answer, from C (``conductor.plain_query``), with the
         handler's headers and counts; None for any other request, which the handler answers
         (nothing is changed or counted before the answer is sure)."""
         started = time.perf_counter()
-        headers = head.headers
-        cpp = head.content_type == MSGPACK
-        if (
-            head.path != "/query"
-            or TIERS_HEADER in headers
-            or (not cpp and MSGPACK in headers.get("Accept", ""))
-        ):
+        cpp = head.media_type == MSGPACK
+        if not cpp and MSGPACK in (head.accept or ""):
             return None
-        try:
-            self.options.auth.check(head)
-            query = self._plain_query(cpp, body)
-            replica = headers.get(REPLICA_HEADER)
-            lease = _lease_number(head) if replica is not None else None
-            progress = self._progress(head, query.tenant_id) if query else None
-        except (Unauthorized, ApiError):
+        if not self.options.auth.accepts(PLAIN_ROUTE, head.authorization):
             return None  # the handler refuses it, and logs so
-        if query is None or query.instance_id is not None:
+        query = self._plain_fields(cpp, body)
+        if query is None:
             return None
-        if len(query.token_ids) // 4 > self.options.limits.max_query_tokens:
+        key, model, tokens, salt = query
+        try:
+            lease = _lease_number(head.lease) if head.replica is not None else None
+            progress = self._progress(head.progress, key.tenant_id)
+        except ApiError:
             return None
-        fleet = self.table.plain_fleet(query.context_key())
+        if len(tokens) // 4 > self.options.limits.max_query_tokens:
+            return None
+        fleet = self.table.plain_fleet(key)
         dialect = _CPP_PLAIN if cpp else _GO_PLAIN
         plan = plain_plan(fleet, dialect) if fleet is not None else None
         if fleet is None or plan is None:
             return None
-        salt = query.cache_salt or ""
         minimum = None
         if self.routed.holds_any():
-            routed = self.routed.match(query.context_key(), query.token_ids, salt)
+            routed = self.routed.match(key, tokens, salt)
             minimum = [routed.get(name, 0) for name in fleet.names] if routed else None
-        hits_only = headers.get(HITS_ONLY_HEADER) == "1"
-        answered = plan.answer(query.token_ids, salt_root(salt), hits_only, minimum)
+        answered = plan.answer(tokens, salt_root(salt), head.hits_only == "1", minimum)
         if answered is None:
             return None
-        if replica is not None and not self.loads.try_decide(replica, query.model, lease):
+        replica = head.replica
+        if replica is not None and not self.loads.try_decide(replica, model, lease):
             return None  # the handler waits for the other replica's decision
         answer, raised = answered
         extra = []
@@ -720,15 +724,29 @@ class ConductorApi:
         response_headers = chain(dialect.headers, extra) if extra else dialect.headers
         return answer_head(200, response_headers, len(answer), head.keep_alive) + answer
 
-    def _plain_query(self, cpp: bool, body: bytes) -> QueryRequest | None:
-        """The body, if the fast readers take it whole (else the handler reads it)."""
+    def _plain_fields(self, cpp: bool, body: bytes) -> tuple[ContextKey, str, bytes, str] | None:
+        """A plain body's context, model, token ids and salt: read by C, else by the fast
+        readers (None: the handler reads it)."""
+        fields = plain_query_fields(body, cpp)
+        if fields is not None:
+            tenant, model, lora, block_size, salt, tokens = fields
+            return ContextKey(tenant, model, lora, block_size), model, tokens, salt or ""
         if cpp:
             items = self.options.limits.item_limits.get("/query")
-            return _plain_msgpack(body, QueryRequest, items) if items else None
-        try:
-            return QueryRequest.from_plain_json(body)
-        except ValidationError:
+            query = _plain_msgpack(body, QueryRequest, items) if items else None
+        else:
+            try:
+                query = QueryRequest.from_plain_json(body)
+            except ValidationError:
+                return None
+        if query is None or query.instance_id is not None:
             return None
+        return query.context_key(), query.model, query.token_ids, query.cache_salt or ""
+
+    def read_plain_head(self, head: bytes) -> PlainHead | None:
+        """A request head the plain path may answer (``_PLAIN_HEADS``), or None."""
+        read = _PLAIN_HEADS.read(head)
+        return None if read is None else PlainHead(*read)
 
     def _with_routed(
         self, body: QueryRequest, matches: dict[str, InstanceMatch]
@@ -762,11 +780,10 @@ class ConductorApi:
             raise ApiError(429, str(error), "replica", headers={"Retry-After": "1"}) from None
         return reply(request, {"status": "recorded", "replicas": len(self.loads)})
 
-    def _progress(self, request: RequestHead, tenant: str) -> str | None:
-        """The indexing progress of the instances the progress header names, as JSON (what
-        lets a router count a finished request as in flight until its blocks are in); None
-        without the header."""
-        asked = request.headers.get(PROGRESS_HEADER)
+    def _progress(self, asked: str | None, tenant: str) -> str | None:
+        """The indexing progress of the instances the progress header (``asked``) names, as
+        JSON (what lets a router count a finished request as in flight until its blocks are
+        in); None without the header."""
         if asked is None:
             return None
         try:
@@ -1034,6 +1051,7 @@ class ConductorApi:
             limits = self.options.limits
             settings = self._lane_settings = LaneSettings(
                 self.answer_lane,
+                self.read_plain_head,
                 self.answer_plain,
                 runner.server,  # type: ignore[arg-type]  # set up before any connection
                 limits.body_bytes,

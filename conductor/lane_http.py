@@ -28,27 +28,22 @@ _TOKEN = rb"[!#$%&'*+\-.^_`|~0-9A-Za-z]+"  # a header name, as RFC 9110 has it
 # every header line at once: a token, a colon, a value without control bytes (a tab is no
 # control byte here), each line ended by CRLF (one regex over the block, not one a line)
 _HEADER_BLOCK = re.compile(rb"(?:" + _TOKEN + rb":[^\x00-\x08\x0a-\x1f\x7f]*\r\n)*")
-_DECLINED_HEADERS = frozenset({"transfer-encoding", "expect", "upgrade"})
+DECLINED_HEADERS = frozenset({"transfer-encoding", "expect", "upgrade"})
 _VERSIONS = {b"HTTP/1.1": (1, 1), b"HTTP/1.0": (1, 0)}
 _REASONS = {status.value: status.phrase for status in HTTPStatus}
 DEFAULT_CONTENT_TYPE = "application/octet-stream"  # aiohttp's, for a body without one
 
 
-class RequestHead(Protocol):
-    """What a request's checks read before its body: a ``Head`` has it too."""
-
-    @property
-    def path(self) -> str: ...
-    @property
-    def headers(self) -> Mapping[str, str]: ...
-
-
-class ApiRequest(RequestHead, Protocol):
+class ApiRequest(Protocol):
     """What the query routes and their checks read of a request: aiohttp's
     ``web.Request``, or the lane's ``LaneRequest``."""
 
     @property
     def method(self) -> str: ...
+    @property
+    def path(self) -> str: ...
+    @property
+    def headers(self) -> Mapping[str, str]: ...
     @property
     def content_type(self) -> str: ...
     @property
@@ -105,7 +100,7 @@ def parse_head(head: bytes) -> Head | None:
         name, _, value = line.partition(":")
         value = value.strip(" \t")
         lowered = name.lower()
-        if lowered in _DECLINED_HEADERS:
+        if lowered in DECLINED_HEADERS:
             return None
         if lowered == "content-length":
             if length is not None or not value.isdigit() or not value.isascii():

@@ -26,15 +26,32 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, cast
+from typing import Any, NamedTuple, cast
 
 from ._native import QueryPlan
 from .index import InstanceMatch, PlainFleet
 
+PLAIN_ROUTE = "/query"  # the route of plain queries
 # numbers in no template but where a match's tokens go: the instance's, its DP rank's
 SENTINELS = (2**63 - 25, 2**63 - 52)
 INSTANCE_TOKENS, RANK_TOKENS = 0, 1  # which of them a cut of a template stands for
 CHECKS = (12_345, 678)  # two more, to check that a template's numbers are only those
+
+
+class PlainHead(NamedTuple):
+    """A head the plain path may answer, as ``_native.HeadReader`` reads it: the body's
+    length, keep-alive, the media type (None: no Content-Type), then the first value of
+    each header the answer depends on (None: absent)."""
+
+    length: int
+    keep_alive: bool
+    media_type: str | None
+    accept: str | None
+    authorization: str | None
+    hits_only: str | None
+    replica: str | None
+    lease: str | None
+    progress: str | None
 
 
 @dataclass(frozen=True, eq=False)

@@ -24,6 +24,7 @@ from aiohttp import web
 
 from .lane_http import HEAD_END, MAX_HEAD_BYTES, Head, LaneRequest, answer_bytes, parse_head
 from .lazy_timer import LazyTimer
+from .plain_query import PLAIN_ROUTE, PlainHead
 
 log = logging.getLogger(__name__)
 PAUSE_BUFFER_BYTES = 4 * 1024 * 1024  # pipelined bytes held while a request is answered
@@ -31,19 +32,37 @@ PLAIN_AT_ONCE = 16  # pipelined plain queries answered in one go: then the loop'
 
 Answerer = Callable[[LaneRequest], Awaitable[web.Response]]
 # a plain query's whole answer, given its head, body and connection; None: not plain
-PlainAnswerer = Callable[[Head, bytes, asyncio.Transport], bytes | None]
+PlainAnswerer = Callable[[PlainHead, bytes, asyncio.Transport], bytes | None]
 
 
 @dataclass(frozen=True)
 class LaneSettings:
-    """What the lane needs of the API: its answerers, aiohttp's protocol, the limits."""
+    """What the lane needs of the API: its answerers (a plain query's head reader first),
+    aiohttp's protocol, the limits."""
 
     answer: Answerer
+    read_plain: Callable[[bytes], PlainHead | None]
     answer_plain: PlainAnswerer
     aiohttp_protocol: Callable[[], asyncio.Protocol]
     body_limit: Callable[[str], int]
     body_timeout_s: float
     keepalive_timeout_s: float
+
+
+@dataclass(frozen=True, slots=True)
+class _Read:
+    """A request head the lane read: as the plain path reads it, or else as the handler
+    does (``head``), with where its body starts in the buffer and how long it is."""
+
+    raw: bytes  # the head, up to the blank line
+    plain: PlainHead | None
+    head: Head | None
+    start: int
+    length: int
+
+    def handler_head(self) -> Head | None:
+        """The head as the handler reads it (a plain one's too, if the plain path declined)."""
+        return self.head if self.head is not None else parse_head(self.raw)
 
 
 class QueryLane(asyncio.Protocol):
@@ -57,8 +76,7 @@ class QueryLane(asyncio.Protocol):
         self.inner: asyncio.Protocol | None = None  # aiohttp's, once handed over
         self.answering: asyncio.Task[None] | None = None
         self.paused = False
-        # a head whose body is still arriving, and where that body starts in the buffer
-        self._waiting_body: tuple[Head, int] | None = None
+        self._waiting_body: _Read | None = None  # a head whose body is still arriving
         # idle between requests (keep-alive), or a body arriving too slowly
         self._timer = LazyTimer(self._timed_out)
         self._later: asyncio.Handle | None = None  # the rest of a long pipeline, next round
@@ -111,16 +129,23 @@ class QueryLane(asyncio.Protocol):
         for _ in range(PLAIN_AT_ONCE):
             if not self.buffer or self.answering is not None or self.inner is not None:
                 return
-            request = self._take()
-            if request is None:
+            taken = self._take()
+            if taken is None:
                 return
-            head, body = request
+            read, body = taken
             assert self.transport is not None
-            answer = self.settings.answer_plain(head, body, self.transport)
-            if answer is None:
-                self._start(head, body)
-            elif not self._written(answer, head.keep_alive):
+            if read.plain is not None:
+                answer = self.settings.answer_plain(read.plain, body, self.transport)
+                if answer is not None:
+                    if not self._written(answer, read.plain.keep_alive):
+                        return
+                    continue
+            head = read.handler_head()
+            if head is None:  # read as plain by C, not by Python: aiohttp's then
+                self.buffer[:0] = read.raw + HEAD_END + body
+                self._hand_over()
                 return
+            self._start(head, body)
         if self.buffer and self.answering is None and self.inner is None:
             self._later = asyncio.get_running_loop().call_soon(self._go_on)
 
@@ -128,32 +153,41 @@ class QueryLane(asyncio.Protocol):
         self._later = None
         self._next()
 
-    def _take(self) -> tuple[Head, bytes] | None:
+    def _take(self) -> tuple[_Read, bytes] | None:
         """The buffer's first request if it is whole (taken out of it); None if it is not
         (yet), or not ours (then handed over)."""
-        if self._waiting_body is not None:  # its head was read already
-            head, start = self._waiting_body
-        else:
+        read = self._waiting_body  # its head was read already
+        if read is None:
             end = self.buffer.find(HEAD_END, 0, MAX_HEAD_BYTES + len(HEAD_END))
             if end < 0:
                 if len(self.buffer) > MAX_HEAD_BYTES:
                     self._hand_over()
                 return None
-            parsed = parse_head(bytes(self.buffer[:end]))
-            if parsed is None or parsed.length > self.settings.body_limit(parsed.path):
+            raw = bytes(self.buffer[:end])
+            start = end + len(HEAD_END)
+            plain = self.settings.read_plain(raw)
+            if plain is not None:
+                read = _Read(raw, plain, None, start, plain.length)
+                path = PLAIN_ROUTE
+            else:
+                head = parse_head(raw)
+                if head is None:
+                    self._hand_over()
+                    return None
+                read, path = _Read(raw, None, head, start, head.length), head.path
+            if read.length > self.settings.body_limit(path):
                 self._hand_over()
                 return None
-            head, start = parsed, end + len(HEAD_END)
-        if len(self.buffer) - start < head.length:
+        if len(self.buffer) - read.start < read.length:
             if self._waiting_body is None:  # the rest of the body, within the timeout
-                self._waiting_body = head, start
+                self._waiting_body = read
                 self._timer.arm(self.settings.body_timeout_s)
             return None
         self._timer.disarm()
         self._waiting_body = None
-        body = bytes(self.buffer[start : start + head.length])
-        del self.buffer[: start + head.length]
-        return head, body
+        body = bytes(self.buffer[read.start : read.start + read.length])
+        del self.buffer[: read.start + read.length]
+        return read, body
 
     def _start(self, head: Head, body: bytes | None) -> None:
         request = LaneRequest(
@@ -216,4 +250,8 @@ class QueryLane(asyncio.Protocol):
             self._close()
             return
         self.buffer.clear()
-        self._start(waiting[0], None)
+        head = waiting.handler_head()
+        if head is None:  # read as plain by C, not by Python: aiohttp would not read it
+            self._close()
+            return
+        self._start(head, None)

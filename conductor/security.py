@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from aiohttp import web
 
 from .config import Registration
-from .lane_http import RequestHead
+from .lane_http import ApiRequest
 
 # what changes the index or the answers (/routed: a routed prompt counts as a hit for a
 # while; /loads: a replica's load is in the other replicas' answers)
@@ -56,13 +56,17 @@ class BearerAuth:
             return False
         return self.all_routes or path in MUTATING_ROUTES
 
-    def check(self, request: RequestHead) -> None:
-        if not self.required(request.path):
-            return
-        scheme, _, given = request.headers.get("Authorization", "").partition(" ")
-        expected = self.token.encode()
-        if scheme.lower() != "bearer" or not hmac.compare_digest(given.strip().encode(), expected):
+    def check(self, request: ApiRequest) -> None:
+        if not self.accepts(request.path, request.headers.get("Authorization")):
             raise Unauthorized
+
+    def accepts(self, path: str, authorization: str | None) -> bool:
+        """Whether a request to ``path`` with this ``Authorization`` header may pass."""
+        if not self.required(path):
+            return True
+        scheme, _, given = (authorization or "").partition(" ")
+        expected = self.token.encode()
+        return scheme.lower() == "bearer" and hmac.compare_digest(given.strip().encode(), expected)
 
 
 @dataclass

@@ -5,8 +5,9 @@
 #include <string.h>
 
 #include "hashing.h"
+#include "json.h"
 
-static const char *json_space(const char *p, const char *end) {
+const char *json_space(const char *p, const char *end) {
     while (p < end && (*p == ' ' || *p == '\t' || *p == '\n' || *p == '\r')) p++;
     return p;
 }
@@ -29,8 +30,8 @@ static const char *json_string_end(const char *p, const char *end, int *escaped)
 /* Past a JSON array of int32 integers at ``p`` (its '['), their int32 LE bytes appended
  * to ``out``; NULL if it is anything else (a fraction, an exponent, a leading zero, a
  * value outside int32, another type). */
-static const char *json_int32_array(const char *p, const char *end, uint8_t **out,
-                                    size_t *used, size_t *capacity) {
+const char *json_int32_array(const char *p, const char *end, uint8_t **out, size_t *used,
+                             size_t *capacity) {
     p = json_space(p + 1, end);
     if (p < end && *p == ']') return p + 1;
     for (;;) {

@@ -108,6 +108,18 @@ static inline int mp_str(MpReader *r, const uint8_t **text, size_t *length) {
     return 1;
 }
 
+/* A bin's bytes, left where they are. */
+static inline int mp_bin(MpReader *r, const uint8_t **bytes, size_t *length) {
+    if (r->p >= r->end || *r->p < 0xc4 || *r->p > 0xc6) return 0;
+    int header = 1 << (*r->p - 0xc4);  /* bin8, bin16, bin32: a 1-, 2- or 4-byte length */
+    if (r->end - r->p < 1 + header) return 0;
+    *length = (size_t)mp_be(r->p + 1, header);
+    const uint8_t *at;
+    if (!mp_take(r, 1 + (size_t)header + *length, &at)) return 0;
+    *bytes = at + 1 + header;
+    return 1;
+}
+
 /* An array's or a map's element count, from a header of tag ``fix`` (its low nibble holds
  * small counts), ``tag16`` or ``tag16 + 1`` (a 2- or 4-byte count). Every element takes at
  * least a byte (a map entry two), so a count the rest of the input cannot hold is refused. */
