@@ -1,25 +1,27 @@
-"""The plain query, answered in C from the index straight to the answer's bytes.
+"""The plain query, read and answered in C, from the index straight to the answer's bytes.
 
 Most queries ask one thing: which instances of a context hold how much of a prompt. In
-Python the handler's objects for that (the match per instance, the answer's dicts, a
-``web.Response``, the task that runs it) cost ~80 µs of CPU in the service, more than
-the index's own work: the interpreter runs that code cold between two requests. So the
-query lane (``conductor.query_lane``) offers each request to ``ConductorApi.answer_plain``
-first, which answers a plain one through a ``_native.QueryPlan`` (conductor/native/
-answer.c), and leaves the rest to the handler, which answers everything as before.
+Python the request's reading (the head's regex and multidict, the body's pydantic model)
+and the handler's objects (the match per instance, the answer's dicts, a ``web.Response``,
+the task that runs it) cost ~80 µs of CPU in the service, more than the index's own work:
+the interpreter runs that code cold between two requests. So the query lane
+(``conductor.query_lane``) reads each head with a ``_native.HeadReader`` into a
+``PlainHead`` and offers it with its body to ``ConductorApi.answer_plain``, which reads the
+body's fields with ``_native.plain_query_fields`` (else the pydantic fast readers) and
+answers through a ``_native.QueryPlan`` (conductor/native/request.c, answer.c); it leaves
+every other request to the handler, which answers everything as before.
 
 Plain is: ``POST /query`` with no header asking for other tiers (msgpack asked for only by
-a msgpack body), a body the fast readers accept whole (``config.QueryRequest.
-from_plain_json``, ``api._plain_msgpack``) naming no instance, of a context with a
-``PlainFleet`` (Go prefix hashes, no pool, every instance one engine slot of one DP rank)
-whose blocks are all on the GPU tier, and, from a router replica, a decision lease it need
-not wait for (``loads.ReplicaLoads.try_decide``). Then an instance's answer holds two
-numbers: the tokens its slot holds in a row from the prompt's start, in its DP rank's
-fields, and the same raised to what routers routed there (``conductor.routed``), in the
-instance's fields. A plan holds the answer's templates, made here by the handler's own
-encoders with a sentinel where each number goes, and C writes the numbers in. Both ways
-answer alike byte for byte (tests/conductor/test_plain_query.py compares them over random
-fleets, routed prompts and replicas' headers).
+a msgpack body), a body naming no instance, of a context with a ``PlainFleet`` (Go prefix
+hashes, no pool, every instance one engine slot of one DP rank) whose blocks are all on
+the GPU tier, and, from a router replica, a decision lease it need not wait for
+(``loads.ReplicaLoads.try_decide``). Then an instance's answer holds two numbers: the
+tokens its slot holds in a row from the prompt's start, in its DP rank's fields, and the
+same raised to what routers routed there (``conductor.routed``), in the instance's fields.
+A plan holds the answer's templates, made here by the handler's own encoders with a
+sentinel where each number goes, and C writes the numbers in. Both ways answer alike byte
+for byte, and the C readers read as the Python ones (tests/conductor/test_plain_query.py
+compares them over random fleets, requests, heads and bodies).
 """
 
 from __future__ import annotations

@@ -133,9 +133,8 @@ class QueryLane(asyncio.Protocol):
             if taken is None:
                 return
             read, body = taken
-            assert self.transport is not None
             if read.plain is not None:
-                answer = self.settings.answer_plain(read.plain, body, self.transport)
+                answer = self._plain_answer(read.plain, body)
                 if answer is not None:
                     if not self._written(answer, read.plain.keep_alive):
                         return
@@ -148,6 +147,16 @@ class QueryLane(asyncio.Protocol):
             self._start(head, body)
         if self.buffer and self.answering is None and self.inner is None:
             self._later = asyncio.get_running_loop().call_soon(self._go_on)
+
+    def _plain_answer(self, head: PlainHead, body: bytes) -> bytes | None:
+        """The plain path's answer, or None: the handler's then (a failure there is a bug,
+        logged, and the handler still answers the request)."""
+        assert self.transport is not None
+        try:
+            return self.settings.answer_plain(head, body, self.transport)
+        except Exception:
+            log.exception("the plain path failed; the handler answers the query")
+            return None
 
     def _go_on(self) -> None:
         self._later = None
