@@ -100,6 +100,14 @@ class ContextBlocks:
     def walk(
         self, hashes: Sequence[object], interest: int, /
     ) -> list[tuple[list[int], tuple[int, int, int, int]]]: ...
+    def walk_tiers(
+        self,
+        hashes: Sequence[object],
+        interest: int,
+        pool_mask: int,
+        pool_members: dict[int, int],
+        /,
+    ) -> list[tuple[list[int], tuple[int, int, int, int]]]: ...
 
 class IngestThread:
     """A thread that applies packed batches without the GIL (conductor/native/ingest.c)."""

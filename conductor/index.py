@@ -537,32 +537,9 @@ class PrefixContext:
 
     def _walk_tiers(self, hashes: Sequence[PrefixHash], interest: int) -> list[_Stop]:
         """The general walk: GPU, then the slot's own CPU, then CPU through a pool, then
-        DISK (own or a pool's); each slot stops on its own, on each tier."""
-        everywhere = len(hashes)
-        lengths = {i: [everywhere] * 4 for i in _bit_indices(interest)}
-        gpu_blocks, cpu_blocks, disk_blocks = self.blocks
-        pools = self.pool_mask
-        served_by = self.pool_members.get  # one pool holds the block: one lookup
-        alive = [interest] * 4
-        for position, prefix_hash in enumerate(hashes):
-            on_gpu = gpu_blocks.get(prefix_hash, 0)
-            on_cpu = cpu_blocks.get(prefix_hash, 0)
-            on_own_cpu = on_gpu | on_cpu  # pool bits in it are no slot of interest
-            if on_cpu & pools:
-                on_cpu |= served_by(on_cpu & pools) or self._members(on_cpu & pools)
-            on_cpu |= on_own_cpu
-            on_disk = disk_blocks.get(prefix_hash, 0)
-            if on_disk & pools:
-                on_disk |= served_by(on_disk & pools) or self._members(on_disk & pools)
-            on_disk |= on_cpu
-            for tier, holders in enumerate((on_gpu, on_own_cpu, on_cpu, on_disk)):
-                stopped = alive[tier] & ~holders
-                if stopped:
-                    _record_stops(lengths, stopped, position, tier)
-                    alive[tier] &= holders
-            if not alive[3]:
-                break
-        return [([index], (hits[0], hits[1], hits[2], hits[3])) for index, hits in lengths.items()]
+        DISK (own or a pool's); each slot stops on its own, on each tier (in C, on the
+        masks as machine words: in Python each tier of each block made owner-wide ints)."""
+        return self._state.walk_tiers(hashes, interest, self.pool_mask, self.pool_members)
 
     def _members(self, pools: int) -> int:
         """The engine slots served by several pools that hold the same block."""
@@ -590,12 +567,6 @@ def _tokens(blocks: TierHits, block_size: int) -> TierHits:
     )
 
 
-def _record_stops(lengths: dict[int, list[int]], stopped: int, position: int, tier: int) -> None:
-    """Slots whose bits are in ``stopped`` matched ``position`` blocks on this tier."""
-    for index in _bit_indices(stopped):
-        lengths[index][tier] = position
-
-
 def count_packed(stats: ApplyStats, start: int, applied: Applied) -> int:
     """An answer of ``apply_packed`` from event ``start`` on, counted into ``stats``;
     returns the first event not applied."""
@@ -606,20 +577,6 @@ def count_packed(stats: ApplyStats, start: int, applied: Applied) -> int:
     stats.orphaned += orphaned
     stats.drop("token_count_mismatch", mismatched)
     return reached
-
-
-def _bit_indices(mask: int) -> list[int]:
-    """The set bits of a slot mask, lowest first: by int arithmetic when few bits are set,
-    from the mask's binary text when many are (each step of the arithmetic copies the whole
-    wide int)."""
-    if mask.bit_count() > 32:
-        return [index for index, digit in enumerate(bin(mask)[:1:-1]) if digit == "1"]
-    indices = []
-    while mask:
-        low = mask & -mask
-        indices.append(low.bit_length() - 1)
-        mask ^= low
-    return indices
 
 
 class PrefixCacheTable:

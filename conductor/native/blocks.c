@@ -485,8 +485,9 @@ static PyObject *context_clear(ContextBlocks *self, PyObject *holdings) {
 
 /* defined with their concerns */
 PyObject *context_walk(ContextBlocks *self, PyObject *const *args, Py_ssize_t nargs);
+PyObject *context_walk_tiers(ContextBlocks *self, PyObject *const *args, Py_ssize_t nargs);
 PyObject *context_apply_packed(ContextBlocks *self, PyObject *const *args, Py_ssize_t nargs);
-extern const char context_walk_doc[], context_apply_packed_doc[];
+extern const char context_walk_doc[], context_walk_tiers_doc[], context_apply_packed_doc[];
 
 #define FASTCALL(function) (PyCFunction)(void (*)(void))(function), METH_FASTCALL
 
@@ -498,6 +499,7 @@ static PyMethodDef context_methods[] = {
     {"clear", (PyCFunction)context_clear, METH_O, context_clear_doc},
     {"apply_packed", FASTCALL(context_apply_packed), context_apply_packed_doc},
     {"walk", FASTCALL(context_walk), context_walk_doc},
+    {"walk_tiers", FASTCALL(context_walk_tiers), context_walk_tiers_doc},
     {NULL, NULL, 0, NULL},
 };
 

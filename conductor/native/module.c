@@ -10,7 +10,7 @@
  *   maps.c     HashMap and MaskMap, compact dicts keyed by 64-bit hashes
  *   blocks.c   the index's hot state, ContextBlocks (a context's blocks) and Holdings
  *              (an owner's on one tier), changed only by its methods
- *   walk.c     ContextBlocks.walk: a query's walk over the GPU tier's owner masks
+ *   walk.c     ContextBlocks.walk and walk_tiers: a query's walk over the owner masks
  *   masks.c    owner masks in machine words, the values of a MaskMap
  *   lane.c     the ingest lane: a msgpack batch (msgpack.h) read whole, applied by
  *              ContextBlocks.apply_packed

@@ -1399,7 +1399,7 @@ class ModelCheck:
     OPS = ("store", "tokenless", "remove", "clear", "toggle", "clear_store", "restart", "check")
     OP_WEIGHTS = (45, 10, 30, 5, 5, 2, 2, 5)
 
-    def __init__(self, seed: int, lane: bool = False) -> None:
+    def __init__(self, seed: int, lane: bool = False, fillers: int = 0) -> None:
         self.seed = seed
         self.lane = lane
         self.rng = random.Random(seed)
@@ -1411,6 +1411,14 @@ class ModelCheck:
             i: StreamSource(f"{i}|default|0", i, "default", MODEL, "", MC_BS, 0, "", i == MC_POOL)
             for i in (*MC_ENGINES, MC_POOL)
         }
+        # engines that hold nothing, registered first: the others' bits are high (wide masks)
+        self.fillers = [
+            StreamSource(f"filler{n:02d}|default|0", f"filler{n:02d}", "default", MODEL, "", MC_BS)
+            for n in range(fillers)
+        ]
+        for filler in self.fillers:
+            self.table.add_stream(filler)
+            self.model.register(filler.instance_id, "")
         self.seen: Counter[str] = Counter()  # proves the run reached the interesting cases
 
     # -- one random operation ---------------------------------------------------------------
@@ -1581,9 +1589,11 @@ class ModelCheck:
 
 
 @pytest.mark.parametrize(
-    ("seed", "lane"), [(1, False), (2, False), (3, False), (4, True), (5, True)]
+    ("seed", "lane", "fillers"),
+    [(1, False, 0), (2, False, 0), (3, False, 0), (4, True, 0), (5, True, 0), (6, False, 66)],
+    ids=["1", "2", "3", "4-lane", "5-lane", "6-wide-masks"],
 )
-def test_randomized_against_reference_model(seed: int, lane: bool) -> None:
+def test_randomized_against_reference_model(seed: int, lane: bool, fillers: int) -> None:
     """Random store/remove/clear/unregister sequences on 3 engines and a store pool; each
     engine registers with no kv_store or one of two, so kv_store pools come and go, and
     the stores are checked (blocks evicted, blocks saved during a check, failed checks).
@@ -1593,7 +1603,7 @@ def test_randomized_against_reference_model(seed: int, lane: bool) -> None:
     end every stream is unregistered and nothing may be left behind. With ``lane`` every
     batch is encoded and offered to the C lane first, as the service does.
     """
-    mc = ModelCheck(seed, lane)
+    mc = ModelCheck(seed, lane, fillers)
     for _ in range(2000):
         mc.check(mc.step())
     for case in (
@@ -1616,6 +1626,9 @@ def test_randomized_against_reference_model(seed: int, lane: bool) -> None:
         "dropped_store_down",
     ):
         assert mc.seen[case] > 0, f"the random run never reached {case!r}: {dict(mc.seen)}"
+    for filler in mc.fillers:
+        mc.table.remove_stream(filler.key)
+        mc.model.unregister(filler.instance_id)
     for instance in list(mc.model.registered):
         mc.table.remove_stream(mc.sources[instance].key)
     assert_empty(mc.table)
