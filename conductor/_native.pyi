@@ -104,7 +104,6 @@ class ContextBlocks:
         self,
         hashes: Sequence[object],
         interest: int,
-        pool_mask: int,
         pool_members: dict[int, int],
         /,
     ) -> list[tuple[list[int], tuple[int, int, int, int]]]: ...
@@ -133,6 +132,7 @@ class QueryPlan:
     def __init__(
         self,
         context: ContextBlocks,
+        pool_members: dict[int, int],
         bits: Sequence[int],
         names: tuple[bytes, ...],
         parts: tuple[bytes, ...],
@@ -143,7 +143,7 @@ class QueryPlan:
     ) -> None: ...
     def answer(
         self, tokens: bytes, root: int, hits_only: bool, minimum: Sequence[int] | None, /
-    ) -> tuple[bytes, int] | None: ...
+    ) -> tuple[bytes, int]: ...
 
 class HeadReader:
     """Reads the plain heads of ``POST <target>`` requests (conductor/native/request.c)."""

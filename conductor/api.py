@@ -701,13 +701,10 @@ class ConductorApi:
         if self.routed.holds_any():
             routed = self.routed.match(key, tokens, salt)
             minimum = [routed.get(name, 0) for name in fleet.names] if routed else None
-        answered = plan.answer(tokens, salt_root(salt), head.hits_only == "1", minimum)
-        if answered is None:
-            return None
+        answer, raised = plan.answer(tokens, salt_root(salt), head.hits_only == "1", minimum)
         replica = head.replica
         if replica is not None and not self.loads.try_decide(replica, model, lease):
             return None  # the handler waits for the other replica's decision
-        answer, raised = answered
         extra = []
         if progress is not None:
             extra.append((INDEXED_UNTIL_HEADER, progress))

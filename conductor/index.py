@@ -163,10 +163,11 @@ class InstanceMatch:
 @dataclass(frozen=True, slots=True)
 class PlainFleet:
     """A context whose plain queries C answers whole (``conductor.plain_query``): Go prefix
-    hashes, no pool, every instance one engine slot, all of one DP rank. It lasts as long
-    as the context's slots do (a slot coming or going makes a new one)."""
+    hashes, every instance one engine slot, all of one DP rank. It lasts as long as the
+    context's slots do (a slot coming or going makes a new one)."""
 
     blocks: ContextBlocks
+    pool_members: dict[int, int]  # the context's own (a pool's members change in place)
     tenant: str
     rank: int
     names: tuple[str, ...]  # the instances, in instance-id order
@@ -511,13 +512,13 @@ class PrefixContext:
                     names[index] = instance_id
             rank = single_ranks.pop() if uniform else None
             plain = None
-            if rank is not None and self.profile is None and not self.pool_mask:
+            if rank is not None and self.profile is None:
                 ordered = sorted((name, index) for index, (name, _) in single.items())
                 names_in_order = tuple(name for name, _ in ordered)
                 indices = tuple(index for _, index in ordered)
                 plain = PlainFleet(
-                    self._state, self.key.tenant_id, rank, names_in_order, indices,
-                    frozenset(names_in_order),
+                    self._state, self.pool_members, self.key.tenant_id, rank, names_in_order,
+                    indices, frozenset(names_in_order),
                 )  # fmt: skip
             self._engines = _Engines(mask, masks, zero, single, rank, names, plain)
         return self._engines
@@ -539,7 +540,7 @@ class PrefixContext:
         """The general walk: GPU, then the slot's own CPU, then CPU through a pool, then
         DISK (own or a pool's); each slot stops on its own, on each tier (in C, on the
         masks as machine words: in Python each tier of each block made owner-wide ints)."""
-        return self._state.walk_tiers(hashes, interest, self.pool_mask, self.pool_members)
+        return self._state.walk_tiers(hashes, interest, self.pool_members)
 
     def _members(self, pools: int) -> int:
         """The engine slots served by several pools that hold the same block."""

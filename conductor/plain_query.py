@@ -13,13 +13,14 @@ every other request to the handler, which answers everything as before.
 
 Plain is: ``POST /query`` with no header asking for other tiers (msgpack asked for only by
 a msgpack body), a body naming no instance, of a context with a ``PlainFleet`` (Go prefix
-hashes, no pool, every instance one engine slot of one DP rank) whose blocks are all on
-the GPU tier, and, from a router replica, a decision lease it need not wait for
-(``loads.ReplicaLoads.try_decide``). Then an instance's answer holds two numbers: the
-tokens its slot holds in a row from the prompt's start, in its DP rank's fields, and the
-same raised to what routers routed there (``conductor.routed``), in the instance's fields.
-A plan holds the answer's templates, made here by the handler's own encoders with a
-sentinel where each number goes, and C writes the numbers in. Both ways answer alike byte
+hashes, every instance one engine slot of one DP rank), and, from a router replica, a
+decision lease it need not wait for (``loads.ReplicaLoads.try_decide``). Then an
+instance's answer holds eight numbers at most: on each tier (the GPU, its own CPU, any CPU
+it can load from, a pool's included, any tier), the tokens its slot holds in a row from the
+prompt's start, in its DP rank's fields, and the same raised to what routers routed there
+(``conductor.routed``), in the instance's fields. A plan holds the answer's templates,
+made here by the handler's own encoders with a sentinel where each number goes, and C
+writes the numbers in. Both ways answer alike byte
 for byte, and the C readers read as the Python ones (tests/conductor/test_plain_query.py
 compares them over random fleets, requests, heads and bodies).
 """
@@ -34,10 +35,11 @@ from ._native import QueryPlan
 from .index import InstanceMatch, PlainFleet
 
 PLAIN_ROUTE = "/query"  # the route of plain queries
-# numbers in no template but where a match's tokens go: the instance's, its DP rank's
-SENTINELS = (2**63 - 25, 2**63 - 52)
-INSTANCE_TOKENS, RANK_TOKENS = 0, 1  # which of them a cut of a template stands for
-CHECKS = (12_345, 678)  # two more, to check that a template's numbers are only those
+# numbers in no template but where a match's tokens go, in the order of a template's kinds
+# (conductor/native/answer.c): the instance's on the GPU, its own CPU, any CPU, any tier,
+# then its DP rank's
+SENTINELS = tuple(2**63 - 25 - 27 * kind for kind in range(8))
+CHECKS = tuple(12_345 + 1_000 * kind for kind in range(8))  # to check a template's numbers
 
 
 class PlainHead(NamedTuple):
@@ -75,18 +77,18 @@ def plan(fleet: PlainFleet, dialect: Dialect) -> QueryPlan | None:
     return cast(QueryPlan | None, fleet.plans[dialect])
 
 
-def _value(fleet: PlainFleet, dialect: Dialect, tokens: int, rank_tokens: int) -> bytes:
-    """One instance's answer when it holds ``tokens`` (on every tier) and its DP rank
-    ``rank_tokens`` (less, when a routed prompt raised the instance's)."""
-    hits = (tokens, tokens, tokens, tokens)
-    ranks = {fleet.rank: (rank_tokens, rank_tokens, rank_tokens, rank_tokens)}
+def _value(fleet: PlainFleet, dialect: Dialect, numbers: tuple[int, ...]) -> bytes:
+    """One instance's answer with these ``numbers`` (in the order of SENTINELS): its hits
+    on each tier, and its DP rank's (less, when a routed prompt raised the instance's)."""
+    hits = (numbers[0], numbers[1], numbers[2], numbers[3])
+    ranks = {fleet.rank: (numbers[4], numbers[5], numbers[6], numbers[7])}
     return dialect.encode(dialect.write(InstanceMatch(*hits, ranks)))
 
 
 def _template(fleet: PlainFleet, dialect: Dialect) -> tuple[tuple[bytes, ...], bytes] | None:
     """An instance's answer cut where its numbers go, and which number goes in each cut;
-    None if it holds a number that is neither."""
-    encoded = _value(fleet, dialect, *SENTINELS)
+    None if it holds a number that is none of them."""
+    encoded = _value(fleet, dialect, SENTINELS)
     marks = [dialect.encode(sentinel) for sentinel in SENTINELS]
     parts, kinds, at = [], bytearray(), 0
     while True:
@@ -104,7 +106,7 @@ def _template(fleet: PlainFleet, dialect: Dialect) -> tuple[tuple[bytes, ...], b
         b"".join(part + checks[kind] for part, kind in zip(parts[:-1], kinds, strict=True))
         + parts[-1]
     )
-    if filled != _value(fleet, dialect, *CHECKS):
+    if filled != _value(fleet, dialect, CHECKS):
         return None
     return tuple(parts), bytes(kinds)
 
@@ -122,4 +124,7 @@ def _make(fleet: PlainFleet, dialect: Dialect) -> QueryPlan | None:
     else:  # C writes the entries between the braces, with commas
         opener, closer = whole[: at + 1], whole[at + 1 :]
         names = tuple(dialect.encode(name) + b":" for name in fleet.names)
-    return QueryPlan(fleet.blocks, fleet.bits, names, parts, kinds, opener, closer, dialect.msgpack)
+    return QueryPlan(
+        fleet.blocks, fleet.pool_members, fleet.bits, names, parts, kinds, opener, closer,
+        dialect.msgpack,
+    )  # fmt: skip

@@ -2,11 +2,12 @@
  *
  * Why: answering a 1-block query in Python (validation, the match's objects, the answer's
  * dicts, their encoding) cost ~80 µs of CPU in the service, more than the kernel's own
- * work on the request, as the interpreter runs it cold between two requests. For the usual
- * context (Go prefix hashes, no pool, every instance one engine slot of one DP rank, blocks
- * on the GPU tier only) an instance's answer is one number, the tokens its slot holds in a
- * row from the prompt's start: a QueryPlan walks the GPU tier's masks for those and writes
- * each instance's answer from templates the service's own encoders made
+ * work on the request, as the interpreter runs it cold between two requests. In the usual
+ * context (Go prefix hashes, every instance one engine slot of one DP rank) an instance's
+ * answer holds eight numbers at most: on each tier, the tokens its slot holds in a row
+ * from the prompt's start, for the instance (raised to what a router routed there) and for
+ * its DP rank. A QueryPlan walks the tiers' masks for those (walk.h) and writes each
+ * instance's answer from templates the service's own encoders made
  * (conductor.plain_query), so both ways answer alike byte for byte (the tests compare them).
  */
 #define PY_SSIZE_T_CLEAN
@@ -16,22 +17,24 @@
 
 #include "blocks.h"
 #include "hashing.h"
-#include "maps.h"
-#include "masks.h"
+#include "walk.h"
 
-/* The numbers of an instance's answer: the instance's tokens (raised to what a router
- * routed there, when a query gives such a minimum) and its DP rank's own (never raised,
- * as conductor.routed.raise_hits leaves the ranks alone). */
-enum { INSTANCE_TOKENS, RANK_TOKENS };
+/* The numbers of an instance's answer, as a template's kinds name them: the instance's
+ * tokens on each tier (GPU, own CPU, any CPU, any tier; raised to what a router routed
+ * there, when a query gives such a minimum), then its DP rank's own (never raised, as
+ * conductor.routed.raise_hits leaves the ranks alone). */
+#define TIER_COUNT 4
+#define KINDS (2 * TIER_COUNT)
 
 typedef struct {
     PyObject_HEAD
     ContextBlocks *context;
+    PyObject *pool_members;  /* the context's dict: a pool's bit -> the slots it serves */
     Py_ssize_t count;  /* instances, in the answer's order */
     size_t *bits;  /* each instance's slot bit */
     PyObject *names;  /* a tuple of bytes: each instance's key, as written before its value */
     PyObject *parts;  /* a tuple of bytes: the value's template, cut where a number goes */
-    PyObject *kinds;  /* bytes: which number goes in each cut, INSTANCE_TOKENS or RANK_TOKENS */
+    PyObject *kinds;  /* bytes: which number goes in each cut, 0 to KINDS - 1 */
     PyObject *opener, *closer;  /* bytes: what the answer starts and ends with */
     int msgpack;  /* numbers and the map's length in msgpack; else JSON, entries by commas */
     size_t words;  /* of the widest slot bit */
@@ -39,6 +42,7 @@ typedef struct {
 
 static void plan_dealloc(QueryPlan *self) {
     Py_XDECREF(self->context);
+    Py_XDECREF(self->pool_members);
     Py_XDECREF(self->names);
     Py_XDECREF(self->parts);
     Py_XDECREF(self->kinds);
@@ -59,14 +63,15 @@ static int all_bytes(PyObject *tuple, const char *what) {
 }
 
 static int plan_init(QueryPlan *self, PyObject *args, PyObject *kwargs) {
-    static char *keywords[] = {"context", "bits", "names", "parts", "kinds", "opener",
-                               "closer", "msgpack", NULL};
+    static char *keywords[] = {"context", "pool_members", "bits", "names", "parts", "kinds",
+                               "opener", "closer", "msgpack", NULL};
     ContextBlocks *context;
-    PyObject *bits, *names, *parts, *kinds, *opener, *closer;
+    PyObject *pool_members, *bits, *names, *parts, *kinds, *opener, *closer;
     int msgpack;
-    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "O!OO!O!SSSp:QueryPlan", keywords,
-                                     &ContextBlocksType, &context, &bits, &PyTuple_Type, &names,
-                                     &PyTuple_Type, &parts, &kinds, &opener, &closer, &msgpack)) {
+    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "O!O!OO!O!SSSp:QueryPlan", keywords,
+                                     &ContextBlocksType, &context, &PyDict_Type, &pool_members,
+                                     &bits, &PyTuple_Type, &names, &PyTuple_Type, &parts, &kinds,
+                                     &opener, &closer, &msgpack)) {
         return -1;
     }
     if (self->context != NULL) {
@@ -78,15 +83,14 @@ static int plan_init(QueryPlan *self, PyObject *args, PyObject *kwargs) {
     Py_ssize_t count = PySequence_Fast_GET_SIZE(seq);
     int kinds_known = 1;
     for (Py_ssize_t k = 0; k < PyBytes_GET_SIZE(kinds); k++)
-        kinds_known &= PyBytes_AS_STRING(kinds)[k] == INSTANCE_TOKENS
-                       || PyBytes_AS_STRING(kinds)[k] == RANK_TOKENS;
+        kinds_known &= (unsigned char)PyBytes_AS_STRING(kinds)[k] < KINDS;
     if (count != PyTuple_GET_SIZE(names) || PyTuple_GET_SIZE(parts) < 1
         || PyBytes_GET_SIZE(kinds) != PyTuple_GET_SIZE(parts) - 1 || !kinds_known
         || all_bytes(names, "names") < 0 || all_bytes(parts, "parts") < 0) {
         if (!PyErr_Occurred())
             PyErr_SetString(PyExc_ValueError,
                             "a name for each bit, a template of one part or more, a kind (0 "
-                            "or 1) for each number between its parts");
+                            "to 7) for each number between its parts");
         Py_DECREF(seq);
         return -1;
     }
@@ -114,6 +118,7 @@ static int plan_init(QueryPlan *self, PyObject *args, PyObject *kwargs) {
     Py_DECREF(seq);
     self->count = count;
     self->context = (ContextBlocks *)Py_NewRef(context);
+    self->pool_members = Py_NewRef(pool_members);
     self->names = Py_NewRef(names);
     self->parts = Py_NewRef(parts);
     self->kinds = Py_NewRef(kinds);
@@ -175,48 +180,46 @@ static char *put_bytes(char *out, PyObject *bytes) {
     return out + PyBytes_GET_SIZE(bytes);
 }
 
-/* Each slot's blocks held in a row from the prompt's start, in ``held_at`` (by bit): the
- * blocks of ``tokens`` hashed one by one from ``root`` while some slot still holds them.
- * The context's mutex is held. */
-static void walk_blocks(QueryPlan *self, const uint8_t *tokens, Py_ssize_t blocks,
-                        uint64_t root, uint8_t *buffer, uint64_t *alive, uint32_t *held_at) {
-    Map *gpu = self->context->tiers[0];
-    size_t words = self->words, step = 4 * (size_t)self->context->block_size;
+/* Each slot's blocks held in a row from the prompt's start on each tier, in ``walk->at``:
+ * the blocks of ``tokens`` hashed one by one from ``root`` while some slot still holds
+ * them. The context's mutex is held. */
+static void walk_blocks(QueryPlan *self, TierWalk *walk, const uint8_t *tokens,
+                        Py_ssize_t blocks, uint64_t root, uint8_t *buffer) {
+    size_t step = 4 * (size_t)self->context->block_size;
     uint64_t chain = root;
-    Py_ssize_t position = 0;
-    for (; position < blocks; position++) {
+    for (Py_ssize_t position = 0; position < blocks; position++) {
         chain = block_hash(chain, tokens + position * step, step, buffer);
-        const uint64_t *mask = map_value_of(gpu, chain), *held = NULL;
-        size_t known = mask != NULL ? mask_words(mask, &held) : 0;
-        uint64_t any_alive = 0;
-        for (size_t w = 0; w < words; w++) {
-            uint64_t holders = w < known ? held[w] : 0;
-            for (uint64_t stopped = alive[w] & ~holders; stopped; stopped &= stopped - 1)
-                held_at[w * 64 + __builtin_ctzll(stopped)] = (uint32_t)position;
-            alive[w] &= holders;
-            any_alive |= alive[w];
-        }
-        if (!any_alive) return;
-    }
-    for (size_t w = 0; w < words; w++) {
-        for (uint64_t left = alive[w]; left; left &= left - 1)
-            held_at[w * 64 + __builtin_ctzll(left)] = (uint32_t)position;
+        if (!tier_walk_step(walk, self->context, chain, 1, position)) return;
     }
 }
 
-/* The answer's bytes: each instance (with a hit, given ``hits_only``) and its tokens,
- * ``raised[i]`` blocks at least for the instance (``raised``: NULL, none). */
-static PyObject *write_answer(QueryPlan *self, const uint32_t *held_at, const uint64_t *raised,
+/* Instance ``i``'s numbers in blocks (see KINDS), its tiers raised to ``raised[i]`` blocks
+ * (``raised``: NULL, none) as raise_hits does: when that is more than its GPU hit. */
+static void numbers_of(const QueryPlan *self, const TierWalk *walk, const uint64_t *raised,
+                       Py_ssize_t i, uint64_t numbers[KINDS]) {
+    const Py_ssize_t *at = &walk->at[self->bits[i] * TIER_COUNT];
+    for (int tier = 0; tier < TIER_COUNT; tier++)
+        numbers[tier] = numbers[TIER_COUNT + tier] = (uint64_t)at[tier];
+    if (raised != NULL && raised[i] > numbers[0]) {
+        for (int tier = 0; tier < TIER_COUNT; tier++)
+            if (raised[i] > numbers[tier]) numbers[tier] = raised[i];
+    }
+}
+
+/* The answer's bytes: each instance (with a hit on some tier, given ``hits_only``) and its
+ * numbers. */
+static PyObject *write_answer(QueryPlan *self, const TierWalk *walk, const uint64_t *raised,
                               int hits_only) {
     Py_ssize_t parts = PyTuple_GET_SIZE(self->parts), written = 0;
     size_t template = 0, size = 0;
-    const char *kinds = PyBytes_AS_STRING(self->kinds);
+    const unsigned char *kinds = (const unsigned char *)PyBytes_AS_STRING(self->kinds);
+    uint64_t numbers[KINDS];
     for (Py_ssize_t p = 0; p < parts; p++)
         template += (size_t)PyBytes_GET_SIZE(PyTuple_GET_ITEM(self->parts, p));
     template += (size_t)(parts - 1) * 20 + 1;  /* a number's digits at most, a comma */
     for (Py_ssize_t i = 0; i < self->count; i++) {
-        if (hits_only && held_at[self->bits[i]] == 0 && (raised == NULL || raised[i] == 0))
-            continue;
+        numbers_of(self, walk, raised, i, numbers);
+        if (hits_only && numbers[TIER_COUNT - 1] == 0) continue;  /* nothing on any tier */
         size += (size_t)PyBytes_GET_SIZE(PyTuple_GET_ITEM(self->names, i)) + template;
         written++;
     }
@@ -228,17 +231,13 @@ static PyObject *write_answer(QueryPlan *self, const uint32_t *held_at, const ui
     int first = 1;
     uint64_t block_size = (uint64_t)self->context->block_size;
     for (Py_ssize_t i = 0; i < self->count; i++) {
-        uint64_t blocks = held_at[self->bits[i]];
-        uint64_t best = raised != NULL && raised[i] > blocks ? raised[i] : blocks;
-        if (hits_only && best == 0) continue;
+        numbers_of(self, walk, raised, i, numbers);
+        if (hits_only && numbers[TIER_COUNT - 1] == 0) continue;
         if (!self->msgpack && !first) *out++ = ',';
         first = 0;
         out = put_bytes(out, PyTuple_GET_ITEM(self->names, i));
         for (Py_ssize_t p = 0; p < parts; p++) {
-            if (p) {
-                uint64_t number = kinds[p - 1] == RANK_TOKENS ? blocks : best;
-                out = put_number(out, number * block_size, self->msgpack);
-            }
+            if (p) out = put_number(out, numbers[kinds[p - 1]] * block_size, self->msgpack);
             out = put_bytes(out, PyTuple_GET_ITEM(self->parts, p));
         }
     }
@@ -282,10 +281,9 @@ static int read_minimum(QueryPlan *self, PyObject *minimum, uint64_t **raised) {
 PyDoc_STRVAR(plan_answer_doc,
 "answer(tokens, root, hits_only, minimum, /)\n--\n\n"
 "The answer for a prompt (``tokens``: int32 little-endian bytes) whose prefix hashes\n"
-"chain from ``root``: each instance's tokens held in a row on the GPU tier, at least\n"
+"chain from ``root``: each instance's tokens held in a row on each tier, at least\n"
 "``minimum[i]`` blocks for instance i (None: no minimum); only those with a hit given\n"
-"``hits_only``. (the answer's bytes, how many instances the minimum raised), or None when\n"
-"the context holds blocks on another tier, which the general way then answers.");
+"``hits_only``. (the answer's bytes, how many instances the minimum raised).");
 
 static PyObject *plan_answer(QueryPlan *self, PyObject *const *args, Py_ssize_t nargs) {
     if (nargs != 4) {
@@ -303,37 +301,30 @@ static PyObject *plan_answer(QueryPlan *self, PyObject *const *args, Py_ssize_t 
     ContextBlocks *context = self->context;
     Py_ssize_t step = 4 * context->block_size;
     Py_ssize_t blocks = step > 0 ? PyBytes_GET_SIZE(args[0]) / step : 0;
-    size_t slots = self->words * 64;
     uint8_t stack[8 + 4 * 64];
     uint8_t *buffer = step <= 4 * 64 ? stack : PyMem_Malloc(8 + (size_t)step);
-    uint64_t *alive = PyMem_Calloc(self->words, sizeof(uint64_t));
-    uint32_t *held_at = PyMem_Calloc(slots, sizeof(uint32_t));
     PyObject *result = NULL;
-    if (buffer == NULL || alive == NULL || held_at == NULL) {
+    TierWalk walk;
+    if (buffer == NULL) {
         PyErr_NoMemory();
         goto done;
     }
-    for (Py_ssize_t i = 0; i < self->count; i++) alive[self->bits[i] / 64] |= 1ULL << self->bits[i] % 64;
+    if (tier_walk_start(&walk, (Py_ssize_t)self->words, self->pool_members, blocks) < 0) goto done;
+    for (Py_ssize_t i = 0; i < self->count; i++) {
+        for (int tier = 0; tier < TIER_COUNT; tier++)
+            walk.alive[tier * walk.words + self->bits[i] / 64] |= 1ULL << self->bits[i] % 64;
+    }
     sync_lock(context->sync);
-    int other_tiers = map_length(context->tiers[1]) || map_length(context->tiers[2]);
-    if (!other_tiers) {
-        walk_blocks(self, (const uint8_t *)PyBytes_AS_STRING(args[0]), blocks, root, buffer,
-                    alive, held_at);
-    }
+    walk_blocks(self, &walk, (const uint8_t *)PyBytes_AS_STRING(args[0]), blocks, root, buffer);
     sync_unlock(context->sync);
-    if (other_tiers) {
-        result = Py_NewRef(Py_None);
-        goto done;
-    }
     Py_ssize_t raised_count = 0;
     for (Py_ssize_t i = 0; raised != NULL && i < self->count; i++)
-        raised_count += raised[i] > held_at[self->bits[i]];
-    PyObject *answer = write_answer(self, held_at, raised, hits_only);
+        raised_count += raised[i] > (uint64_t)walk.at[self->bits[i] * TIER_COUNT];
+    PyObject *answer = write_answer(self, &walk, raised, hits_only);
     if (answer != NULL) result = Py_BuildValue("(Nn)", answer, raised_count);
+    tier_walk_end(&walk);
 done:
     if (buffer != stack) PyMem_Free(buffer);
-    PyMem_Free(alive);
-    PyMem_Free(held_at);
     PyMem_Free(raised);
     return result;
 }
@@ -347,12 +338,14 @@ PyTypeObject QueryPlanType = {
     PyVarObject_HEAD_INIT(NULL, 0)
     .tp_name = "conductor._native.QueryPlan",
     .tp_doc = PyDoc_STR(
-        "QueryPlan(context, bits, names, parts, kinds, opener, closer, msgpack)\n--\n\n"
-        "How to answer a plain query of a context (a ContextBlocks) whose instances each\n"
-        "own one slot (``bits``, in the answer's order): ``names`` (each instance's key, as\n"
-        "written), ``parts`` (an instance's value cut where its tokens go), ``kinds`` (for\n"
-        "each cut: 0, the instance's tokens; 1, its rank's), the answer's ``opener`` and\n"
-        "``closer``, in msgpack or JSON."),
+        "QueryPlan(context, pool_members, bits, names, parts, kinds, opener, closer,\n"
+        "msgpack)\n--\n\n"
+        "How to answer a plain query of a context (a ContextBlocks, and its dict of a pool's\n"
+        "bit to the slots it serves) whose instances each own one slot (``bits``, in the\n"
+        "answer's order): ``names`` (each instance's key, as written), ``parts`` (an\n"
+        "instance's value cut where its numbers go), ``kinds`` (for each cut: 0-3, the\n"
+        "instance's tokens on the GPU, its own CPU, any CPU, any tier; 4-7, its rank's), the\n"
+        "answer's ``opener`` and ``closer``, in msgpack or JSON."),
     .tp_basicsize = sizeof(QueryPlan),
     .tp_flags = Py_TPFLAGS_DEFAULT,
     .tp_new = PyType_GenericNew,

@@ -8,6 +8,7 @@
 #include "blocks.h"
 #include "maps.h"
 #include "masks.h"
+#include "walk.h"
 
 /* Owner masks as arrays of 64-bit words: a 1,000-slot mask is 16 words, and/compare in a
  * loop, where each int operation in Python allocates a new 1,000-bit int. */
@@ -160,13 +161,6 @@ fail:
 
 /* -- every tier ------------------------------------------------------------------------ */
 
-/* A pool's slot bit, and the engine slots its CPU and DISK blocks count for. */
-typedef struct {
-    size_t bit;
-    int every;  /* a Mooncake store's pool: every slot */
-    uint64_t *members;  /* ``words`` words, unless ``every`` */
-} Pool;
-
 /* 1 for a pool serving every slot (its members -1, index.EVERY_SLOT), 0 for a mask of
  * slots (an int >= 0), -1 on error. */
 static int every_slot(PyObject *members) {
@@ -180,13 +174,79 @@ static int every_slot(PyObject *members) {
     return !overflow && small < 0;
 }
 
+int tier_walk_start(TierWalk *walk, Py_ssize_t words, PyObject *pool_members,
+                    Py_ssize_t count) {
+    memset(walk, 0, sizeof *walk);
+    if (!PyDict_Check(pool_members)) {
+        PyErr_SetString(PyExc_TypeError, "pool_members must be a dict");
+        return -1;
+    }
+    PyObject *key, *value;
+    Py_ssize_t cursor = 0;
+    while (PyDict_Next(pool_members, &cursor, &key, &value)) {  /* wide enough for them */
+        int every = every_slot(value);
+        if (every < 0) return -1;
+        PyObject *length = PyObject_CallMethod(key, "bit_length", NULL);  /* a key: 1 << index */
+        Py_ssize_t key_bits = length == NULL ? -1 : PyLong_AsSsize_t(length);
+        Py_XDECREF(length);
+        Py_ssize_t member_words = every ? 0 : words_of(value);
+        if (key_bits < 0 || member_words < 0) return -1;
+        if ((key_bits + 63) / 64 > words) words = (key_bits + 63) / 64;
+        if (member_words > words) words = member_words;
+    }
+    if (words == 0) words = 1;
+    walk->words = words;
+    walk->pool_count = PyDict_GET_SIZE(pool_members);
+    size_t masks = 4 + 5 + (size_t)walk->pool_count;  /* alive, holders and raw, members */
+    walk->memory = PyMem_Calloc((size_t)words * masks, sizeof(uint64_t));
+    walk->pools = PyMem_Calloc(walk->pool_count > 0 ? (size_t)walk->pool_count : 1, sizeof(Pool));
+    walk->at = PyMem_Malloc((size_t)words * 64 * 4 * sizeof(Py_ssize_t));
+    if (walk->memory == NULL || walk->pools == NULL || walk->at == NULL) {
+        tier_walk_end(walk);
+        PyErr_NoMemory();
+        return -1;
+    }
+    walk->alive = walk->memory;
+    walk->holders = walk->memory + 4 * words;
+    for (Py_ssize_t i = 0; i < words * 64 * 4; i++) walk->at[i] = count;
+    Scratch scratch = {NULL, 0};
+    cursor = 0;
+    for (Py_ssize_t p = 0; PyDict_Next(pool_members, &cursor, &key, &value); p++) {
+        Pool *pool = &walk->pools[p];
+        PyObject *length = PyObject_CallMethod(key, "bit_length", NULL);  /* a key: 1 << index */
+        Py_ssize_t bits = length == NULL ? -1 : PyLong_AsSsize_t(length);
+        Py_XDECREF(length);
+        if (bits <= 0) {
+            if (!PyErr_Occurred())
+                PyErr_SetString(PyExc_ValueError, "pool_members' keys are pool bits, 1 << index");
+            goto fail;
+        }
+        pool->bit = (size_t)(bits - 1);
+        pool->every = every_slot(value);
+        pool->members = walk->memory + (9 + p) * words;
+        if (!pool->every && low_words(value, pool->members, words, &scratch) < 0) goto fail;
+    }
+    PyMem_Free(scratch.bytes);
+    return 0;
+fail:
+    PyMem_Free(scratch.bytes);
+    tier_walk_end(walk);
+    return -1;
+}
+
+void tier_walk_end(TierWalk *walk) {
+    PyMem_Free(walk->memory);
+    PyMem_Free(walk->pools);
+    PyMem_Free(walk->at);
+    memset(walk, 0, sizeof *walk);
+}
+
 /* ``holders`` |= the members of every pool whose bit ``held`` (a tier's raw mask) has. */
-static void add_members(uint64_t *holders, const uint64_t *held, const Pool *pools,
-                        Py_ssize_t pool_count, Py_ssize_t words) {
-    for (Py_ssize_t p = 0; p < pool_count; p++) {
-        const Pool *pool = &pools[p];
+static void add_members(uint64_t *holders, const uint64_t *held, const TierWalk *walk) {
+    for (Py_ssize_t p = 0; p < walk->pool_count; p++) {
+        const Pool *pool = &walk->pools[p];
         if (!(held[pool->bit / 64] >> pool->bit % 64 & 1)) continue;
-        for (Py_ssize_t w = 0; w < words; w++)
+        for (Py_ssize_t w = 0; w < walk->words; w++)
             holders[w] |= pool->every ? UINT64_MAX : pool->members[w];
     }
 }
@@ -201,17 +261,35 @@ static void mask_at(Map *map, uint64_t key, int found, uint64_t *out, Py_ssize_t
     memset(out + known, 0, ((size_t)words - known) * sizeof(uint64_t));
 }
 
-/* (the slot ``index``, its four stops) appended to ``stops``: ([index], (g, cl, c, d)). */
-static int add_tier_stop(PyObject *stops, size_t index, const Py_ssize_t *at) {
-    PyObject *stop = Py_BuildValue("([n](nnnn))", (Py_ssize_t)index, at[0], at[1], at[2], at[3]);
-    if (stop == NULL) return -1;
-    int result = PyList_Append(stops, stop);
-    Py_DECREF(stop);
-    return result;
+int tier_walk_step(TierWalk *walk, const ContextBlocks *context, uint64_t hash, int found,
+                   Py_ssize_t position) {
+    Py_ssize_t words = walk->words;
+    uint64_t *gpu = walk->holders, *own_cpu = gpu + words, *cpu = gpu + 2 * words;
+    uint64_t *disk = gpu + 3 * words, *raw = gpu + 4 * words;
+    mask_at(context->tiers[0], hash, found, gpu, words);
+    mask_at(context->tiers[1], hash, found, raw, words);
+    for (Py_ssize_t w = 0; w < words; w++) own_cpu[w] = gpu[w] | raw[w], cpu[w] = raw[w];
+    add_members(cpu, raw, walk);
+    for (Py_ssize_t w = 0; w < words; w++) cpu[w] |= own_cpu[w];
+    mask_at(context->tiers[2], hash, found, raw, words);
+    memcpy(disk, raw, (size_t)words * 8);
+    add_members(disk, raw, walk);
+    uint64_t any_alive = 0;
+    for (int tier = 0; tier < 4; tier++) {
+        uint64_t *alive = walk->alive + tier * words, *held = walk->holders + tier * words;
+        for (Py_ssize_t w = 0; w < words; w++) {
+            if (tier == 3) held[w] |= cpu[w];
+            for (uint64_t stopped = alive[w] & ~held[w]; stopped; stopped &= stopped - 1)
+                walk->at[(w * 64 + __builtin_ctzll(stopped)) * 4 + tier] = position;
+            alive[w] &= held[w];
+            if (tier == 3) any_alive |= alive[w];
+        }
+    }
+    return any_alive != 0;
 }
 
 const char context_walk_tiers_doc[] =
-"walk_tiers(hashes, interest, pool_mask, pool_members, /)\n--\n\n"
+"walk_tiers(hashes, interest, pool_members, /)\n--\n\n"
 "Where each owner in ``interest`` stops along ``hashes`` on each of four tiers: the GPU;\n"
 "the GPU or its own CPU; any CPU it can load from (a pool's, ``pool_members`` mapping a\n"
 "pool's bit to the bits it serves, -1 for every owner); any tier. A list of ([index],\n"
@@ -220,62 +298,28 @@ const char context_walk_tiers_doc[] =
 "PrefixContext's general walk, on the masks as machine words.";
 
 PyObject *context_walk_tiers(ContextBlocks *self, PyObject *const *args, Py_ssize_t nargs) {
-    if (nargs != 4 || !PyLong_Check(args[1]) || !PyLong_Check(args[2]) || !PyDict_Check(args[3])) {
+    if (nargs != 3 || !PyLong_Check(args[1])) {
         PyErr_SetString(PyExc_TypeError,
-                        "walk_tiers takes hashes, interest (int), pool_mask (int), pool_members "
-                        "(dict)");
+                        "walk_tiers takes hashes, interest (int), pool_members (dict)");
         return NULL;
     }
+    Py_ssize_t words = words_of(args[1]);
+    if (words < 0) return NULL;
     PyObject *hashes = PySequence_Fast(args[0], "hashes must be a sequence");
     if (hashes == NULL) return NULL;
-    PyObject *stops = PyList_New(0);
-    Scratch scratch = {NULL, 0};
-    uint64_t *memory = NULL;
-    Pool *pools = NULL;
-    Py_ssize_t *at = NULL;
-    Py_ssize_t pool_count = PyDict_GET_SIZE(args[3]), words = words_of(args[1]);
-    if (stops == NULL || words < 0) goto fail;
-    /* wide enough for the interest, the pools' bits and their members */
-    Py_ssize_t pool_words = words_of(args[2]);
-    if (pool_words < 0) goto fail;
-    if (pool_words > words) words = pool_words;
-    PyObject *key, *value;
-    Py_ssize_t cursor = 0;
-    while (PyDict_Next(args[3], &cursor, &key, &value)) {
-        int every = every_slot(value);
-        if (every < 0) goto fail;
-        Py_ssize_t member_words = every ? 0 : words_of(value);
-        if (member_words < 0) goto fail;
-        if (member_words > words) words = member_words;
-    }
-    if (words == 0) words = 1;
-    /* alive per tier, then the four tiers' holders, then scratch for a raw mask */
-    memory = PyMem_Calloc((size_t)words * (4 + 4 + 1 + (size_t)pool_count), sizeof(uint64_t));
-    pools = PyMem_Calloc(pool_count > 0 ? (size_t)pool_count : 1, sizeof(Pool));
-    at = PyMem_Malloc((size_t)words * 64 * 4 * sizeof(Py_ssize_t));
-    if (memory == NULL || pools == NULL || at == NULL) {
-        PyErr_NoMemory();
-        goto fail;
-    }
-    uint64_t *alive = memory, *holders = memory + 4 * words, *raw = memory + 8 * words;
-    if (low_words(args[1], alive, words, &scratch) < 0) goto fail;
-    for (int tier = 1; tier < 4; tier++) memcpy(alive + tier * words, alive, (size_t)words * 8);
-    cursor = 0;
-    for (Py_ssize_t p = 0; PyDict_Next(args[3], &cursor, &key, &value); p++) {
-        PyObject *length = PyObject_CallMethod(key, "bit_length", NULL);  /* a key: 1 << index */
-        Py_ssize_t bits = length == NULL ? -1 : PyLong_AsSsize_t(length);
-        Py_XDECREF(length);
-        if (bits == -1 && PyErr_Occurred()) goto fail;
-        if (bits <= 0 || (bits - 1) / 64 >= words) goto fail_value;
-        pools[p].bit = (size_t)(bits - 1);
-        pools[p].every = every_slot(value);
-        pools[p].members = memory + (9 + p) * words;
-        if (!pools[p].every && low_words(value, pools[p].members, words, &scratch) < 0) goto fail;
-    }
     Py_ssize_t count = PySequence_Fast_GET_SIZE(hashes);
-    for (Py_ssize_t i = 0; i < words * 64 * 4; i++) at[i] = count;
     PyObject **items = PySequence_Fast_ITEMS(hashes);
-    sync_lock(self->sync);  /* let go before done or fail */
+    TierWalk walk;
+    if (tier_walk_start(&walk, words, args[2], count) < 0) {
+        Py_DECREF(hashes);
+        return NULL;
+    }
+    Scratch scratch = {NULL, 0};
+    PyObject *stops = PyList_New(0);
+    if (stops == NULL || low_words(args[1], walk.alive, walk.words, &scratch) < 0) goto fail;
+    for (int tier = 1; tier < 4; tier++)
+        memcpy(walk.alive + tier * walk.words, walk.alive, (size_t)walk.words * 8);
+    sync_lock(self->sync);
     for (Py_ssize_t position = 0; position < count; position++) {
         uint64_t hash;
         int found = key_of(items[position], &hash);
@@ -283,50 +327,28 @@ PyObject *context_walk_tiers(ContextBlocks *self, PyObject *const *args, Py_ssiz
             sync_unlock(self->sync);
             goto fail;
         }
-        uint64_t *gpu = holders, *own_cpu = holders + words, *cpu = holders + 2 * words;
-        uint64_t *disk = holders + 3 * words;
-        mask_at(self->tiers[0], hash, found, gpu, words);
-        mask_at(self->tiers[1], hash, found, raw, words);
-        for (Py_ssize_t w = 0; w < words; w++) own_cpu[w] = gpu[w] | raw[w], cpu[w] = raw[w];
-        add_members(cpu, raw, pools, pool_count, words);
-        for (Py_ssize_t w = 0; w < words; w++) cpu[w] |= own_cpu[w];
-        mask_at(self->tiers[2], hash, found, raw, words);
-        memcpy(disk, raw, (size_t)words * 8);
-        add_members(disk, raw, pools, pool_count, words);
-        uint64_t any_alive = 0;
-        for (int tier = 0; tier < 4; tier++) {
-            uint64_t *tier_alive = alive + tier * words, *held = holders + tier * words;
-            for (Py_ssize_t w = 0; w < words; w++) {
-                if (tier == 3) held[w] |= cpu[w];
-                for (uint64_t stopped = tier_alive[w] & ~held[w]; stopped; stopped &= stopped - 1)
-                    at[(w * 64 + __builtin_ctzll(stopped)) * 4 + tier] = position;
-                tier_alive[w] &= held[w];
-                if (tier == 3) any_alive |= tier_alive[w];
-            }
-        }
-        if (!any_alive) break;
+        if (!tier_walk_step(&walk, self, hash, found, position)) break;
     }
     sync_unlock(self->sync);
-    /* every owner of the interest, lowest bit first */
-    if (low_words(args[1], alive, words, &scratch) < 0) goto fail;
-    for (Py_ssize_t w = 0; w < words; w++) {
-        for (uint64_t left = alive[w]; left; left &= left - 1) {
-            size_t index = (size_t)w * 64 + (size_t)__builtin_ctzll(left);
-            if (add_tier_stop(stops, index, &at[index * 4]) < 0) goto fail;
+    /* every owner of the interest, lowest bit first: ([index], its four stops) */
+    if (low_words(args[1], walk.alive, walk.words, &scratch) < 0) goto fail;
+    for (Py_ssize_t w = 0; w < walk.words; w++) {
+        for (uint64_t left = walk.alive[w]; left; left &= left - 1) {
+            Py_ssize_t index = w * 64 + __builtin_ctzll(left), *at = &walk.at[index * 4];
+            PyObject *stop = Py_BuildValue("([n](nnnn))", index, at[0], at[1], at[2], at[3]);
+            if (stop == NULL || PyList_Append(stops, stop) < 0) {
+                Py_XDECREF(stop);
+                goto fail;
+            }
+            Py_DECREF(stop);
         }
     }
-    PyMem_Free(memory);
-    PyMem_Free(pools);
-    PyMem_Free(at);
+    tier_walk_end(&walk);
     PyMem_Free(scratch.bytes);
     Py_DECREF(hashes);
     return stops;
-fail_value:
-    PyErr_SetString(PyExc_ValueError, "pool_members must map pool bits (1 << index) to masks");
 fail:
-    PyMem_Free(memory);
-    PyMem_Free(pools);
-    PyMem_Free(at);
+    tier_walk_end(&walk);
     PyMem_Free(scratch.bytes);
     Py_DECREF(hashes);
     Py_XDECREF(stops);

@@ -1,12 +1,12 @@
 """The plain query's answer from C (conductor.plain_query) is the handler's, byte for byte.
 
 Random fleets (one to seventy instances, so owner masks wider than a word too; one DP rank
-or several; a pool; blocks on the CPU tier; holes left by removals; prompts routers
-routed; another replica's loads) are queried with random prompts, salts, contexts and
-headers (hits only, a replica and its lease, indexing progress), in JSON and in msgpack;
-wherever the plain path answers, its bytes must be those of the handler's answer to the
-same request (the real index and API, in-process: the lane's tests compare both over
-sockets).
+or several; a Mooncake store's pool; kv_store pools; blocks on the CPU tier; holes left by
+removals; prompts routers routed; another replica's loads) are queried with random
+prompts, salts, contexts and headers (hits only, a replica and its lease, indexing
+progress), in JSON and in msgpack; wherever the plain path answers, its bytes must be
+those of the handler's answer to the same request (the real index and API, in-process:
+the lane's tests compare both over sockets).
 """
 
 from __future__ import annotations
@@ -43,7 +43,7 @@ class Fleet:
     api: ConductorApi
     block_size: int
     prompts: list[list[int]]
-    plain: bool  # every query of its context must be answered plainly
+    plain: bool  # every query of its context must be answered plainly (one rank each)
 
 
 def make_api(table: PrefixCacheTable, token: str = "") -> ConductorApi:
@@ -56,7 +56,9 @@ def make_api(table: PrefixCacheTable, token: str = "") -> ConductorApi:
     )
 
 
-def source(instance: str, block_size: int, dp_rank: int = 0, pool: bool = False) -> StreamSource:
+def source(
+    instance: str, block_size: int, dp_rank: int = 0, pool: bool = False, kv_store: str = ""
+) -> StreamSource:
     return StreamSource(
         key=f"{instance}|default|{dp_rank}",
         instance_id=instance,
@@ -66,6 +68,7 @@ def source(instance: str, block_size: int, dp_rank: int = 0, pool: bool = False)
         block_size=block_size,
         dp_rank=dp_rank,
         shared_pool=pool,
+        kv_store=kv_store,
     )
 
 
@@ -79,7 +82,12 @@ def random_fleet(rng: random.Random) -> Fleet:
     pool = rng.random() < 0.15
     cpu_tier = rng.random() < 0.15
     count = rng.choice((1, 2, 8, 40, 70))
-    sources = [source(f"engine-{i:02d}", block_size, rank) for i in range(count)]
+    # engines saving their CPU blocks to a Mooncake store: its pool serves them (a mask)
+    stores = rng.choice((("",), ("", "store-a:1"), ("store-a:1", "store-b:1")))
+    sources = [
+        source(f"engine-{i:02d}", block_size, rank, kv_store=rng.choice(stores))
+        for i in range(count)
+    ]
     if several_ranks:
         sources.append(source("engine-00", block_size, rank + 1))
     if pool:
@@ -98,7 +106,7 @@ def random_fleet(rng: random.Random) -> Fleet:
             if rng.random() < 0.3:  # a hole in the middle of the prefix
                 events.append(BlockRemoved([which * 1000 + rng.randrange(blocks) + 1], tier))
         table.apply(registered.key, EventBatch(0.0, events, registered.dp_rank))
-    plain = not (several_ranks or pool or cpu_tier)
+    plain = not several_ranks
     api = make_api(table)
     for _ in range(rng.choice((0, 0, 3))):  # routers sent prompts the index has not seen
         prompt = rng.choice(prompts)
@@ -247,7 +255,7 @@ async def test_a_replica_that_must_wait_goes_the_general_way() -> None:
     assert api.loads.waits == 1  # the handler waited, the plain path did not
 
 
-async def test_a_routed_prompt_raises_the_instance_and_other_tiers_go_the_general_way() -> None:
+async def test_a_routed_prompt_raises_the_instance_not_its_rank_on_every_tier() -> None:
     table = PrefixCacheTable()
     table.add_stream(source("engine-a", 4))
     table.add_stream(source("engine-b", 4))
@@ -269,7 +277,9 @@ async def test_a_routed_prompt_raises_the_instance_and_other_tiers_go_the_genera
     cpu = BlockStored([9], None, tokens[:4], 4, Tier.CPU)
     table.apply("engine-b|default|0", EventBatch(0.0, [cpu]))
     plain, handler = await both_ways(api, raw_query(payload, True))
-    assert plain is None and answer_of(handler)["instances"]["engine-b"]["cpu"] == 8
+    assert plain is not None and plain == handler
+    raised = answer_of(plain)["instances"]["engine-b"]
+    assert (raised["cpu"], raised["rank_matches"]["0"]["cpu"]) == (8, 4)
 
 
 async def test_plain_answers_are_counted() -> None:
