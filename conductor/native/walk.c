@@ -253,7 +253,7 @@ static void add_members(uint64_t *holders, const uint64_t *held, const TierWalk 
 
 /* The mask stored for ``key`` in ``map`` (absent: none) as ``words`` words. */
 static void mask_at(Map *map, uint64_t key, int found, uint64_t *out, Py_ssize_t words) {
-    uint64_t *mask = found ? map_value_of(map, key) : NULL;
+    uint64_t *mask = found && map_length(map) ? map_value_of(map, key) : NULL;
     const uint64_t *bits;
     size_t known = mask != NULL ? mask_words(mask, &bits) : 0;
     if (known > (size_t)words) known = (size_t)words;
