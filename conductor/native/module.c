@@ -1,10 +1,12 @@
-/* conductor._native: the ingestion hot path in C, one module built from this directory.
+/* conductor._native: the hot paths in C (ingestion, the plain query), one module built
+ * from this directory.
  *
  * Why C: in Python the per-block loops (an 8-byte pack, a slice and an xxh64 call to hash
  * a block; six dict operations in bytecode to record it) were most of what the service
- * spent ingesting an event (bench.conductor_bench measures ingest). Each file is one concern and says which
- * Python code it stands for; tests/conductor/test_hashing.py, test_native.py, test_lane.py
- * and the randomized model check in test_index.py pin their results.
+ * spent ingesting an event (bench.conductor_bench measures ingest), and reading and
+ * answering a query most of what it spent on one. Each file is one concern and says which
+ * Python code it stands for; tests/conductor/test_hashing.py, test_native.py, test_lane.py,
+ * test_plain_query.py and the randomized model check in test_index.py pin their results.
  *
  *   hashing.c  the Go conductor's prefix hash chain (XXH64)
  *   maps.c     HashMap and MaskMap, compact dicts keyed by 64-bit hashes
@@ -55,7 +57,7 @@ static PyModuleDef_Slot native_slots[] = {
 static struct PyModuleDef native_module = {
     PyModuleDef_HEAD_INIT,
     .m_name = "conductor._native",
-    .m_doc = "The ingestion hot path in C: prefix hash chains, the index's maps and state.",
+    .m_doc = "The hot paths in C: prefix hash chains, the index's maps and state, the plain query.",
     .m_size = 0,
     .m_slots = native_slots,
 };
