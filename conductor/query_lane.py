@@ -1,7 +1,8 @@
 """A connection's protocol: the query routes answered directly, the rest by aiohttp.
 
-Each connection starts in the lane. A request ``lane_http.parse_head`` accepts is read
-whole and answered at once if it is a plain query (``ConductorApi.answer_plain``, from C:
+Each connection starts in the lane. A request whose head the lane reads (as a plain
+query's, by ``_native.HeadReader``; else by ``lane_http.parse_head``) is read whole and
+answered at once if it is a plain query (``ConductorApi.answer_plain``, from C:
 ``conductor.plain_query``), else by the API's own handler (``ConductorApi.answer_lane``:
 the same checks, errors, metrics and dialects as through aiohttp); requests on a
 connection are answered one after the other, in order (a long pipeline of plain queries
