@@ -110,12 +110,15 @@ async def test_requests_reaching_both_replicas_at_once_are_spread(tmp_path, serv
     """Two long prompts sent to two fresh replicas at the same instant: whichever query
     reaches the conductor second waits for the first's decision (its lease) and sees its
     queue, so they land on different engines, as one router would spread them. The wait's
-    bound is raised so that a slow machine cannot make the test pass or fail by chance."""
+    bound is raised so that a slow machine cannot make the test pass or fail by chance, and
+    the routers' query timeout above it (at 0.5 s a query waiting for the other replica's
+    report timed out on a loaded CI machine, and its router routed by load)."""
     fleet = Fleet(tmp_path, conductor_config={"replica_wait_s": 1.0})
     try:
         for name in ENGINES[:2]:
             fleet.engine(name, time_scale=SLOW)
         config = fleet.config(ENGINES[:2])
+        config["conductor"]["query_timeout_seconds"] = 3.0
         routers = [await serve(config), await serve(config)]
         await indexed_everywhere(http, fleet, ENGINES[:2])
 
