@@ -13,7 +13,7 @@ import asyncio
 import json
 import logging
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Container
 from dataclasses import dataclass
 from functools import cached_property, partial
 from itertools import chain, islice
@@ -662,12 +662,7 @@ class ConductorApi:
             matches = self._with_routed(body, matches)
         response = self._answer(request, body, matches)
         progress = self._progress(request.headers.get(PROGRESS_HEADER), body.tenant_id)
-        if progress is not None:
-            response.headers[INDEXED_UNTIL_HEADER] = progress
-        if replica is not None:
-            others = self.loads.others(replica, matches or ())
-            response.headers[LOADS_HEADER] = loads_header(others)
-            response.headers[OTHERS_HEADER] = str(self.loads.count_others(replica))
+        response.headers.extend(self._query_headers(progress, replica, matches or ()))
         self._query_seconds["/query"].observe(time.perf_counter() - started)
         return response
 
@@ -705,12 +700,7 @@ class ConductorApi:
         replica = head.replica
         if replica is not None and not self.loads.try_decide(replica, model, lease):
             return None  # the handler waits for the other replica's decision
-        extra = []
-        if progress is not None:
-            extra.append((INDEXED_UNTIL_HEADER, progress))
-        if replica is not None:
-            extra.append((LOADS_HEADER, loads_header(self.loads.others(replica, fleet.name_set))))
-            extra.append((OTHERS_HEADER, str(self.loads.count_others(replica))))
+        extra = self._query_headers(progress, replica, fleet.name_set)
         if raised:
             self.metrics.routed_raised.inc(raised)
         self._count("/query", 200)
@@ -720,6 +710,20 @@ class ConductorApi:
             self.options.guard.request_done(transport)
         response_headers = chain(dialect.headers, extra) if extra else dialect.headers
         return answer_head(200, response_headers, len(answer), head.keep_alive) + answer
+
+    def _query_headers(
+        self, progress: str | None, replica: str | None, instances: Container[str]
+    ) -> list[tuple[str, str]]:
+        """A query answer's headers beside its content type, in order: the indexing progress
+        asked for, the other replicas' loads of the answer's ``instances``."""
+        headers = []
+        if progress is not None:
+            headers.append((INDEXED_UNTIL_HEADER, progress))
+        if replica is not None:
+            others = self.loads.others(replica, instances)
+            headers.append((LOADS_HEADER, loads_header(others)))
+            headers.append((OTHERS_HEADER, str(self.loads.count_others(replica))))
+        return headers
 
     def _plain_fields(self, cpp: bool, body: bytes) -> tuple[ContextKey, str, bytes, str] | None:
         """A plain body's context, model, token ids and salt: read by C, else by the fast
