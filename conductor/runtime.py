@@ -6,13 +6,15 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import gc
 import logging
 import math
 import os
+import signal
 import time
 from collections import deque
-from collections.abc import Awaitable, Callable, Coroutine
+from collections.abc import Awaitable, Callable, Coroutine, Iterator
 from importlib.metadata import PackageNotFoundError, version
 from typing import Any, TypeVar
 
@@ -24,6 +26,7 @@ from .states import TaskState
 T = TypeVar("T")
 LOG_FORMAT = "%(asctime)s level=%(levelname)s logger=%(name)s %(message)s"
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
 LAG_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
 
 
@@ -93,9 +96,35 @@ def new_event_loop() -> asyncio.AbstractEventLoop:
     return uvloop.new_event_loop()
 
 
+@contextlib.contextmanager
+def interruptible() -> Iterator[None]:
+    """SIGINT and SIGTERM raise KeyboardInterrupt until the event loop's own handlers take
+    over, and the previous handlers come back after.
+
+    Even in a command started with SIGINT ignored, as a non-interactive shell starts its
+    background jobs: the loop's handlers override that later, so until then a stop asked
+    for while the command starts (its port may already take connections) would be lost."""
+    previous = [
+        (signum, signal.signal(signum, signal.default_int_handler)) for signum in STOP_SIGNALS
+    ]
+    try:
+        yield
+    finally:
+        for signum, handler in previous:
+            signal.signal(signum, handler)
+
+
 def run(main: Coroutine[Any, Any, T]) -> T:
-    with asyncio.Runner(loop_factory=new_event_loop) as runner:
-        return runner.run(main)
+    """Run a command's ``main`` on a new event loop (``new_event_loop``).
+
+    A stop signal that comes before ``main`` installs its own handlers stops the command
+    quietly, as asked: SIGINT cancels ``main`` (``asyncio.Runner``'s handling), SIGTERM
+    interrupts it, and either way the process exits 0 (SystemExit)."""
+    try:
+        with interruptible(), asyncio.Runner(loop_factory=new_event_loop) as runner:
+            return runner.run(main)
+    except KeyboardInterrupt:
+        raise SystemExit(0) from None
 
 
 class LoopLagMonitor:

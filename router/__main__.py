@@ -18,7 +18,7 @@ import sys
 from aiohttp import web
 
 from conductor.failures import cannot_listen, host_port
-from conductor.runtime import add_common_flags, configure_logging, run
+from conductor.runtime import add_common_flags, configure_logging, interruptible, run
 from tokenization.tokenizer import TokenizerUnavailable
 
 from . import config as router_config
@@ -58,10 +58,9 @@ def main(argv: list[str] | None = None) -> None:
     except ValueError as error:  # ConfigError, or a flag pair that does not add up
         sys.exit(f"mooncake-router: invalid configuration: {error}")
     configure_logging(args.log_level)
-    # until the event loop's own handlers take over, SIGTERM stops it as SIGINT does: quietly
-    previous = signal.signal(signal.SIGTERM, signal.default_int_handler)
     try:
-        start(Router(config), args)
+        with interruptible():  # loading tokenizers may take a while: a stop is heard then too
+            run(serve(Router(config), args))
     except KeyboardInterrupt:  # stopped while starting, as asked
         pass
     except TokenizerUnavailable as error:
@@ -72,19 +71,6 @@ def main(argv: list[str] | None = None) -> None:
         sys.exit(f"mooncake-router: tracing: {error}")
     except CannotListen as error:
         sys.exit(f"mooncake-router: {error}")
-    finally:
-        signal.signal(signal.SIGTERM, previous)
-
-
-def start(router: Router, args: argparse.Namespace) -> None:
-    """Bind the port (before anything else runs, so a taken port is the only line), then
-    serve until SIGINT/SIGTERM."""
-    sockets = listen(args.host, args.port)
-    try:
-        run(serve(router, sockets, args.access_log))
-    finally:
-        for sock in sockets:
-            sock.close()
 
 
 def listen(host: str, port: int) -> list[socket.socket]:
@@ -104,9 +90,20 @@ def listen(host: str, port: int) -> list[socket.socket]:
     return sockets
 
 
-async def serve(router: Router, sockets: list[socket.socket], access_log: bool) -> None:
-    """Serve on ``sockets`` until SIGINT/SIGTERM. The router's start (sessions, background
-    tasks) waits on nothing remote, so requests are answered at once."""
+async def serve(router: Router, args: argparse.Namespace) -> None:
+    """Bind the port (before anything else runs, so a taken port is the only line), then
+    serve until SIGINT/SIGTERM. The router's start (sessions, background tasks) waits on
+    nothing remote, so requests are answered at once."""
+    sockets = listen(args.host, args.port)
+    try:
+        await serve_on(router, sockets, args.access_log)
+    finally:
+        for sock in sockets:
+            sock.close()
+
+
+async def serve_on(router: Router, sockets: list[socket.socket], access_log: bool) -> None:
+    """Serve on the listening ``sockets`` until SIGINT/SIGTERM."""
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for signum in (signal.SIGINT, signal.SIGTERM):

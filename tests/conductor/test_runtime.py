@@ -1,4 +1,5 @@
-"""The shared runtime guards: loop-lag measurement, supervised tasks, common flags."""
+"""The shared runtime guards: loop-lag measurement, supervised tasks, common flags, the
+stop signals of a command that is starting."""
 
 from __future__ import annotations
 
@@ -6,18 +7,22 @@ import argparse
 import asyncio
 import gc
 import logging
+import os
+import signal
 import time
 
 import pytest
 from prometheus_client import CollectorRegistry, Counter
 
 from conductor.runtime import (
+    STOP_SIGNALS,
     GcPauseMonitor,
     LoopLagMonitor,
     LoopShare,
     SupervisedTask,
     add_common_flags,
     log_level,
+    run,
 )
 
 
@@ -175,3 +180,24 @@ async def test_loop_share_keeps_steps_short_while_queries_come():
     assert share.queried and share.step_now() == 0.0001
     await asyncio.sleep(0.06)
     assert not share.queried and share.step_now() == 0.0005
+
+
+@pytest.mark.parametrize("signum", STOP_SIGNALS, ids=lambda signum: signum.name)
+def test_a_stop_signal_before_a_commands_own_handlers_stops_it(signum) -> None:
+    """Started with SIGINT ignored (as a shell starts a background job), a command whose
+    port is open but whose loop handlers are not yet in place still stops when told,
+    with exit code 0, and the previous handlers are back after."""
+
+    async def starting() -> str:
+        os.kill(os.getpid(), signum)
+        await asyncio.sleep(5)
+        return "the signal was lost"
+
+    previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        with pytest.raises(SystemExit) as stopped:
+            run(starting())
+        assert signal.getsignal(signal.SIGINT) is signal.SIG_IGN
+    finally:
+        signal.signal(signal.SIGINT, previous)
+    assert stopped.value.code == 0
