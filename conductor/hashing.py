@@ -31,6 +31,12 @@ def pack_int32(token_ids: Sequence[int]) -> bytes:
     return struct.pack(f"<{len(token_ids)}i", *token_ids)
 
 
+def int32_bytes(token_ids: Sequence[int] | bytes) -> bytes:
+    """Tokens as little-endian int32, as a query holds them already; raises ``struct.error``
+    for non-int32 values."""
+    return token_ids if isinstance(token_ids, bytes) else pack_int32(token_ids)
+
+
 def token_bytes(token_ids: Sequence[int]) -> bytes:
     """Tokens as little-endian int32, wrapping values outside int32 like Go's cast.
 

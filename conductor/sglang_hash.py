@@ -20,12 +20,15 @@ One place for both the conductor (a profiled context's query keys) and the engin
 from __future__ import annotations
 
 import hashlib
-import struct
 from collections.abc import Iterator, Sequence
 from itertools import islice
 
+from ._native import ProfileChain
+from .hashing import int32_bytes
+
 SALT_ROOT_PREFIX = b"sglang-cache-salt-v1\x00"
 TOKEN_BYTES = 4
+CHAIN_PAGES, CHAIN_BIGRAM = 2, 3  # _native.ProfileChain's kinds
 
 
 def first64_be(digest: bytes) -> int:
@@ -43,13 +46,6 @@ def salt_root(cache_salt: str) -> bytes:
     if not cache_salt:
         return b""
     return hashlib.sha256(SALT_ROOT_PREFIX + cache_salt.encode()).digest()
-
-
-def _packed(token_ids: Sequence[int] | bytes) -> bytes:
-    """Tokens as little-endian 32-bit words (a query's bin already is)."""
-    if isinstance(token_ids, bytes):
-        return token_ids
-    return struct.pack(f"<{len(token_ids)}i", *token_ids)
 
 
 def _pages(packed: bytes, page_size: int, bigram: bool) -> Iterator[bytes]:
@@ -80,7 +76,7 @@ def page_digests(
     early hashes no further (an incomplete tail is no page SGLang's radix cache reuses)."""
     if start == 0:
         parent = salt_root(cache_salt)
-    for page in islice(_pages(_packed(token_ids), page_size, bigram), start, None):
+    for page in islice(_pages(int32_bytes(token_ids), page_size, bigram), start, None):
         parent = hashlib.sha256(parent + page).digest()
         yield parent
 
@@ -88,5 +84,13 @@ def page_digests(
 def block_keys(
     token_ids: Sequence[int] | bytes, page_size: int, cache_salt: str = "", bigram: bool = False
 ) -> Iterator[int]:
-    """The index keys of a prompt's complete pages (``first64_be`` of each digest)."""
-    return (first64_be(digest) for digest in page_digests(token_ids, page_size, cache_salt, bigram))
+    """The index keys of a prompt's complete pages (``first64_be`` of each digest), lazily,
+    in C (``page_digests`` is the reference the tests hold it to, and the way for a page
+    of over 2**20 tokens)."""
+    kind = CHAIN_BIGRAM if bigram else CHAIN_PAGES
+    tokens = int32_bytes(token_ids)
+    try:
+        return ProfileChain(kind, tokens, page_size, salt_root(cache_salt), b"", b"")
+    except ValueError:
+        digests = page_digests(tokens, page_size, cache_salt, bigram)
+        return (first64_be(digest) for digest in digests)

@@ -22,29 +22,32 @@
  *   json.c     a JSON prompt's token ids read in place
  *   answer.c   QueryPlan: the plain query's answer, from the index to its bytes
  *   request.c  HeadReader and plain_query_fields: the plain query's request read
+ *   sha256.c   SHA-256, with the CPU's SHA extensions when it has them
+ *   profile.c  ProfileChain: a profiled context's block keys (vLLM's and SGLang's chains)
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 
 /* what each file adds to the module */
 extern PyMethodDef hashing_methods[], lane_methods[], decode_methods[], json_methods[],
-    request_methods[];
+    request_methods[], sha256_methods[];
 int maps_exec(PyObject *module);  /* HashMap, MaskMap */
 int blocks_exec(PyObject *module);  /* ContextBlocks, Holdings */
 int lane_exec(PyObject *module);  /* PackedBatch */
 int ingest_exec(PyObject *module);  /* IngestThread */
 int answer_exec(PyObject *module);  /* QueryPlan */
 int request_exec(PyObject *module);  /* HeadReader */
+int profile_exec(PyObject *module);  /* ProfileChain */
 
 static int native_exec(PyObject *module) {
     PyMethodDef *functions[] = {hashing_methods, lane_methods, decode_methods, json_methods,
-                                request_methods};
+                                request_methods, sha256_methods};
     for (size_t i = 0; i < sizeof functions / sizeof *functions; i++) {
         if (PyModule_AddFunctions(module, functions[i]) < 0) return -1;
     }
     return maps_exec(module) < 0 || blocks_exec(module) < 0 || lane_exec(module) < 0
                    || ingest_exec(module) < 0 || answer_exec(module) < 0
-                   || request_exec(module) < 0
+                   || request_exec(module) < 0 || profile_exec(module) < 0
                ? -1
                : 0;
 }

@@ -17,7 +17,7 @@ import cbor2
 import pytest
 
 from conductor.hash_profile import HashProfile
-from conductor.vllm_hash import BLOCK_SERIALIZERS, block_keys, cbor, none_hash, query_extras
+from conductor.vllm_hash import block_keys, cbor, none_hash, query_extras
 
 FIXTURES = Path(__file__).resolve().parents[1] / "fixtures"
 VECTORS = json.loads((FIXTURES / "vllm_hash_vectors.json").read_text())["profiles"]
@@ -125,12 +125,3 @@ def test_cbor_is_canonical_cbor(value):
 def test_cbor_refuses_what_vllm_never_hashes():
     with pytest.raises(TypeError):
         cbor(1.5)
-
-
-@pytest.mark.parametrize("algorithm", sorted(BLOCK_SERIALIZERS))
-@pytest.mark.parametrize("extras", [None, ("adapter-A",), ("adapter-A", "tenant-salt")])
-def test_the_block_serializers_equal_the_general_ones(algorithm, extras):
-    """The chain's serializer of a block skips per-item dispatch; its bytes are the same."""
-    parent, tokens = bytes(range(32)), (0, 23, 24, 300, 70_000, 2**31 - 1, -5, -(2**31))
-    general = {"sha256": lambda v: pickle.dumps(v, protocol=5), "sha256_cbor": cbor}[algorithm]
-    assert BLOCK_SERIALIZERS[algorithm](parent, tokens, extras) == general((parent, tokens, extras))
