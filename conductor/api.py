@@ -61,7 +61,6 @@ from .dialect import (
     tier_values,
 )
 from .hash_profile import HashProfile
-from .hashing import salt_root
 from .http_guard import CONNECTION_PROTOCOL, ConnectionGuard
 from .index import ContextKey, ContextView, InstanceMatch
 from .lane_http import DECLINED_HEADERS, LANE_ROUTES, ApiRequest, LaneRequest, answer_head
@@ -86,7 +85,7 @@ from .manager import (
     ServiceNotFound,
 )
 from .persistence import StateFile
-from .plain_query import PLAIN_ROUTE, Dialect, PlainHead
+from .plain_query import PLAIN_ROUTE, Dialect, PlainHead, chain_root
 from .plain_query import plan as plain_plan
 from .query_lane import LaneSettings, QueryLane
 from .routed import RoutedPrompts, RoutedRequest, raise_hits
@@ -696,7 +695,10 @@ class ConductorApi:
         if self.routed.holds_any():
             routed = self.routed.match(key, tokens, salt)
             minimum = [routed.get(name, 0) for name in fleet.names] if routed else None
-        answer, raised = plan.answer(tokens, salt_root(salt), head.hits_only == "1", minimum)
+        root = chain_root(fleet, tokens, salt)
+        if root is None:
+            return None
+        answer, raised = plan.answer(tokens, root, head.hits_only == "1", minimum)
         replica = head.replica
         if replica is not None and not self.loads.try_decide(replica, model, lease):
             return None  # the handler waits for the other replica's decision

@@ -162,13 +162,14 @@ class InstanceMatch:
 
 @dataclass(frozen=True, slots=True)
 class PlainFleet:
-    """A context whose plain queries C answers whole (``conductor.plain_query``): Go prefix
-    hashes, every instance one engine slot, all of one DP rank. It lasts as long as the
-    context's slots do (a slot coming or going makes a new one)."""
+    """A context whose plain queries C answers whole (``conductor.plain_query``): every
+    instance one engine slot, all of one DP rank. It lasts as long as the context's slots
+    do (a slot coming or going makes a new one)."""
 
     blocks: ContextBlocks
     pool_members: dict[int, int]  # the context's own (a pool's members change in place)
-    tenant: str
+    profile: HashProfile | None  # the engines' hashes key the blocks; else Go prefix hashes
+    key: ContextKey
     rank: int
     names: tuple[str, ...]  # the instances, in instance-id order
     bits: tuple[int, ...]  # the slot index of each
@@ -512,13 +513,13 @@ class PrefixContext:
                     names[index] = instance_id
             rank = single_ranks.pop() if uniform else None
             plain = None
-            if rank is not None and self.profile is None:
+            if rank is not None:
                 ordered = sorted((name, index) for index, (name, _) in single.items())
                 names_in_order = tuple(name for name, _ in ordered)
                 indices = tuple(index for _, index in ordered)
                 plain = PlainFleet(
-                    self._state, self.pool_members, self.key.tenant_id, rank, names_in_order,
-                    indices, frozenset(names_in_order),
+                    self._state, self.pool_members, self.profile, self.key, rank,
+                    names_in_order, indices, frozenset(names_in_order),
                 )  # fmt: skip
             self._engines = _Engines(mask, masks, zero, single, rank, names, plain)
         return self._engines

@@ -12,8 +12,9 @@ answers through a ``_native.QueryPlan`` (conductor/native/request.c, answer.c); 
 every other request to the handler, which answers everything as before.
 
 Plain is: ``POST /query`` with no header asking for other tiers (msgpack asked for only by
-a msgpack body), a body naming no instance, of a context with a ``PlainFleet`` (Go prefix
-hashes, every instance one engine slot of one DP rank), and, from a router replica, a
+a msgpack body), a body naming no instance, of a context with a ``PlainFleet`` (every
+instance one engine slot of one DP rank; its blocks keyed by Go prefix hashes, or by a hash
+profile's chain, ``_native.ProfileChain``), and, from a router replica, a
 decision lease it need not wait for (``loads.ReplicaLoads.try_decide``). Then an
 instance's answer holds eight numbers at most: on each tier (the GPU, its own CPU, any CPU
 it can load from, a pool's included, any tier), the tokens its slot holds in a row from the
@@ -31,7 +32,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, NamedTuple, cast
 
-from ._native import QueryPlan
+from ._native import ProfileChain, QueryPlan
+from .hashing import PrefixHash, salt_root
 from .index import InstanceMatch, PlainFleet
 
 PLAIN_ROUTE = "/query"  # the route of plain queries
@@ -77,6 +79,17 @@ def plan(fleet: PlainFleet, dialect: Dialect) -> QueryPlan | None:
     return cast(QueryPlan | None, fleet.plans[dialect])
 
 
+def chain_root(fleet: PlainFleet, tokens: bytes, salt: str) -> PrefixHash | ProfileChain | None:
+    """What a plan's answer keys the prompt's blocks from: the salt's Go root, or in a
+    profiled context the prompt's own chain; None if C does not hash that profile's
+    blocks (a pickled block past one frame: the handler hashes it)."""
+    if fleet.profile is None:
+        return salt_root(salt)
+    key = fleet.key
+    keys = fleet.profile.block_keys(tokens, key.block_size, key.lora_name, salt)
+    return keys if isinstance(keys, ProfileChain) else None
+
+
 def _value(fleet: PlainFleet, dialect: Dialect, numbers: tuple[int, ...]) -> bytes:
     """One instance's answer with these ``numbers`` (in the order of SENTINELS): its hits
     on each tier, and its DP rank's (less, when a routed prompt raised the instance's)."""
@@ -116,7 +129,7 @@ def _make(fleet: PlainFleet, dialect: Dialect) -> QueryPlan | None:
     if template is None:
         return None
     parts, kinds = template
-    whole = dialect.encode(dialect.wrap(fleet.tenant, {}))
+    whole = dialect.encode(dialect.wrap(fleet.key.tenant_id, {}))
     at = whole.rindex(dialect.encode({}))  # the instances' map: the answer's last value
     if dialect.msgpack:  # C writes the map's length
         opener, closer = whole[:at], whole[at + 1 :]

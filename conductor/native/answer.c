@@ -17,6 +17,7 @@
 
 #include "blocks.h"
 #include "hashing.h"
+#include "profile.h"
 #include "walk.h"
 
 /* The numbers of an instance's answer, as a template's kinds name them: the instance's
@@ -181,14 +182,18 @@ static char *put_bytes(char *out, PyObject *bytes) {
 }
 
 /* Each slot's blocks held in a row from the prompt's start on each tier, in ``walk->at``:
- * the blocks of ``tokens`` hashed one by one from ``root`` while some slot still holds
- * them. The context's mutex is held. */
+ * the blocks of ``tokens`` hashed one by one from ``root`` (or the keys of ``profiled``, a
+ * ProfileChain, when not NULL) while some slot still holds them. The context's mutex is
+ * held. */
 static void walk_blocks(QueryPlan *self, TierWalk *walk, const uint8_t *tokens,
-                        Py_ssize_t blocks, uint64_t root, uint8_t *buffer) {
+                        Py_ssize_t blocks, uint64_t root, PyObject *profiled, uint8_t *buffer) {
     size_t step = 4 * (size_t)self->context->block_size;
     uint64_t chain = root;
     for (Py_ssize_t position = 0; position < blocks; position++) {
-        chain = block_hash(chain, tokens + position * step, step, buffer);
+        if (profiled == NULL)
+            chain = block_hash(chain, tokens + position * step, step, buffer);
+        else if (!profile_chain_next(profiled, &chain))
+            return;
         if (!tier_walk_step(walk, self->context, chain, 1, position)) return;
     }
 }
@@ -281,7 +286,8 @@ static int read_minimum(QueryPlan *self, PyObject *minimum, uint64_t **raised) {
 PyDoc_STRVAR(plan_answer_doc,
 "answer(tokens, root, hits_only, minimum, /)\n--\n\n"
 "The answer for a prompt (``tokens``: int32 little-endian bytes) whose prefix hashes\n"
-"chain from ``root``: each instance's tokens held in a row on each tier, at least\n"
+"chain from ``root`` (in a profiled context: ``root`` is a fresh ProfileChain of the\n"
+"prompt, the blocks' keys): each instance's tokens held in a row on each tier, at least\n"
 "``minimum[i]`` blocks for instance i (None: no minimum); only those with a hit given\n"
 "``hits_only``. (the answer's bytes, how many instances the minimum raised).");
 
@@ -292,7 +298,8 @@ static PyObject *plan_answer(QueryPlan *self, PyObject *const *args, Py_ssize_t 
     if (!PyBytes_Check(args[0])) {
         return PyErr_Format(PyExc_TypeError, "tokens must be bytes, not %.60R", args[0]);
     }
-    uint64_t root = PyLong_AsUnsignedLongLongMask(args[1]);
+    PyObject *profiled = Py_IS_TYPE(args[1], &ProfileChainType) ? args[1] : NULL;
+    uint64_t root = profiled ? 0 : PyLong_AsUnsignedLongLongMask(args[1]);
     if (root == (uint64_t)-1 && PyErr_Occurred()) return NULL;
     int hits_only = PyObject_IsTrue(args[2]);
     if (hits_only < 0) return NULL;
@@ -300,7 +307,8 @@ static PyObject *plan_answer(QueryPlan *self, PyObject *const *args, Py_ssize_t 
     if (read_minimum(self, args[3], &raised) < 0) return NULL;
     ContextBlocks *context = self->context;
     Py_ssize_t step = 4 * context->block_size;
-    Py_ssize_t blocks = step > 0 ? PyBytes_GET_SIZE(args[0]) / step : 0;
+    Py_ssize_t blocks = profiled ? profile_chain_length(profiled)
+                                 : step > 0 ? PyBytes_GET_SIZE(args[0]) / step : 0;
     uint8_t stack[8 + 4 * 64];
     uint8_t *buffer = step <= 4 * 64 ? stack : PyMem_Malloc(8 + (size_t)step);
     PyObject *result = NULL;
@@ -315,7 +323,8 @@ static PyObject *plan_answer(QueryPlan *self, PyObject *const *args, Py_ssize_t 
             walk.alive[tier * walk.words + self->bits[i] / 64] |= 1ULL << self->bits[i] % 64;
     }
     sync_lock(context->sync);
-    walk_blocks(self, &walk, (const uint8_t *)PyBytes_AS_STRING(args[0]), blocks, root, buffer);
+    walk_blocks(self, &walk, (const uint8_t *)PyBytes_AS_STRING(args[0]), blocks, root, profiled,
+                buffer);
     sync_unlock(context->sync);
     Py_ssize_t raised_count = 0;
     for (Py_ssize_t i = 0; raised != NULL && i < self->count; i++)

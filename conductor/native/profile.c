@@ -153,6 +153,11 @@ int profile_chain_next(PyObject *chain, uint64_t *key) {
     return 1;
 }
 
+Py_ssize_t profile_chain_length(PyObject *chain) {
+    const ProfileChain *self = (const ProfileChain *)chain;
+    return self->count - self->position;
+}
+
 static PyObject *chain_next(ProfileChain *self) {
     uint64_t key;
     return profile_chain_next((PyObject *)self, &key) ? PyLong_FromUnsignedLongLong(key) : NULL;

@@ -12,4 +12,7 @@ extern PyTypeObject ProfileChainType;
  * Python object. */
 int profile_chain_next(PyObject *chain, uint64_t *key);
 
+/* How many keys the chain has left. */
+Py_ssize_t profile_chain_length(PyObject *chain);
+
 #endif

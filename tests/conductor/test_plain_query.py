@@ -2,7 +2,8 @@
 
 Random fleets (one to seventy instances, so owner masks wider than a word too; one DP rank
 or several; a Mooncake store's pool; kv_store pools; blocks on the CPU tier; holes left by
-removals; prompts routers routed; another replica's loads) are queried with random
+removals; prompts routers routed; another replica's loads; blocks keyed by Go prefix
+hashes or by a hash profile's chain, vLLM's or SGLang's) are queried with random
 prompts, salts, contexts and headers (hits only, a replica and its lease, indexing
 progress), in JSON and in msgpack; wherever the plain path answers, its bytes must be
 those of the handler's answer to the same request (the real index and API, in-process:
@@ -20,6 +21,7 @@ import msgpack
 import pytest
 
 from conductor.api import ApiOptions, ConductorApi, HttpLimits
+from conductor.hash_profile import HashProfile
 from conductor.index import PrefixCacheTable, StreamSource
 from conductor.kv_store_watch import StoreWatch
 from conductor.lane_http import LaneRequest, answer_bytes, parse_head
@@ -33,6 +35,25 @@ from conductor.wire.events import BlockRemoved, BlockStored, EventBatch, Tier
 
 MODEL = "m"
 HITS_ONLY = "X-Conductor-Hits-Only: 1\r\n"
+PROFILES = [
+    HashProfile.model_validate(profile)
+    for profile in (
+        {
+            "strategy": "vllm_v1",
+            "algorithm": "sha256_cbor",
+            "python_hash_seed": "0",
+            "index_projection": "low64_be",
+        },
+        {
+            "strategy": "vllm_v1",
+            "algorithm": "sha256",
+            "python_hash_seed": "7",
+            "index_projection": "low64_be",
+        },
+        {"strategy": "sglang", "algorithm": "sha256_raw", "index_projection": "first64_be"},
+        {"strategy": "sglang_bigram", "algorithm": "sha256_raw", "index_projection": "first64_be"},
+    )
+]
 
 
 @dataclass
@@ -57,7 +78,12 @@ def make_api(table: PrefixCacheTable, token: str = "") -> ConductorApi:
 
 
 def source(
-    instance: str, block_size: int, dp_rank: int = 0, pool: bool = False, kv_store: str = ""
+    instance: str,
+    block_size: int,
+    dp_rank: int = 0,
+    pool: bool = False,
+    kv_store: str = "",
+    profile: HashProfile | None = None,
 ) -> StreamSource:
     return StreamSource(
         key=f"{instance}|default|{dp_rank}",
@@ -69,6 +95,7 @@ def source(
         dp_rank=dp_rank,
         shared_pool=pool,
         kv_store=kv_store,
+        hash_profile=profile,
     )
 
 
@@ -84,27 +111,34 @@ def random_fleet(rng: random.Random) -> Fleet:
     count = rng.choice((1, 2, 8, 40, 70))
     # engines saving their CPU blocks to a Mooncake store: its pool serves them (a mask)
     stores = rng.choice((("",), ("", "store-a:1"), ("store-a:1", "store-b:1")))
+    profile = rng.choice((None, None, *PROFILES))
     sources = [
-        source(f"engine-{i:02d}", block_size, rank, kv_store=rng.choice(stores))
+        source(f"engine-{i:02d}", block_size, rank, kv_store=rng.choice(stores), profile=profile)
         for i in range(count)
     ]
     if several_ranks:
-        sources.append(source("engine-00", block_size, rank + 1))
+        sources.append(source("engine-00", block_size, rank + 1, profile=profile))
     if pool:
-        sources.append(source("pool", block_size, pool=True))
+        sources.append(source("pool", block_size, pool=True, profile=profile))
+    # each prompt's block keys: the engines' own hashes in a profiled context, else any
+    keys = [
+        list(profile.block_keys(prompt, block_size))
+        if profile
+        else [which * 1000 + b + 1 for b in range(12)]
+        for which, prompt in enumerate(prompts)
+    ]
     for registered in sources:
         table.add_stream(registered)
     for registered in sources:
         events: list[BlockStored | BlockRemoved] = []
         for _ in range(rng.randrange(3)):
             which = rng.randrange(len(prompts))
-            blocks = rng.randrange(1, 13)
-            hashes = [which * 1000 + b + 1 for b in range(blocks)]
-            tokens = prompts[which][: blocks * block_size]
+            hashes = keys[which][: rng.randrange(1, len(keys[which]) + 1)]
+            tokens = prompts[which][: len(hashes) * block_size]
             tier = Tier.CPU if cpu_tier and rng.random() < 0.5 else None
             events.append(BlockStored(hashes, None, tokens, block_size, tier))
             if rng.random() < 0.3:  # a hole in the middle of the prefix
-                events.append(BlockRemoved([which * 1000 + rng.randrange(blocks) + 1], tier))
+                events.append(BlockRemoved([rng.choice(hashes)], tier))
         table.apply(registered.key, EventBatch(0.0, events, registered.dp_rank))
     plain = not several_ranks
     api = make_api(table)
