@@ -246,13 +246,16 @@ class _Running:
 
 @dataclass(frozen=True)
 class _OursRegistration:
-    """The ``/register`` body of a vLLM instance, as ``register_all`` takes it."""
+    """The ``/register`` body of a vLLM instance, as ``register_all`` takes it, with the
+    C++ service's hash profile if ``profiled``."""
 
     instance_id: str
     endpoint: str
+    profiled: bool
 
     def registration(self) -> dict[str, Any]:
-        return vllm_registration(self.endpoint, self.instance_id, MODEL)
+        extra = {"hash_profile": HASH_PROFILE} if self.profiled else {}
+        return vllm_registration(self.endpoint, self.instance_id, MODEL, **extra)
 
 
 @dataclass
@@ -260,11 +263,15 @@ class Ours(_Running):
     """This project's conductor: ``python -m conductor`` with an empty config.
 
     ``cpus`` pins it (``taskset -c``), ``args`` and ``env`` reach the service unchanged.
+    ``profiled`` registers its streams with the C++ service's hash profile, as a user of
+    that service would: its index keys vLLM's block hashes and hashes each query's blocks
+    as vLLM does, as the C++ service does, instead of the Go prefix hash.
     """
 
     cpus: str | None = None
     args: tuple[str, ...] = ()
     env: Mapping[str, str] = field(default_factory=dict)
+    profiled: bool = False
     name: str = "ours"
     modes: tuple[QueryMode, ...] = (
         QueryMode("json", JSON_TYPE, query_body, _ours_json),
@@ -283,14 +290,18 @@ class Ours(_Running):
 
     def register(self, streams: Sequence[Stream], send_probes: ProbeSender) -> int:
         """``/services`` says when a SUB socket is connected: no probe needed."""
-        register_all(self.client, [_OursRegistration(s.instance_id, s.endpoint) for s in streams])
+        register_all(
+            self.client,
+            [_OursRegistration(s.instance_id, s.endpoint, self.profiled) for s in streams],
+        )
         return 0
 
     def counters(self, blocks: int, events: int) -> dict[str, float]:
         return verify_clean(self.client, blocks, events)
 
     def describe(self) -> dict[str, Any]:
-        return {"cpus": self.cpus, "args": list(self.args), "env": dict(self.env)}
+        described = {"cpus": self.cpus, "args": list(self.args), "env": dict(self.env)}
+        return {**described, "hash_profile": HASH_PROFILE if self.profiled else None}
 
 
 # -- NVIDIA Dynamo ----------------------------------------------------------------------

@@ -29,7 +29,6 @@ Usage: ``python -m bench.service_compare [--quick] [--services ours,dynamo,cpp]
 from __future__ import annotations
 
 import argparse
-import hashlib
 import http.client
 import multiprocessing
 import os
@@ -47,7 +46,6 @@ import zmq
 
 from bench.conductor_bench import (
     SETUP_WINDOW_BATCHES,
-    VOCAB,
     Publisher,
     TokenSource,
     batches,
@@ -89,7 +87,7 @@ from bench.indexer_services import (
     in_private_netns,
     tree_rss_bytes,
 )
-from conductor.vllm_hash import cbor, none_hash
+from conductor.vllm_hash import block_keys
 from conductor.wire.events import BlockStored
 from publishers.encoding import encode_batch
 
@@ -123,50 +121,16 @@ QUICK = Scale("quick", 2_000, 1, (10_000, 100_000), (8, 64), 300, 50, 100,
 
 
 # -- the workload: vLLM's real block hashes ----------------------------------------------
-class VllmHashes:
-    """vLLM's ``sha256_cbor`` chain, fast enough to hash millions of blocks.
-
-    ``conductor.vllm_hash.block_keys`` is the reference (the tests compare them); this one
-    looks every token's CBOR up in a table, ~7x faster, since a 1M-block index is hashed
-    once per run and every service gets the same batches.
-    """
-
-    TABLE = VOCAB + 400_000  # pool tokens and every prompt id TokenSource hands out
-
-    def __init__(self, algorithm: str = HASH_ALGORITHM, seed: str = HASH_SEED) -> None:
-        if algorithm != "sha256_cbor":
-            raise ValueError("only vLLM's default sha256_cbor is implemented")
-        self.root = none_hash(algorithm, seed)
-        self.table = [cbor(value) for value in range(self.TABLE)]
-
-    def token(self, value: int) -> bytes:
-        return self.table[value] if value < self.TABLE else cbor(value)
-
-    def chain(self, tokens: Sequence[int], parent: bytes | None = None) -> list[int]:
-        """The event hashes (low 64 bits, big-endian) of ``tokens``' complete blocks."""
-        digest, keys = parent or self.root, []
-        token = self.token
-        for start in range(0, len(tokens) - BLOCK_SIZE + 1, BLOCK_SIZE):
-            block = b"".join([token(t) for t in tokens[start : start + BLOCK_SIZE]])
-            # cbor((parent, tuple(tokens), None)): array(3), bytes(32), array(16), null
-            digest = hashlib.sha256(b"\x83\x58\x20" + digest + b"\x90" + block + b"\xf6").digest()
-            keys.append(int.from_bytes(digest[-8:], "big"))
-        return keys
-
-
-_hashes: VllmHashes | None = None
-
-
-def vllm_hashes() -> VllmHashes:
-    global _hashes
-    if _hashes is None:
-        _hashes = VllmHashes()
-    return _hashes
+def vllm_keys(tokens: list[int]) -> list[int]:
+    """The event hashes vLLM gives ``tokens``' complete blocks (``sha256_cbor``, the chain
+    the conductor hashes a profiled query with, in C: a 1M-block index is hashed once per
+    run and every service gets the same batches)."""
+    return list(block_keys(HASH_ALGORITHM, HASH_SEED, tokens, BLOCK_SIZE))
 
 
 def one_event_batch(tokens: list[int], parent: int | None = None) -> bytes:
     """A batch of one root event of ``tokens`` with its real vLLM hashes."""
-    event = stored_event(vllm_hashes().chain(tokens), tokens, parent)
+    event = stored_event(vllm_keys(tokens), tokens, parent)
     return encode_batch([event], time.time(), 0, "vllm")
 
 
@@ -187,10 +151,9 @@ class BatchPool:
         self.batches: list[Batch] = []
 
     def ensure(self, count: int) -> None:
-        hashes = vllm_hashes()
         while len(self.batches) < count:
             prompts = [self.tokens.prompt() for _ in range(BATCH_EVENTS)]
-            events = [stored_event(hashes.chain(p), p, None) for p in prompts]
+            events = [stored_event(vllm_keys(p), p, None) for p in prompts]
             payload = encode_batch(events, time.time(), 0, "vllm")
             self.batches.append(Batch(payload, prompts[0], prompts[-1]))
 
@@ -427,7 +390,7 @@ class Index:
     next_batch: int = 0
 
     def load_prefixes(self) -> None:
-        keys = vllm_hashes().chain(self.tokens)
+        keys = vllm_keys(self.tokens)
         sends = []
         for n in range(self.instances):
             if prefix_holdings(n):
@@ -744,6 +707,10 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     )
     parser.add_argument("--cpp", type=Path, help="upstream Mooncake's C++ conductor binary")
     parser.add_argument("--ours-cpus", help="pin ours with taskset -c (e.g. 0 or 0,1)")
+    parser.add_argument(
+        "--ours-profile", action="store_true",
+        help="register ours with the C++ service's hash profile (vLLM's sha256_cbor keys)",
+    )  # fmt: skip
     parser.add_argument("--peer-cpus", help="pin every peer with taskset -c")
     parser.add_argument(
         "--ours-arg", action="append", default=[], help="an extra flag for ours (repeatable)"
@@ -768,7 +735,8 @@ def build_services(args: argparse.Namespace) -> list[IndexerService]:
         raise SystemExit(f"unknown services: {', '.join(sorted(unknown))}")
     services: list[IndexerService] = []
     if "ours" in wanted:
-        services.append(Ours(args.ours_cpus, tuple(args.ours_arg), args.ours_env))
+        ours = Ours(args.ours_cpus, tuple(args.ours_arg), args.ours_env, args.ours_profile)
+        services.append(ours)
     if "dynamo" in wanted:
         python = args.dynamo_python or dynamo_python()
         why = dynamo_available(python)

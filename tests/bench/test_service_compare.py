@@ -8,30 +8,18 @@ import msgpack
 import pytest
 
 from bench.harness import BLOCK_SIZE
-from bench.indexer_services import HASH_ALGORITHM, HASH_SEED, Ours, _instances_msgpack
+from bench.indexer_services import HASH_PROFILE, Ours, _instances_msgpack
 from bench.service_compare import (
     BATCH_BLOCKS,
-    BatchPool,
     Scale,
-    VllmHashes,
     build_services,
     expected_answer,
     parse_args,
-    query_prompt,
     round_robin,
     run,
 )
-from conductor.vllm_hash import block_keys
 
 TINY = Scale("tiny", 200, 1, (1_000, 2_000), (2, 9), 20, 5, 10, (50_000,), 0.1, 2)
-
-
-def test_the_fast_chain_is_vllms() -> None:
-    hashes = VllmHashes()
-    prompts = [query_prompt(), [hashes.TABLE + 5] * 40, BatchPool().tokens.prompt()]
-    for tokens in prompts:
-        reference = list(block_keys(HASH_ALGORITHM, HASH_SEED, tokens, BLOCK_SIZE))
-        assert hashes.chain(tokens) == reference
 
 
 def test_expected_answers_follow_the_prefix_holdings() -> None:
@@ -46,8 +34,11 @@ def test_msgpack_answers_drop_instances_without_a_match() -> None:
     assert _instances_msgpack(data) == {"a": 32}
 
 
-def test_every_phase_runs_against_our_service() -> None:
-    result = run(TINY, [Ours()])
+@pytest.mark.parametrize("profiled", [False, True], ids=["go-hashes", "hash-profile"])
+def test_every_phase_runs_against_our_service(profiled: bool) -> None:
+    """Every answer is checked: with the C++ service's hash profile too, ours keys the
+    events' vLLM hashes and hashes each query's blocks as vLLM does."""
+    result = run(TINY, [Ours(profiled=profiled)])
     ours = result["services"]["ours"]
     assert ours["modes"] == ["json", "msgpack"]
     assert ours["ingest"]["streams_8"]["counters"]["blocks_stored"] == 10 * BATCH_BLOCKS
@@ -67,9 +58,11 @@ def test_the_services_asked_for_are_the_ones_built(capsys: pytest.CaptureFixture
     built = build_services(parse_args(["--services", "ours,cpp", "--cpp", binary, "--ours-arg=-x"]))
     assert [s.name for s in built] == ["ours", "cpp"]
     assert [s.describe() for s in built] == [
-        {"cpus": None, "args": ["-x"], "env": {}},
+        {"cpus": None, "args": ["-x"], "env": {}, "hash_profile": None},
         {"cpus": None, "binary": binary},
     ]
+    (profiled,) = build_services(parse_args(["--services", "ours", "--ours-profile"]))
+    assert profiled.describe()["hash_profile"] == HASH_PROFILE
     assert build_services(parse_args(["--services", "cpp"])) == []
     assert "no --cpp PATH given" in capsys.readouterr().out
     with pytest.raises(SystemExit, match="unknown services: go"):
