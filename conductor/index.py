@@ -162,17 +162,17 @@ class InstanceMatch:
 
 @dataclass(frozen=True, slots=True)
 class PlainFleet:
-    """A context whose plain queries C answers whole (``conductor.plain_query``): every
-    instance one engine slot, all of one DP rank. It lasts as long as the context's slots
-    do (a slot coming or going makes a new one)."""
+    """A context's engine slots as the plain query (``conductor.plain_query``) answers
+    them. It lasts as long as the context's slots do (a slot coming or going makes a new
+    one)."""
 
     blocks: ContextBlocks
     pool_members: dict[int, int]  # the context's own (a pool's members change in place)
     profile: HashProfile | None  # the engines' hashes key the blocks; else Go prefix hashes
     key: ContextKey
-    rank: int
     names: tuple[str, ...]  # the instances, in instance-id order
-    bits: tuple[int, ...]  # the slot index of each
+    ranks: tuple[tuple[int, ...], ...]  # the DP ranks of each, in order
+    bits: tuple[tuple[int, ...], ...]  # the slot index of each of those ranks
     name_set: frozenset[str]  # the names again, to look up
     # what conductor.plain_query made of it, by dialect: dropped with it
     plans: dict[object, object] = field(default_factory=dict)
@@ -193,7 +193,7 @@ class _Engines:
     # that rank, and each slot index's instance id ("": no engine slot)
     uniform_rank: int | None
     names: list[str]
-    plain: PlainFleet | None  # see PlainFleet
+    plain: PlainFleet
 
 
 class _Slot:
@@ -512,20 +512,24 @@ class PrefixContext:
                 for index, (instance_id, _) in single.items():
                     names[index] = instance_id
             rank = single_ranks.pop() if uniform else None
-            plain = None
-            if rank is not None:
-                ordered = sorted((name, index) for index, (name, _) in single.items())
-                names_in_order = tuple(name for name, _ in ordered)
-                indices = tuple(index for _, index in ordered)
-                plain = PlainFleet(
-                    self._state, self.pool_members, self.profile, self.key, rank,
-                    names_in_order, indices, frozenset(names_in_order),
-                )  # fmt: skip
-            self._engines = _Engines(mask, masks, zero, single, rank, names, plain)
+            self._engines = _Engines(mask, masks, zero, single, rank, names, self._plain())
         return self._engines
 
-    def plain_fleet(self) -> PlainFleet | None:
+    def plain_fleet(self) -> PlainFleet:
         return self._engine_set().plain
+
+    def _plain(self) -> PlainFleet:
+        slots: dict[str, list[tuple[int, int]]] = {}
+        for slot in self.slots.values():
+            if not slot.shared_pool:
+                slots.setdefault(slot.instance_id, []).append((slot.dp_rank, slot.index))
+        names = tuple(sorted(slots))
+        ranks = tuple(tuple(rank for rank, _ in sorted(slots[name])) for name in names)
+        bits = tuple(tuple(index for _, index in sorted(slots[name])) for name in names)
+        return PlainFleet(
+            self._state, self.pool_members, self.profile, self.key, names, ranks, bits,
+            frozenset(names),
+        )  # fmt: skip
 
     def _holders(self, prefix_hash: PrefixHash) -> int:
         """The bits of the slots that hold this block on some tier, through a pool too."""

@@ -12,18 +12,18 @@ answers through a ``_native.QueryPlan`` (conductor/native/request.c, answer.c); 
 every other request to the handler, which answers everything as before.
 
 Plain is: ``POST /query`` with no header asking for other tiers (msgpack asked for only by
-a msgpack body), a body naming no instance, of a context with a ``PlainFleet`` (every
-instance one engine slot of one DP rank; its blocks keyed by Go prefix hashes, or by a hash
-profile's chain, ``_native.ProfileChain``), and, from a router replica, a
-decision lease it need not wait for (``loads.ReplicaLoads.try_decide``). Then an
-instance's answer holds eight numbers at most: on each tier (the GPU, its own CPU, any CPU
-it can load from, a pool's included, any tier), the tokens its slot holds in a row from the
-prompt's start, in its DP rank's fields, and the same raised to what routers routed there
-(``conductor.routed``), in the instance's fields. A plan holds the answer's templates,
+a msgpack body), a body naming no instance, of a context whose instances have 63 DP ranks at
+most (``index.PlainFleet``; its blocks keyed by Go prefix hashes, or by a hash profile's
+chain, ``_native.ProfileChain``), and, from a router replica, a decision lease it need not
+wait for (``loads.ReplicaLoads.try_decide``). Then an instance's answer holds four numbers
+for itself and four for each of its DP ranks: on each tier (the GPU, its own CPU, any CPU
+it can load from, a pool's included, any tier), the tokens a rank's slot holds in a row
+from the prompt's start, and for the instance the most of its ranks', raised to what
+routers routed there (``conductor.routed``). A plan holds a template per set of ranks,
 made here by the handler's own encoders with a sentinel where each number goes, and C
-writes the numbers in. Both ways answer alike byte
-for byte, and the C readers read as the Python ones (tests/conductor/test_plain_query.py
-compares them over random fleets, requests, heads and bodies).
+writes the numbers in. Both ways answer alike byte for byte, and the C readers read as the
+Python ones (tests/conductor/test_plain_query.py compares them over random fleets,
+requests, heads and bodies).
 """
 
 from __future__ import annotations
@@ -37,11 +37,8 @@ from .hashing import PrefixHash, salt_root
 from .index import InstanceMatch, PlainFleet
 
 PLAIN_ROUTE = "/query"  # the route of plain queries
-# numbers in no template but where a match's tokens go, in the order of a template's kinds
-# (conductor/native/answer.c): the instance's on the GPU, its own CPU, any CPU, any tier,
-# then its DP rank's
-SENTINELS = tuple(2**63 - 25 - 27 * kind for kind in range(8))
-CHECKS = tuple(12_345 + 1_000 * kind for kind in range(8))  # to check a template's numbers
+TIERS = 4  # the numbers of an instance and of each of its DP ranks
+MOST_RANKS = 63  # an instance's in a plan (a template's kinds are bytes)
 
 
 class PlainHead(NamedTuple):
@@ -90,19 +87,34 @@ def chain_root(fleet: PlainFleet, tokens: bytes, salt: str) -> PrefixHash | Prof
     return keys if isinstance(keys, ProfileChain) else None
 
 
-def _value(fleet: PlainFleet, dialect: Dialect, numbers: tuple[int, ...]) -> bytes:
-    """One instance's answer with these ``numbers`` (in the order of SENTINELS): its hits
-    on each tier, and its DP rank's (less, when a routed prompt raised the instance's)."""
-    hits = (numbers[0], numbers[1], numbers[2], numbers[3])
-    ranks = {fleet.rank: (numbers[4], numbers[5], numbers[6], numbers[7])}
-    return dialect.encode(dialect.write(InstanceMatch(*hits, ranks)))
+def _sentinels(count: int) -> list[int]:
+    """Numbers in no template but where a match's tokens go, in the order of a template's
+    kinds (conductor/native/answer.c): the instance's on the GPU, its own CPU, any CPU,
+    any tier, then each of its DP ranks' the same."""
+    return [2**63 - 25 - 27 * kind for kind in range(count)]
 
 
-def _template(fleet: PlainFleet, dialect: Dialect) -> tuple[tuple[bytes, ...], bytes] | None:
-    """An instance's answer cut where its numbers go, and which number goes in each cut;
-    None if it holds a number that is none of them."""
-    encoded = _value(fleet, dialect, SENTINELS)
-    marks = [dialect.encode(sentinel) for sentinel in SENTINELS]
+def _checks(count: int) -> list[int]:
+    """Other numbers, to check a template with."""
+    return [12_345 + 1_000 * kind for kind in range(count)]
+
+
+def _value(dialect: Dialect, ranks: tuple[int, ...], numbers: list[int]) -> bytes:
+    """An instance's answer with these ``numbers`` (in the order of ``_sentinels``): its
+    hits on each tier, then each of its ``ranks``' (less, when a routed prompt raised the
+    instance's)."""
+    by_rank = {
+        rank: tuple(numbers[TIERS * (1 + j) : TIERS * (2 + j)]) for j, rank in enumerate(ranks)
+    }
+    return dialect.encode(dialect.write(InstanceMatch(*numbers[:TIERS], by_rank)))
+
+
+def _template(dialect: Dialect, ranks: tuple[int, ...]) -> tuple[tuple[bytes, ...], bytes] | None:
+    """The answer of an instance of these DP ranks, cut where its numbers go, and which
+    number goes in each cut; None if it holds a number that is none of them."""
+    count = TIERS * (1 + len(ranks))
+    encoded = _value(dialect, ranks, _sentinels(count))
+    marks = [dialect.encode(sentinel) for sentinel in _sentinels(count)]
     parts, kinds, at = [], bytearray(), 0
     while True:
         found = [(encoded.find(mark, at), kind) for kind, mark in enumerate(marks)]
@@ -114,30 +126,34 @@ def _template(fleet: PlainFleet, dialect: Dialect) -> tuple[tuple[bytes, ...], b
         kinds.append(kind)
         at = position + len(marks[kind])
     parts.append(encoded[at:])
-    checks = [dialect.encode(check) for check in CHECKS]
+    checks = [dialect.encode(check) for check in _checks(count)]
     filled = (
         b"".join(part + checks[kind] for part, kind in zip(parts[:-1], kinds, strict=True))
         + parts[-1]
     )
-    if filled != _value(fleet, dialect, CHECKS):
+    if filled != _value(dialect, ranks, _checks(count)):
         return None
     return tuple(parts), bytes(kinds)
 
 
 def _make(fleet: PlainFleet, dialect: Dialect) -> QueryPlan | None:
-    template = _template(fleet, dialect)
-    if template is None:
+    if any(len(ranks) > MOST_RANKS for ranks in fleet.ranks):
         return None
-    parts, kinds = template
+    templates = {ranks: _template(dialect, ranks) for ranks in set(fleet.ranks)}
     whole = dialect.encode(dialect.wrap(fleet.key.tenant_id, {}))
     at = whole.rindex(dialect.encode({}))  # the instances' map: the answer's last value
     if dialect.msgpack:  # C writes the map's length
         opener, closer = whole[:at], whole[at + 1 :]
-        names = tuple(dialect.encode(name) for name in fleet.names)
+        names = [dialect.encode(name) for name in fleet.names]
     else:  # C writes the entries between the braces, with commas
         opener, closer = whole[: at + 1], whole[at + 1 :]
-        names = tuple(dialect.encode(name) + b":" for name in fleet.names)
+        names = [dialect.encode(name) + b":" for name in fleet.names]
+    instances = []
+    for name, ranks, bits in zip(names, fleet.ranks, fleet.bits, strict=True):
+        template = templates[ranks]
+        if template is None:
+            return None
+        instances.append((name, bits, *template))
     return QueryPlan(
-        fleet.blocks, fleet.pool_members, fleet.bits, names, parts, kinds, opener, closer,
-        dialect.msgpack,
-    )  # fmt: skip
+        fleet.blocks, fleet.pool_members, tuple(instances), opener, closer, dialect.msgpack
+    )

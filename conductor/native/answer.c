@@ -21,21 +21,25 @@
 #include "walk.h"
 
 /* The numbers of an instance's answer, as a template's kinds name them: the instance's
- * tokens on each tier (GPU, own CPU, any CPU, any tier; raised to what a router routed
- * there, when a query gives such a minimum), then its DP rank's own (never raised, as
- * conductor.routed.raise_hits leaves the ranks alone). */
+ * tokens on each tier (GPU, own CPU, any CPU, any tier: the most any of its slots holds;
+ * raised to what a router routed there, when a query gives such a minimum), then each of
+ * its DP ranks' own, in rank order (never raised, as conductor.routed.raise_hits leaves
+ * the ranks alone). */
 #define TIER_COUNT 4
-#define KINDS (2 * TIER_COUNT)
+#define MOST_NUMBERS 256  /* a kind is a byte: 4 + 4 * 63 ranks at most */
 
 typedef struct {
     PyObject_HEAD
     ContextBlocks *context;
     PyObject *pool_members;  /* the context's dict: a pool's bit -> the slots it serves */
     Py_ssize_t count;  /* instances, in the answer's order */
-    size_t *bits;  /* each instance's slot bit */
-    PyObject *names;  /* a tuple of bytes: each instance's key, as written before its value */
-    PyObject *parts;  /* a tuple of bytes: the value's template, cut where a number goes */
-    PyObject *kinds;  /* bytes: which number goes in each cut, 0 to KINDS - 1 */
+    /* a tuple per instance: its key as written before its value (bytes), its slots' bits
+     * in rank order, its value's template cut where a number goes (a tuple of bytes), and
+     * which number goes in each cut (bytes) */
+    PyObject *instances;
+    size_t *bits;  /* every instance's slot bits, one instance after another */
+    Py_ssize_t *first;  /* instance i's bits are bits[first[i]] to bits[first[i + 1] - 1] */
+    size_t *template_size;  /* each instance's value at most: its parts and 20 digits a cut */
     PyObject *opener, *closer;  /* bytes: what the answer starts and ends with */
     int msgpack;  /* numbers and the map's length in msgpack; else JSON, entries by commas */
     size_t words;  /* of the widest slot bit */
@@ -44,85 +48,111 @@ typedef struct {
 static void plan_dealloc(QueryPlan *self) {
     Py_XDECREF(self->context);
     Py_XDECREF(self->pool_members);
-    Py_XDECREF(self->names);
-    Py_XDECREF(self->parts);
-    Py_XDECREF(self->kinds);
+    Py_XDECREF(self->instances);
     Py_XDECREF(self->opener);
     Py_XDECREF(self->closer);
     PyMem_Free(self->bits);
+    PyMem_Free(self->first);
+    PyMem_Free(self->template_size);
     Py_TYPE(self)->tp_free((PyObject *)self);
 }
 
-static int all_bytes(PyObject *tuple, const char *what) {
-    for (Py_ssize_t i = 0; i < PyTuple_GET_SIZE(tuple); i++) {
-        if (!PyBytes_Check(PyTuple_GET_ITEM(tuple, i))) {
-            PyErr_Format(PyExc_TypeError, "%s must be bytes", what);
+static PyObject *name_of(const QueryPlan *self, Py_ssize_t i) {
+    return PyTuple_GET_ITEM(PyTuple_GET_ITEM(self->instances, i), 0);
+}
+
+static PyObject *parts_of(const QueryPlan *self, Py_ssize_t i) {
+    return PyTuple_GET_ITEM(PyTuple_GET_ITEM(self->instances, i), 2);
+}
+
+static const unsigned char *kinds_of(const QueryPlan *self, Py_ssize_t i) {
+    return (const unsigned char *)PyBytes_AS_STRING(PyTuple_GET_ITEM(PyTuple_GET_ITEM(self->instances, i), 3));
+}
+
+/* Instance ``i``'s entry (name, bits, parts, kinds) checked; its bits appended at
+ * ``self->bits[*at]``. 0, or -1 with an exception set. */
+static int read_instance(QueryPlan *self, Py_ssize_t i, Py_ssize_t *at) {
+    PyObject *entry = PyTuple_GET_ITEM(self->instances, i);
+    if (!PyTuple_Check(entry) || PyTuple_GET_SIZE(entry) != 4
+        || !PyBytes_Check(PyTuple_GET_ITEM(entry, 0)) || !PyTuple_Check(PyTuple_GET_ITEM(entry, 1))
+        || !PyTuple_Check(PyTuple_GET_ITEM(entry, 2)) || !PyBytes_Check(PyTuple_GET_ITEM(entry, 3))) {
+        PyErr_SetString(PyExc_TypeError,
+                        "an instance is (name: bytes, bits: tuple, parts: tuple, kinds: bytes)");
+        return -1;
+    }
+    PyObject *bits = PyTuple_GET_ITEM(entry, 1), *parts = PyTuple_GET_ITEM(entry, 2);
+    Py_ssize_t slots = PyTuple_GET_SIZE(bits), cuts = PyBytes_GET_SIZE(PyTuple_GET_ITEM(entry, 3));
+    int kinds_known = 1;
+    for (Py_ssize_t k = 0; k < cuts; k++)
+        kinds_known &= kinds_of(self, i)[k] < TIER_COUNT * (1 + slots);
+    if (slots < 1 || TIER_COUNT * (1 + slots) > MOST_NUMBERS || PyTuple_GET_SIZE(parts) != cuts + 1
+        || !kinds_known) {
+        PyErr_SetString(PyExc_ValueError,
+                        "an instance has 1 to 63 slots, a template of one part more than its "
+                        "cuts, a kind below 4 + 4 * its slots for each cut");
+        return -1;
+    }
+    self->template_size[i] = (size_t)cuts * 20 + 1;
+    for (Py_ssize_t p = 0; p <= cuts; p++) {
+        if (!PyBytes_Check(PyTuple_GET_ITEM(parts, p))) {
+            PyErr_SetString(PyExc_TypeError, "parts must be bytes");
             return -1;
         }
+        self->template_size[i] += (size_t)PyBytes_GET_SIZE(PyTuple_GET_ITEM(parts, p));
+    }
+    for (Py_ssize_t j = 0; j < slots; j++) {
+        size_t bit = PyLong_AsSize_t(PyTuple_GET_ITEM(bits, j));
+        if (bit == (size_t)-1 && PyErr_Occurred()) return -1;
+        if (bit > (size_t)1 << 24) {
+            PyErr_SetString(PyExc_ValueError, "a slot bit is 2**24 at most");
+            return -1;
+        }
+        self->bits[(*at)++] = bit;
+        if (bit / 64 + 1 > self->words) self->words = bit / 64 + 1;
     }
     return 0;
 }
 
 static int plan_init(QueryPlan *self, PyObject *args, PyObject *kwargs) {
-    static char *keywords[] = {"context", "pool_members", "bits", "names", "parts", "kinds",
-                               "opener", "closer", "msgpack", NULL};
+    static char *keywords[] = {"context", "pool_members", "instances", "opener", "closer",
+                               "msgpack", NULL};
     ContextBlocks *context;
-    PyObject *pool_members, *bits, *names, *parts, *kinds, *opener, *closer;
+    PyObject *pool_members, *instances, *opener, *closer;
     int msgpack;
-    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "O!O!OO!O!SSSp:QueryPlan", keywords,
+    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "O!O!O!SSp:QueryPlan", keywords,
                                      &ContextBlocksType, &context, &PyDict_Type, &pool_members,
-                                     &bits, &PyTuple_Type, &names, &PyTuple_Type, &parts, &kinds,
-                                     &opener, &closer, &msgpack)) {
+                                     &PyTuple_Type, &instances, &opener, &closer, &msgpack)) {
         return -1;
     }
     if (self->context != NULL) {
         PyErr_SetString(PyExc_TypeError, "a QueryPlan is made once");
         return -1;
     }
-    PyObject *seq = PySequence_Fast(bits, "bits must be a sequence of slot bits");
-    if (seq == NULL) return -1;
-    Py_ssize_t count = PySequence_Fast_GET_SIZE(seq);
-    int kinds_known = 1;
-    for (Py_ssize_t k = 0; k < PyBytes_GET_SIZE(kinds); k++)
-        kinds_known &= (unsigned char)PyBytes_AS_STRING(kinds)[k] < KINDS;
-    if (count != PyTuple_GET_SIZE(names) || PyTuple_GET_SIZE(parts) < 1
-        || PyBytes_GET_SIZE(kinds) != PyTuple_GET_SIZE(parts) - 1 || !kinds_known
-        || all_bytes(names, "names") < 0 || all_bytes(parts, "parts") < 0) {
-        if (!PyErr_Occurred())
-            PyErr_SetString(PyExc_ValueError,
-                            "a name for each bit, a template of one part or more, a kind (0 "
-                            "to 7) for each number between its parts");
-        Py_DECREF(seq);
-        return -1;
+    Py_ssize_t count = PyTuple_GET_SIZE(instances), total = 0;
+    for (Py_ssize_t i = 0; i < count; i++) {
+        PyObject *entry = PyTuple_GET_ITEM(instances, i);
+        if (PyTuple_Check(entry) && PyTuple_GET_SIZE(entry) == 4
+            && PyTuple_Check(PyTuple_GET_ITEM(entry, 1)))
+            total += PyTuple_GET_SIZE(PyTuple_GET_ITEM(entry, 1));
     }
-    self->bits = PyMem_Calloc(count > 0 ? (size_t)count : 1, sizeof(size_t));
-    if (self->bits == NULL) {
-        Py_DECREF(seq);
+    self->bits = PyMem_Calloc(total > 0 ? (size_t)total : 1, sizeof(size_t));
+    self->first = PyMem_Calloc((size_t)count + 1, sizeof(Py_ssize_t));
+    self->template_size = PyMem_Calloc(count > 0 ? (size_t)count : 1, sizeof(size_t));
+    if (self->bits == NULL || self->first == NULL || self->template_size == NULL) {
         PyErr_NoMemory();
         return -1;
     }
+    self->instances = Py_NewRef(instances);  /* read_instance reads it */
     self->words = 1;
+    Py_ssize_t at = 0;
     for (Py_ssize_t i = 0; i < count; i++) {
-        size_t bit = PyLong_AsSize_t(PySequence_Fast_GET_ITEM(seq, i));
-        if (bit == (size_t)-1 && PyErr_Occurred()) {
-            Py_DECREF(seq);
-            return -1;
-        }
-        if (bit > (size_t)1 << 24) {
-            Py_DECREF(seq);
-            PyErr_SetString(PyExc_ValueError, "a slot bit is 2**24 at most");
-            return -1;
-        }
-        self->bits[i] = bit;
-        if (bit / 64 + 1 > self->words) self->words = bit / 64 + 1;
+        self->first[i] = at;
+        if (read_instance(self, i, &at) < 0) return -1;
     }
-    Py_DECREF(seq);
+    self->first[count] = at;
     self->count = count;
     self->context = (ContextBlocks *)Py_NewRef(context);
     self->pool_members = Py_NewRef(pool_members);
-    self->names = Py_NewRef(names);
-    self->parts = Py_NewRef(parts);
-    self->kinds = Py_NewRef(kinds);
     self->opener = Py_NewRef(opener);
     self->closer = Py_NewRef(closer);
     self->msgpack = msgpack;
@@ -198,13 +228,19 @@ static void walk_blocks(QueryPlan *self, TierWalk *walk, const uint8_t *tokens,
     }
 }
 
-/* Instance ``i``'s numbers in blocks (see KINDS), its tiers raised to ``raised[i]`` blocks
- * (``raised``: NULL, none) as raise_hits does: when that is more than its GPU hit. */
+/* Instance ``i``'s numbers in blocks (see TIER_COUNT), its tiers raised to ``raised[i]``
+ * blocks (``raised``: NULL, none) as raise_hits does: when that is more than its GPU hit. */
 static void numbers_of(const QueryPlan *self, const TierWalk *walk, const uint64_t *raised,
-                       Py_ssize_t i, uint64_t numbers[KINDS]) {
-    const Py_ssize_t *at = &walk->at[self->bits[i] * TIER_COUNT];
-    for (int tier = 0; tier < TIER_COUNT; tier++)
-        numbers[tier] = numbers[TIER_COUNT + tier] = (uint64_t)at[tier];
+                       Py_ssize_t i, uint64_t numbers[MOST_NUMBERS]) {
+    for (int tier = 0; tier < TIER_COUNT; tier++) numbers[tier] = 0;
+    for (Py_ssize_t j = self->first[i]; j < self->first[i + 1]; j++) {
+        const Py_ssize_t *at = &walk->at[self->bits[j] * TIER_COUNT];
+        uint64_t *rank = &numbers[TIER_COUNT * (1 + j - self->first[i])];
+        for (int tier = 0; tier < TIER_COUNT; tier++) {
+            rank[tier] = (uint64_t)at[tier];
+            if (rank[tier] > numbers[tier]) numbers[tier] = rank[tier];
+        }
+    }
     if (raised != NULL && raised[i] > numbers[0]) {
         for (int tier = 0; tier < TIER_COUNT; tier++)
             if (raised[i] > numbers[tier]) numbers[tier] = raised[i];
@@ -215,17 +251,13 @@ static void numbers_of(const QueryPlan *self, const TierWalk *walk, const uint64
  * numbers. */
 static PyObject *write_answer(QueryPlan *self, const TierWalk *walk, const uint64_t *raised,
                               int hits_only) {
-    Py_ssize_t parts = PyTuple_GET_SIZE(self->parts), written = 0;
-    size_t template = 0, size = 0;
-    const unsigned char *kinds = (const unsigned char *)PyBytes_AS_STRING(self->kinds);
-    uint64_t numbers[KINDS];
-    for (Py_ssize_t p = 0; p < parts; p++)
-        template += (size_t)PyBytes_GET_SIZE(PyTuple_GET_ITEM(self->parts, p));
-    template += (size_t)(parts - 1) * 20 + 1;  /* a number's digits at most, a comma */
+    Py_ssize_t written = 0;
+    size_t size = 0;
+    uint64_t numbers[MOST_NUMBERS];
     for (Py_ssize_t i = 0; i < self->count; i++) {
         numbers_of(self, walk, raised, i, numbers);
         if (hits_only && numbers[TIER_COUNT - 1] == 0) continue;  /* nothing on any tier */
-        size += (size_t)PyBytes_GET_SIZE(PyTuple_GET_ITEM(self->names, i)) + template;
+        size += (size_t)PyBytes_GET_SIZE(name_of(self, i)) + self->template_size[i];
         written++;
     }
     size += (size_t)PyBytes_GET_SIZE(self->opener) + (size_t)PyBytes_GET_SIZE(self->closer) + 5;
@@ -240,10 +272,12 @@ static PyObject *write_answer(QueryPlan *self, const TierWalk *walk, const uint6
         if (hits_only && numbers[TIER_COUNT - 1] == 0) continue;
         if (!self->msgpack && !first) *out++ = ',';
         first = 0;
-        out = put_bytes(out, PyTuple_GET_ITEM(self->names, i));
-        for (Py_ssize_t p = 0; p < parts; p++) {
+        out = put_bytes(out, name_of(self, i));
+        PyObject *parts = parts_of(self, i);
+        const unsigned char *kinds = kinds_of(self, i);
+        for (Py_ssize_t p = 0; p < PyTuple_GET_SIZE(parts); p++) {
             if (p) out = put_number(out, numbers[kinds[p - 1]] * block_size, self->msgpack);
-            out = put_bytes(out, PyTuple_GET_ITEM(self->parts, p));
+            out = put_bytes(out, PyTuple_GET_ITEM(parts, p));
         }
     }
     out = put_bytes(out, self->closer);
@@ -318,17 +352,20 @@ static PyObject *plan_answer(QueryPlan *self, PyObject *const *args, Py_ssize_t 
         goto done;
     }
     if (tier_walk_start(&walk, (Py_ssize_t)self->words, self->pool_members, blocks) < 0) goto done;
-    for (Py_ssize_t i = 0; i < self->count; i++) {
+    for (Py_ssize_t j = 0; j < self->first[self->count]; j++) {
         for (int tier = 0; tier < TIER_COUNT; tier++)
-            walk.alive[tier * walk.words + self->bits[i] / 64] |= 1ULL << self->bits[i] % 64;
+            walk.alive[tier * walk.words + self->bits[j] / 64] |= 1ULL << self->bits[j] % 64;
     }
     sync_lock(context->sync);
     walk_blocks(self, &walk, (const uint8_t *)PyBytes_AS_STRING(args[0]), blocks, root, profiled,
                 buffer);
     sync_unlock(context->sync);
     Py_ssize_t raised_count = 0;
-    for (Py_ssize_t i = 0; raised != NULL && i < self->count; i++)
-        raised_count += raised[i] > (uint64_t)walk.at[self->bits[i] * TIER_COUNT];
+    uint64_t numbers[MOST_NUMBERS];
+    for (Py_ssize_t i = 0; raised != NULL && i < self->count; i++) {
+        numbers_of(self, &walk, NULL, i, numbers);
+        raised_count += raised[i] > numbers[0];
+    }
     PyObject *answer = write_answer(self, &walk, raised, hits_only);
     if (answer != NULL) result = Py_BuildValue("(Nn)", answer, raised_count);
     tier_walk_end(&walk);
@@ -347,14 +384,13 @@ PyTypeObject QueryPlanType = {
     PyVarObject_HEAD_INIT(NULL, 0)
     .tp_name = "conductor._native.QueryPlan",
     .tp_doc = PyDoc_STR(
-        "QueryPlan(context, pool_members, bits, names, parts, kinds, opener, closer,\n"
-        "msgpack)\n--\n\n"
+        "QueryPlan(context, pool_members, instances, opener, closer, msgpack)\n--\n\n"
         "How to answer a plain query of a context (a ContextBlocks, and its dict of a pool's\n"
-        "bit to the slots it serves) whose instances each own one slot (``bits``, in the\n"
-        "answer's order): ``names`` (each instance's key, as written), ``parts`` (an\n"
-        "instance's value cut where its numbers go), ``kinds`` (for each cut: 0-3, the\n"
-        "instance's tokens on the GPU, its own CPU, any CPU, any tier; 4-7, its rank's), the\n"
-        "answer's ``opener`` and ``closer``, in msgpack or JSON."),
+        "bit to the slots it serves): ``instances``, in the answer's order, each (its key as\n"
+        "written, its engine slots' bits in DP rank order, its value cut where its numbers\n"
+        "go, the kind of each cut: 0-3 the instance's tokens on the GPU, its own CPU, any\n"
+        "CPU, any tier; 4 + 4 * j + tier its j-th rank's); the answer's ``opener`` and\n"
+        "``closer``, in msgpack or JSON."),
     .tp_basicsize = sizeof(QueryPlan),
     .tp_flags = Py_TPFLAGS_DEFAULT,
     .tp_new = PyType_GenericNew,
