@@ -94,7 +94,7 @@ class ContextBlocks:
         owner: tuple[Holdings, Holdings, Holdings],
         start: int,
         max_blocks: int,
-        root: int,
+        root: int | None,
         /,
     ) -> tuple[int, int, int, int, int]: ...
     def walk(
@@ -117,7 +117,7 @@ class IngestThread:
         packed: PackedBatch,
         owner: tuple[Holdings, Holdings, Holdings],
         start: int,
-        root: int,
+        root: int | None,
         token: object,
         /,
     ) -> None: ...
@@ -133,17 +133,35 @@ class QueryPlan:
         self,
         context: ContextBlocks,
         pool_members: dict[int, int],
-        bits: Sequence[int],
-        names: tuple[bytes, ...],
-        parts: tuple[bytes, ...],
-        kinds: bytes,
+        instances: tuple[tuple[bytes, tuple[int, ...], tuple[bytes, ...], bytes], ...],
         opener: bytes,
         closer: bytes,
         msgpack: bool,
     ) -> None: ...
     def answer(
-        self, tokens: bytes, root: int, hits_only: bool, minimum: Sequence[int] | None, /
+        self,
+        tokens: bytes,
+        root: int | ProfileChain,
+        hits_only: bool,
+        minimum: Sequence[int] | None,
+        /,
     ) -> tuple[bytes, int]: ...
+
+class ProfileChain(Iterator[int]):
+    """A profiled context's block keys, lazily (conductor/native/profile.c)."""
+
+    def __init__(
+        self,
+        kind: int,
+        tokens: bytes,
+        block_size: int,
+        root: bytes,
+        first_suffix: bytes,
+        suffix: bytes,
+    ) -> None: ...
+    def __next__(self) -> int: ...
+
+def sha256(data: bytes, portable: bool = False, /) -> bytes: ...
 
 class HeadReader:
     """Reads the plain heads of ``POST <target>`` requests (conductor/native/request.c)."""

@@ -315,7 +315,7 @@ class PrefixContext:
         return self._state.release(slot.holdings[tier], engine_hashes)
 
     def apply_packed(
-        self, slot: _Slot, packed: PackedBatch, start: int, max_blocks: int, root: int
+        self, slot: _Slot, packed: PackedBatch, start: int, max_blocks: int, root: int | None
     ) -> Applied:
         """Events of a packed batch from ``start`` on, about ``max_blocks`` blocks' worth,
         for ``slot``'s GPU blocks, chained from ``root``: (the first event not applied,
@@ -324,7 +324,12 @@ class PrefixContext:
         return self._state.apply_packed(packed, slot.holdings, start, max_blocks, root)
 
     def submit_packed(
-        self, lane: IngestLane, slot: _Slot, packed: PackedBatch, root: int, on_applied: OnApplied
+        self,
+        lane: IngestLane,
+        slot: _Slot,
+        packed: PackedBatch,
+        root: int | None,
+        on_applied: OnApplied,
     ) -> None:
         """``apply_packed`` of the whole batch, on the ingest thread."""
         lane.apply(self._state, slot.holdings, packed, root, on_applied)
@@ -851,9 +856,10 @@ class PrefixCacheTable:
 
     def _lane_target(
         self, key: str, packed: PackedBatch
-    ) -> tuple[PrefixContext, _Slot, int] | None:
-        """The context, slot and hash chain root the C lane applies the stream's batch to,
-        or None when the stream is not in the state the lane covers: the lane applies what
+    ) -> tuple[PrefixContext, _Slot, int | None] | None:
+        """The context, slot and hash chain root the C lane applies the stream's batch to
+        (None for a profiled stream: its engine hashes are the keys), or None when the
+        stream is not in the state the lane covers: the lane applies what
         ``_store`` and ``_remove`` do for an engine's own GPU blocks once its first stored
         event made its slot, in a context where no other of the stream's slots at that
         rank, and no other tier of this one, could take a removal."""
@@ -871,14 +877,13 @@ class PrefixCacheTable:
             and not slot.holdings[Tier.DISK].by_engine_hash
         ):
             return None
-        return context, slot, salt_root(source.salt)
+        return context, slot, None if source.hash_profile else salt_root(source.salt)
 
     def lane_takes(self, key: str) -> bool:
         """Whether the C lane may apply the stream's batches at all: not a pool's (its
-        blocks go to the pool's slot), not a profiled stream's (the lane keys blocks by
-        their tokens' Go prefix hash, a profiled context by the engine's hashes)."""
+        blocks go to the pool's slot)."""
         source = self._sources.get(key)
-        return source is not None and not source.shared_pool and source.hash_profile is None
+        return source is not None and not source.shared_pool
 
     def _store(
         self, source: StreamSource, dp_rank: int, event: BlockStored, stats: ApplyStats

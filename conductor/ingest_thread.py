@@ -48,7 +48,7 @@ class IngestLane:
         blocks: ContextBlocks,
         owner: tuple[Holdings, Holdings, Holdings],
         packed: PackedBatch,
-        root: int,
+        root: int | None,
         on_applied: OnApplied,
     ) -> None:
         """``blocks.apply_packed(packed, owner, 0, <all>, root)`` on the thread, after the

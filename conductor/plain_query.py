@@ -34,7 +34,7 @@ from typing import Any, NamedTuple, cast
 
 from ._native import ProfileChain, QueryPlan
 from .hashing import PrefixHash, salt_root
-from .index import InstanceMatch, PlainFleet
+from .index import InstanceMatch, PlainFleet, TierHits
 
 PLAIN_ROUTE = "/query"  # the route of plain queries
 TIERS = 4  # the numbers of an instance and of each of its DP ranks
@@ -103,10 +103,13 @@ def _value(dialect: Dialect, ranks: tuple[int, ...], numbers: list[int]) -> byte
     """An instance's answer with these ``numbers`` (in the order of ``_sentinels``): its
     hits on each tier, then each of its ``ranks``' (less, when a routed prompt raised the
     instance's)."""
-    by_rank = {
-        rank: tuple(numbers[TIERS * (1 + j) : TIERS * (2 + j)]) for j, rank in enumerate(ranks)
-    }
-    return dialect.encode(dialect.write(InstanceMatch(*numbers[:TIERS], by_rank)))
+    hits = [_hits(numbers, TIERS * j) for j in range(1 + len(ranks))]
+    match = InstanceMatch(*hits[0], dict(zip(ranks, hits[1:], strict=True)))
+    return dialect.encode(dialect.write(match))
+
+
+def _hits(numbers: list[int], at: int) -> TierHits:
+    return (numbers[at], numbers[at + 1], numbers[at + 2], numbers[at + 3])
 
 
 def _template(dialect: Dialect, ranks: tuple[int, ...]) -> tuple[tuple[bytes, ...], bytes] | None:

@@ -252,7 +252,8 @@ int lane_task(ContextBlocks *context, PyObject *packed, PyObject *owner, PyObjec
     }
     if (owner_of(context, owner, task->owner) < 0) return -1;
     task->batch = (const PackedBatch *)packed;
-    task->root = PyLong_AsUnsignedLongLong(root);
+    task->profiled = root == Py_None;
+    task->root = task->profiled ? 0 : PyLong_AsUnsignedLongLong(root);
     if (PyErr_Occurred()) return -1;
     if (context->block_size <= 0 || context->block_size > (PY_SSIZE_T_MAX - 8) / 4) {
         PyErr_SetString(PyExc_ValueError, "apply_packed: bad block size");
@@ -283,6 +284,11 @@ void apply_steps(const LaneTask *task, Py_ssize_t max_blocks, Applied *applied) 
         if (e->removed) {
             release_blocks(gpu, hashes, (Py_ssize_t)e->hash_count, 0, &applied->removed,
                            &applied->fault);
+            continue;
+        }
+        if (task->profiled) {  /* as PrefixCacheTable._prefixes: neither tokens nor parent */
+            if (hold_blocks(gpu, hashes, hashes, (Py_ssize_t)e->hash_count, &applied->fault) == 0)
+                applied->stored += (Py_ssize_t)e->hash_count;
             continue;
         }
         if (e->token_count != e->hash_count * (size_t)gpu->context->block_size) {
@@ -327,7 +333,9 @@ const char context_apply_packed_doc[] =
 "any tier, else any owner's: unknown, the event is orphaned) over ``block_size`` tokens a\n"
 "block, and each block is held; a removed event's blocks are released. It stops after the\n"
 "event that brings the blocks it looked at to ``max_blocks`` (a bound on the time it holds\n"
-"the caller). Returns (the first event not applied, blocks stored, blocks removed, events\n"
+"the caller). ``root`` None: the context is a hash profile's, and a stored event's engine\n"
+"hashes are its blocks' keys (tokens and parent unread). Returns (the first event not\n"
+"applied, blocks stored, blocks removed, events\n"
 "orphaned, events whose token count does not fit their hashes).";
 
 PyObject *context_apply_packed(ContextBlocks *self, PyObject *const *args, Py_ssize_t nargs) {

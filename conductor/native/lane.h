@@ -36,6 +36,7 @@ typedef struct {
     const PackedBatch *batch;
     const Holdings *owner[TIERS];
     uint64_t root;  /* the prefix hash chain's start for an event with no parent */
+    int profiled;  /* a hash profile's context: the engine hashes are the keys, as they are */
 } LaneTask;
 
 /* What applying a batch did so far. */

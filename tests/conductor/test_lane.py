@@ -23,6 +23,7 @@ from hypothesis import strategies as st
 
 from conductor import _native
 from conductor.config import Registration
+from conductor.hash_profile import HashProfile
 from conductor.index import ApplyStats, ContextKey, PrefixCacheTable, StreamSource
 from conductor.kv_store_watch import StoreWatch
 from conductor.manager import ServiceManager
@@ -37,8 +38,16 @@ CASES: list[dict[str, Any]] = json.loads(FIXTURES.read_text())
 PRIMER_HASH = 2**62 + 12345  # an unrelated block every test table stores first
 
 
-def stream(block_size: int, key: str = "s") -> StreamSource:
-    return StreamSource(key, "i0", "default", "m", "", block_size)
+# upstream C++'s sample profile: the engine hashes are the keys, tokens and parents unread
+PROFILE = HashProfile.model_validate(
+    {"strategy": "vllm_v1", "algorithm": "sha256_cbor", "python_hash_seed": "0",
+     "index_projection": "low64_be"}
+)  # fmt: skip
+PROFILES = [None, PROFILE]
+
+
+def stream(block_size: int, key: str = "s", profile: HashProfile | None = None) -> StreamSource:
+    return StreamSource(key, "i0", "default", "m", "", block_size, hash_profile=profile)
 
 
 def primed_table(source: StreamSource, dp_rank: int | None) -> PrefixCacheTable:
@@ -122,10 +131,13 @@ def test_the_lane_takes_the_plain_captured_payloads_and_declines_the_rest() -> N
 
 
 @pytest.mark.parametrize("case", TAKEN, ids=[c["name"] for c in TAKEN])
-def test_every_captured_payload_the_lane_takes_ends_as_decoded(case: dict[str, Any]) -> None:
+@pytest.mark.parametrize("profile", PROFILES, ids=["go-hashes", "hash-profile"])
+def test_every_captured_payload_the_lane_takes_ends_as_decoded(
+    case: dict[str, Any], profile: HashProfile | None
+) -> None:
     payload, topic = _wire(case)
     rank = decode_batch(payload, topic).dp_rank  # what the lane takes decodes
-    source = stream(_block_size(case))
+    source = stream(_block_size(case), profile=profile)
     lane_table, decoded_table = primed_table(source, rank), primed_table(source, rank)
     packed = pack_batch(payload, topic, source.block_size)
     assert packed is not None
@@ -196,12 +208,14 @@ def payloads(draw: st.DrawFn) -> bytes:
     return msgpack.packb(batch)
 
 
+@pytest.mark.parametrize("profile", PROFILES, ids=["go-hashes", "hash-profile"])
 @settings(max_examples=400, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(st.lists(payloads(), min_size=1, max_size=4))
-def test_random_batches_end_as_decoded(batches: list[bytes]) -> None:
+def test_random_batches_end_as_decoded(profile: HashProfile | None, batches: list[bytes]) -> None:
     """Batches applied in turn through the lane (declined ones decoded) and all decoded:
-    the same counters, the same index; ranks 0 and 1 both exist, the primer made rank 0."""
-    source = stream(BS)
+    the same counters, the same index; ranks 0 and 1 both exist, the primer made rank 0.
+    In a profiled context the engine hashes are the keys."""
+    source = stream(BS, profile=profile)
     lane_table, decoded_table = primed_table(source, 0), primed_table(source, 0)
     for payload in batches:
         try:
