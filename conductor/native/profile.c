@@ -45,21 +45,38 @@ static void chain_dealloc(ProfileChain *self) {
 }
 
 static int32_t token_at(const ProfileChain *self, Py_ssize_t index) {
-    const uint8_t *p = (const uint8_t *)PyBytes_AS_STRING(self->tokens) + 4 * index;
-    return (int32_t)((uint32_t)p[0] | (uint32_t)p[1] << 8 | (uint32_t)p[2] << 16
-                     | (uint32_t)p[3] << 24);
+    uint32_t value;
+    memcpy(&value, PyBytes_AS_STRING(self->tokens) + 4 * index, 4);
+#if defined(__BYTE_ORDER__) && __BYTE_ORDER__ == __ORDER_BIG_ENDIAN__
+    value = __builtin_bswap32(value);
+#endif
+    return (int32_t)value;
 }
 
-/* A CBOR head: major type and argument in the shortest form (vllm_hash._head). */
-static uint8_t *cbor_head(uint8_t *out, uint8_t major, uint64_t value) {
+/* A CBOR head of an argument below 2**32: major type and argument in the shortest form
+ * (vllm_hash._head). */
+static uint8_t *cbor_head(uint8_t *out, uint8_t major, uint32_t value) {
     if (value < 24) {
-        *out++ = major | (uint8_t)value;
-        return out;
+        *out = major | (uint8_t)value;
+        return out + 1;
     }
-    int width = value <= 0xff ? 1 : value <= 0xffff ? 2 : value <= 0xffffffffULL ? 4 : 8;
-    *out++ = major | (uint8_t)(width == 1 ? 24 : width == 2 ? 25 : width == 4 ? 26 : 27);
-    for (int i = width - 1; i >= 0; i--) *out++ = (uint8_t)(value >> (8 * i));
-    return out;
+    if (value <= 0xff) {
+        out[0] = major | 24;
+        out[1] = (uint8_t)value;
+        return out + 2;
+    }
+    if (value <= 0xffff) {
+        out[0] = major | 25;
+        out[1] = (uint8_t)(value >> 8);
+        out[2] = (uint8_t)value;
+        return out + 3;
+    }
+    out[0] = major | 26;
+    out[1] = (uint8_t)(value >> 24);
+    out[2] = (uint8_t)(value >> 16);
+    out[3] = (uint8_t)(value >> 8);
+    out[4] = (uint8_t)value;
+    return out + 5;
 }
 
 /* An int as pickle writes one of 32 bits: BININT1, BININT2 or BININT. */
@@ -91,11 +108,11 @@ static size_t vllm_block(const ProfileChain *self, Py_ssize_t first, PyObject *s
         *out++ = 0x83;
         out = cbor_head(out, 0x40, DIGEST);
         memcpy(out, self->parent, DIGEST);
-        out = cbor_head(out + DIGEST, 0x80, (uint64_t)n);
+        out = cbor_head(out + DIGEST, 0x80, (uint32_t)n);
         for (Py_ssize_t i = 0; i < n; i++) {
             int32_t token = token_at(self, first + i);
-            out = token >= 0 ? cbor_head(out, 0x00, (uint64_t)token)
-                             : cbor_head(out, 0x20, (uint64_t)(-1 - (int64_t)token));
+            out = token >= 0 ? cbor_head(out, 0x00, (uint32_t)token)
+                             : cbor_head(out, 0x20, (uint32_t)(-1 - (int64_t)token));
         }
         return (size_t)(put_suffix(out, suffix) - self->buffer);
     }

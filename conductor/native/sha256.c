@@ -95,6 +95,7 @@ __attribute__((target("sha,sse4.1"))) static void compress_sha_ni(uint32_t state
     state1 = _mm_blend_epi16(state1, tmp, 0xF0);  /* CDGH */
     for (; count > 0; count--, blocks += 64) {
         __m128i abef = state0, cdgh = state1, w[4], msg;
+#pragma GCC unroll 16
         for (int g = 0; g < 16; g++) {
             if (g < 4) w[g] = _mm_shuffle_epi8(_mm_loadu_si128((const __m128i *)(blocks + 16 * g)), swap);
             msg = _mm_add_epi32(w[g & 3], _mm_loadu_si128((const __m128i *)&K[4 * g]));
