@@ -506,6 +506,7 @@ class ServiceManager:
             batch = self._decode(key, message)
             if batch is None:
                 return
+            self.metrics.decoded_batches.inc()
 
             def apply_events(start: int) -> int:
                 stop = start + EVENTS_PER_CLOCK_READ

@@ -181,6 +181,13 @@ class ConductorMetrics:
             "plain_query); the others of conductor_http_requests_total went the general way",
             registry=registry,
         )
+        self.decoded_batches = Counter(
+            "conductor_decoded_batches_total",
+            "Event batches the C ingest lane left, from their first event or a later one, to "
+            "Python's decoders (a pool's stream; LoRA, CPU or disk blocks; AllBlocksCleared; "
+            "bytes hashes; a slot's first batch): see docs/operations.md",
+            registry=registry,
+        )
         self.services = Gauge(
             "conductor_registered_services", "Registered event streams", registry=registry
         )

@@ -373,7 +373,32 @@ async def test_the_manager_decodes_the_rest_when_the_lane_stops_half_way(
         for name in ("events_applied", "blocks_stored", "blocks_removed")
     }
     assert counted == {"events_applied": 40, "blocks_stored": 32, "blocks_removed": 8}
+    assert metrics.sample("conductor_decoded_batches_total") == 1  # this one, half-way
     check_invariants(table)
+    await manager.close()
+
+
+async def test_the_manager_counts_the_batches_the_lane_leaves_to_python() -> None:
+    """A slot's first batch makes the slot (decoded); then a plain batch takes the lane and
+    a LoRA one does not: conductor_decoded_batches_total tells an operator how much of a
+    fleet's ingest runs the slower way."""
+    table = PrefixCacheTable()
+    metrics = ConductorMetrics(table)
+    manager = ServiceManager(
+        table, metrics, StoreWatch(table, metrics, str, 2.0), StreamLimits(), ingest_thread=False
+    )
+    fields = {"type": "vLLM", "modelname": "m", "instance_id": "i0", "block_size": BS}
+    engine = Registration.model_validate({**fields, "endpoint": "tcp://127.0.0.1:1"})
+    table.add_stream(engine.source())
+    plain = [["BlockStored", [100 + i], None, [i, i], None, None] for i in range(4)]
+    lora = [["BlockStored", [200], None, [5, 5], None, None, "GPU", "adapter-a"]]
+    counts = []
+    for sequence, events in enumerate((plain, plain, lora)):
+        payload = msgpack.packb([0.0, events, 0])
+        for _ in manager._ingest(engine, Message(b"", sequence, payload), replayed=False):
+            pass
+        counts.append(metrics.sample("conductor_decoded_batches_total"))
+    assert counts == [1, 1, 2]
     await manager.close()
 
 
