@@ -147,7 +147,31 @@ static inline int mp_map(MpReader *r, size_t *count) {
     return mp_container(r, 0x80, 0xde, 2, count);
 }
 
-/* Any one value, containers up to ``depth`` levels deep. */
+/* Whether ``length`` bytes at ``text`` are UTF-8 as Python decodes it strictly (no
+ * overlong forms, no surrogates, nothing past U+10FFFF): a str msgpack's Python decoders
+ * would refuse must not pass where C skips it. */
+static inline int mp_utf8(const uint8_t *text, size_t length) {
+    for (size_t i = 0; i < length;) {
+        uint8_t lead = text[i];
+        if (lead < 0x80) {
+            i++;
+            continue;
+        }
+        size_t width = (lead & 0xe0) == 0xc0 ? 2 : (lead & 0xf0) == 0xe0 ? 3 : (lead & 0xf8) == 0xf0 ? 4 : 0;
+        if (width == 0 || length - i < width) return 0;
+        uint32_t point = lead & (0x7f >> width);
+        for (size_t k = 1; k < width; k++) {
+            if ((text[i + k] & 0xc0) != 0x80) return 0;
+            point = point << 6 | (text[i + k] & 0x3f);
+        }
+        uint32_t least = width == 2 ? 0x80 : width == 3 ? 0x800 : 0x10000;
+        if (point < least || point > 0x10ffff || (point >= 0xd800 && point <= 0xdfff)) return 0;
+        i += width;
+    }
+    return 1;
+}
+
+/* Any one value, containers up to ``depth`` levels deep; a str must be UTF-8. */
 static inline int mp_skip(MpReader *r, int depth) {
     if (r->p >= r->end || depth <= 0) return 0;
     uint8_t tag = *r->p;
@@ -156,7 +180,7 @@ static inline int mp_skip(MpReader *r, int depth) {
     const uint8_t *text;
     size_t count;
     if (mp_int(r, &bits, &negative)) return 1;
-    if (mp_str(r, &text, &count)) return 1;
+    if (mp_str(r, &text, &count)) return mp_utf8(text, count);
     if (mp_array(r, &count)) {
         while (count--)
             if (!mp_skip(r, depth - 1)) return 0;

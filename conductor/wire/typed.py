@@ -143,7 +143,7 @@ def decode_typed_batch(payload: bytes) -> EventBatch | None:
             events = [_event(event) for event in batch.events]
         except msgspec.ValidationError:
             continue  # the other layout, or none of them
-        except (msgspec.DecodeError, DecodeError):
+        except (msgspec.DecodeError, DecodeError, UnicodeDecodeError):  # a str not UTF-8
             return None
         timestamp = batch.timestamp
         if isinstance(timestamp, int):  # milliseconds, as the generic path reads them

@@ -30,7 +30,7 @@ from conductor.manager import ServiceManager
 from conductor.metrics import ConductorMetrics
 from conductor.stream_limits import StreamLimits
 from conductor.wire import Message, decode_batch, pack_batch
-from conductor.wire.events import Tier
+from conductor.wire.events import DecodeError, Tier
 from tests.conductor.test_index import check_invariants
 
 FIXTURES = Path(__file__).resolve().parents[1] / "fixtures" / "wire_fixtures.json"
@@ -253,6 +253,25 @@ def test_arbitrary_bytes_never_crash_the_lane(payload: bytes) -> None:
     packed = _native.pack_batch(payload, BS)
     if packed is not None:
         assert len(packed) == len(decode_batch(payload).events)
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.binary(max_size=12))
+def test_a_skipped_str_passes_the_lane_only_as_strict_utf8(text: bytes) -> None:
+    """Python's decoders refuse a batch holding a str that is not strict UTF-8 (undecodable,
+    counted as such: a DecodeError, not a crash); the lane, which skips later blocks' extra
+    keys unread, must decline it too."""
+    event = ["BlockStored", [1], None, [1, 2], None, None, "GPU", None, [None, [text]]]
+    payload = msgpack.packb([0.0, [event]], use_bin_type=False)  # bytes as a msgpack str
+    try:
+        text.decode("utf-8")
+    except UnicodeDecodeError:
+        assert _native.pack_batch(payload, BS) is None
+        with pytest.raises(DecodeError, match="not msgpack"):
+            decode_batch(payload)
+    else:
+        assert _native.pack_batch(payload, BS) is not None
+        assert len(decode_batch(payload).events) == 1
 
 
 def test_a_deeply_nested_value_is_declined_not_recursed_into() -> None:
