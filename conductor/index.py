@@ -489,15 +489,20 @@ class PrefixContext:
         """The engine slots as queries see them; rebuilt after a slot came or went."""
         if self._engines is None:
             masks: dict[str, int] = {}
-            ranks: dict[str, list[int]] = {}
+            engine_slots: dict[str, list[tuple[int, int]]] = {}  # (DP rank, slot index)
             for slot in self.slots.values():
                 if not slot.shared_pool:
                     masks[slot.instance_id] = masks.get(slot.instance_id, 0) | slot.bit
-                    ranks.setdefault(slot.instance_id, []).append(slot.dp_rank)
+                    engine_slots.setdefault(slot.instance_id, []).append((slot.dp_rank, slot.index))
+            for its_slots in engine_slots.values():
+                its_slots.sort()
+            ranks = {
+                name: [rank for rank, _ in its_slots] for name, its_slots in engine_slots.items()
+            }
             zeros: dict[tuple[int, ...], InstanceMatch] = {}
             zero = {}
             for instance_id, its_ranks in sorted(ranks.items()):
-                key = tuple(sorted(its_ranks))
+                key = tuple(its_ranks)
                 if key not in zeros:
                     zeros[key] = InstanceMatch(ranks=dict.fromkeys(key, (0, 0, 0, 0)))
                 zero[instance_id] = zeros[key]
@@ -517,20 +522,18 @@ class PrefixContext:
                 for index, (instance_id, _) in single.items():
                     names[index] = instance_id
             rank = single_ranks.pop() if uniform else None
-            self._engines = _Engines(mask, masks, zero, single, rank, names, self._plain())
+            plain = self._plain(engine_slots)
+            self._engines = _Engines(mask, masks, zero, single, rank, names, plain)
         return self._engines
 
     def plain_fleet(self) -> PlainFleet:
         return self._engine_set().plain
 
-    def _plain(self) -> PlainFleet:
-        slots: dict[str, list[tuple[int, int]]] = {}
-        for slot in self.slots.values():
-            if not slot.shared_pool:
-                slots.setdefault(slot.instance_id, []).append((slot.dp_rank, slot.index))
-        names = tuple(sorted(slots))
-        ranks = tuple(tuple(rank for rank, _ in sorted(slots[name])) for name in names)
-        bits = tuple(tuple(index for _, index in sorted(slots[name])) for name in names)
+    def _plain(self, engine_slots: dict[str, list[tuple[int, int]]]) -> PlainFleet:
+        """The plain query's view: each instance's (DP rank, slot index) pairs, sorted."""
+        names = tuple(sorted(engine_slots))
+        ranks = tuple(tuple(rank for rank, _ in engine_slots[name]) for name in names)
+        bits = tuple(tuple(index for _, index in engine_slots[name]) for name in names)
         return PlainFleet(
             self._state, self.pool_members, self.profile, self.key, names, ranks, bits,
             frozenset(names),
