@@ -17,33 +17,16 @@
 
 #include "blocks.h"
 #include "hashing.h"
+#include "answer.h"
 #include "profile.h"
-#include "walk.h"
 
 /* The numbers of an instance's answer, as a template's kinds name them: the instance's
  * tokens on each tier (GPU, own CPU, any CPU, any tier: the most any of its slots holds;
  * raised to what a router routed there, when a query gives such a minimum), then each of
  * its DP ranks' own, in rank order (never raised, as conductor.routed.raise_hits leaves
  * the ranks alone). */
-#define TIER_COUNT 4
 #define MOST_NUMBERS 256  /* a kind is a byte: 4 + 4 * 63 ranks at most */
 
-typedef struct {
-    PyObject_HEAD
-    ContextBlocks *context;
-    PyObject *pool_members;  /* the context's dict: a pool's bit -> the slots it serves */
-    Py_ssize_t count;  /* instances, in the answer's order */
-    /* a tuple per instance: its key as written before its value (bytes), its slots' bits
-     * in rank order, its value's template cut where a number goes (a tuple of bytes), and
-     * which number goes in each cut (bytes) */
-    PyObject *instances;
-    size_t *bits;  /* every instance's slot bits, one instance after another */
-    Py_ssize_t *first;  /* instance i's bits are bits[first[i]] to bits[first[i + 1] - 1] */
-    size_t *template_size;  /* each instance's value at most: its parts and 20 digits a cut */
-    PyObject *opener, *closer;  /* bytes: what the answer starts and ends with */
-    int msgpack;  /* numbers and the map's length in msgpack; else JSON, entries by commas */
-    size_t words;  /* of the widest slot bit */
-} QueryPlan;
 
 static void plan_dealloc(QueryPlan *self) {
     Py_XDECREF(self->context);
@@ -215,7 +198,7 @@ static char *put_bytes(char *out, PyObject *bytes) {
  * the blocks of ``tokens`` hashed one by one from ``root`` (or the keys of ``profiled``, a
  * ProfileChain, when not NULL) while some slot still holds them. The context's mutex is
  * held. */
-static void walk_blocks(QueryPlan *self, TierWalk *walk, const uint8_t *tokens,
+static void walk_blocks(const QueryPlan *self, TierWalk *walk, const uint8_t *tokens,
                         Py_ssize_t blocks, uint64_t root, PyObject *profiled, uint8_t *buffer) {
     size_t step = 4 * (size_t)self->context->block_size;
     uint64_t chain = root;
@@ -247,23 +230,28 @@ static void numbers_of(const QueryPlan *self, const TierWalk *walk, const uint64
     }
 }
 
-/* The answer's bytes: each instance (with a hit on some tier, given ``hits_only``) and its
- * numbers. */
-static PyObject *write_answer(QueryPlan *self, const TierWalk *walk, const uint64_t *raised,
-                              int hits_only) {
-    Py_ssize_t written = 0;
+size_t plan_answer_size(const QueryPlan *self, const TierWalk *walk, const uint64_t *raised,
+                        int hits_only) {
     size_t size = 0;
     uint64_t numbers[MOST_NUMBERS];
     for (Py_ssize_t i = 0; i < self->count; i++) {
         numbers_of(self, walk, raised, i, numbers);
         if (hits_only && numbers[TIER_COUNT - 1] == 0) continue;  /* nothing on any tier */
         size += (size_t)PyBytes_GET_SIZE(name_of(self, i)) + self->template_size[i];
-        written++;
     }
-    size += (size_t)PyBytes_GET_SIZE(self->opener) + (size_t)PyBytes_GET_SIZE(self->closer) + 5;
-    PyObject *answer = PyBytes_FromStringAndSize(NULL, (Py_ssize_t)size);
-    if (answer == NULL) return NULL;
-    char *out = put_bytes(PyBytes_AS_STRING(answer), self->opener);
+    return size + (size_t)PyBytes_GET_SIZE(self->opener) + (size_t)PyBytes_GET_SIZE(self->closer)
+           + 5;
+}
+
+char *plan_answer_write(const QueryPlan *self, const TierWalk *walk, const uint64_t *raised,
+                        int hits_only, char *out) {
+    Py_ssize_t written = 0;
+    uint64_t numbers[MOST_NUMBERS];
+    for (Py_ssize_t i = 0; i < self->count; i++) {
+        numbers_of(self, walk, raised, i, numbers);
+        written += !hits_only || numbers[TIER_COUNT - 1] != 0;
+    }
+    out = put_bytes(out, self->opener);
     if (self->msgpack) out = put_map_length(out, (size_t)written);
     int first = 1;
     uint64_t block_size = (uint64_t)self->context->block_size;
@@ -280,9 +268,30 @@ static PyObject *write_answer(QueryPlan *self, const TierWalk *walk, const uint6
             out = put_bytes(out, PyTuple_GET_ITEM(parts, p));
         }
     }
-    out = put_bytes(out, self->closer);
-    if (_PyBytes_Resize(&answer, out - PyBytes_AS_STRING(answer)) < 0) return NULL;
-    return answer;
+    return put_bytes(out, self->closer);
+}
+
+Py_ssize_t plan_blocks(const QueryPlan *self, Py_ssize_t token_bytes, PyObject *profiled) {
+    Py_ssize_t step = 4 * self->context->block_size;
+    return profiled ? profile_chain_length(profiled) : step > 0 ? token_bytes / step : 0;
+}
+
+int plan_walk(const QueryPlan *self, TierWalk *walk, const uint8_t *tokens, Py_ssize_t blocks,
+              uint64_t root, PyObject *profiled) {
+    ContextBlocks *context = self->context;
+    Py_ssize_t step = 4 * context->block_size;
+    uint8_t stack[8 + 4 * 64];
+    uint8_t *buffer = step <= 4 * 64 ? stack : PyMem_RawMalloc(8 + (size_t)step);
+    if (buffer == NULL) return -1;
+    for (Py_ssize_t j = 0; j < self->first[self->count]; j++) {
+        for (int tier = 0; tier < TIER_COUNT; tier++)
+            walk->alive[tier * walk->words + self->bits[j] / 64] |= 1ULL << self->bits[j] % 64;
+    }
+    sync_lock(context->sync);
+    walk_blocks(self, walk, tokens, blocks, root, profiled, buffer);
+    sync_unlock(context->sync);
+    if (buffer != stack) PyMem_RawFree(buffer);
+    return 0;
 }
 
 /* ``minimum`` (a sequence of an int >= 0 for each instance, or None) as blocks in
@@ -339,38 +348,31 @@ static PyObject *plan_answer(QueryPlan *self, PyObject *const *args, Py_ssize_t 
     if (hits_only < 0) return NULL;
     uint64_t *raised;
     if (read_minimum(self, args[3], &raised) < 0) return NULL;
-    ContextBlocks *context = self->context;
-    Py_ssize_t step = 4 * context->block_size;
-    Py_ssize_t blocks = profiled ? profile_chain_length(profiled)
-                                 : step > 0 ? PyBytes_GET_SIZE(args[0]) / step : 0;
-    uint8_t stack[8 + 4 * 64];
-    uint8_t *buffer = step <= 4 * 64 ? stack : PyMem_Malloc(8 + (size_t)step);
     PyObject *result = NULL;
     TierWalk walk;
-    if (buffer == NULL) {
+    Py_ssize_t blocks = plan_blocks(self, PyBytes_GET_SIZE(args[0]), profiled);
+    if (tier_walk_start(&walk, (Py_ssize_t)self->words, self->pool_members, blocks) < 0) goto done;
+    if (plan_walk(self, &walk, (const uint8_t *)PyBytes_AS_STRING(args[0]), blocks, root,
+                  profiled) < 0) {
         PyErr_NoMemory();
+        tier_walk_end(&walk);
         goto done;
     }
-    if (tier_walk_start(&walk, (Py_ssize_t)self->words, self->pool_members, blocks) < 0) goto done;
-    for (Py_ssize_t j = 0; j < self->first[self->count]; j++) {
-        for (int tier = 0; tier < TIER_COUNT; tier++)
-            walk.alive[tier * walk.words + self->bits[j] / 64] |= 1ULL << self->bits[j] % 64;
-    }
-    sync_lock(context->sync);
-    walk_blocks(self, &walk, (const uint8_t *)PyBytes_AS_STRING(args[0]), blocks, root, profiled,
-                buffer);
-    sync_unlock(context->sync);
     Py_ssize_t raised_count = 0;
     uint64_t numbers[MOST_NUMBERS];
     for (Py_ssize_t i = 0; raised != NULL && i < self->count; i++) {
         numbers_of(self, &walk, NULL, i, numbers);
         raised_count += raised[i] > numbers[0];
     }
-    PyObject *answer = write_answer(self, &walk, raised, hits_only);
-    if (answer != NULL) result = Py_BuildValue("(Nn)", answer, raised_count);
+    PyObject *answer = PyBytes_FromStringAndSize(
+        NULL, (Py_ssize_t)plan_answer_size(self, &walk, raised, hits_only));
+    if (answer != NULL) {
+        char *end = plan_answer_write(self, &walk, raised, hits_only, PyBytes_AS_STRING(answer));
+        if (_PyBytes_Resize(&answer, end - PyBytes_AS_STRING(answer)) == 0)
+            result = Py_BuildValue("(Nn)", answer, raised_count);
+    }
     tier_walk_end(&walk);
 done:
-    if (buffer != stack) PyMem_Free(buffer);
     PyMem_Free(raised);
     return result;
 }

@@ -46,11 +46,8 @@ const char *json_int32_array(const char *p, const char *end, uint8_t **out, size
         if (value < INT32_MIN || value > INT32_MAX) return NULL;
         if (*used + 4 > *capacity) {
             size_t grown = *capacity ? 2 * *capacity : 4096;
-            uint8_t *buffer = PyMem_Realloc(*out, grown);
-            if (buffer == NULL) {
-                PyErr_NoMemory();
-                return NULL;
-            }
+            uint8_t *buffer = PyMem_RawRealloc(*out, grown);  /* no GIL needed */
+            if (buffer == NULL) return NULL;  /* declined: the Python reader then fails */
             *out = buffer, *capacity = grown;
         }
         put_le32(*out + *used, (uint32_t)value);
@@ -129,7 +126,7 @@ static PyObject *json_int32_field(PyObject *module, PyObject *const *args, Py_ss
     Py_DECREF(rest);
     Py_XDECREF(tokens);
 done:
-    PyMem_Free(packed);
+    PyMem_RawFree(packed);
     if (result == NULL && !PyErr_Occurred()) result = Py_NewRef(Py_None);
     return result;
 }

@@ -28,25 +28,27 @@ enum { CHAIN_CBOR, CHAIN_PICKLE, CHAIN_SGLANG, CHAIN_SGLANG_BIGRAM, CHAIN_KINDS 
 typedef struct {
     PyObject_HEAD
     int kind;
-    PyObject *tokens;  /* bytes: int32 little-endian */
+    PyObject *tokens;  /* bytes: int32 little-endian (NULL in a chain made like another) */
+    const uint8_t *data;  /* the tokens' bytes */
     Py_ssize_t block_size, count, position;
     uint8_t parent[DIGEST];
     int has_parent;  /* an SGLang chain without a salt starts from no parent */
     PyObject *first_suffix, *suffix;  /* bytes after block 0's tokens, after a later block's */
     uint8_t *buffer;  /* one block's serialization */
+    size_t buffer_size;
 } ProfileChain;
 
 static void chain_dealloc(ProfileChain *self) {
     Py_XDECREF(self->tokens);
     Py_XDECREF(self->first_suffix);
     Py_XDECREF(self->suffix);
-    PyMem_Free(self->buffer);
+    PyMem_RawFree(self->buffer);
     Py_TYPE(self)->tp_free((PyObject *)self);
 }
 
 static int32_t token_at(const ProfileChain *self, Py_ssize_t index) {
     uint32_t value;
-    memcpy(&value, PyBytes_AS_STRING(self->tokens) + 4 * index, 4);
+    memcpy(&value, self->data + 4 * index, 4);
 #if defined(__BYTE_ORDER__) && __BYTE_ORDER__ == __ORDER_BIG_ENDIAN__
     value = __builtin_bswap32(value);
 #endif
@@ -143,7 +145,7 @@ static size_t sglang_page(const ProfileChain *self, Py_ssize_t first) {
         memcpy(out, self->parent, DIGEST);
         out += DIGEST;
     }
-    const uint8_t *tokens = (const uint8_t *)PyBytes_AS_STRING(self->tokens);
+    const uint8_t *tokens = self->data;
     if (self->kind == CHAIN_SGLANG) {
         memcpy(out, tokens + 4 * first, 4 * (size_t)self->block_size);
         return (size_t)(out - self->buffer) + 4 * (size_t)self->block_size;
@@ -173,6 +175,28 @@ int profile_chain_next(PyObject *chain, uint64_t *key) {
 Py_ssize_t profile_chain_length(PyObject *chain) {
     const ProfileChain *self = (const ProfileChain *)chain;
     return self->count - self->position;
+}
+
+/* How many keys ``tokens_count`` tokens make. */
+static Py_ssize_t keys_of(int kind, Py_ssize_t tokens_count, Py_ssize_t block_size) {
+    if (kind == CHAIN_SGLANG_BIGRAM) return tokens_count > 0 ? (tokens_count - 1) / block_size : 0;
+    return tokens_count / block_size;
+}
+
+PyObject *profile_chain_like(PyObject *model, const uint8_t *tokens, size_t token_bytes) {
+    const ProfileChain *like = (const ProfileChain *)model;
+    ProfileChain *chain = PyMem_RawMalloc(sizeof *chain + like->buffer_size);
+    if (chain == NULL) return NULL;
+    *chain = *like;  /* its suffixes stay the model's: it outlives the chain */
+    chain->tokens = NULL;
+    chain->data = tokens;
+    chain->count = keys_of(like->kind, (Py_ssize_t)(token_bytes / 4), like->block_size);
+    chain->buffer = (uint8_t *)(chain + 1);
+    return (PyObject *)chain;
+}
+
+void profile_chain_like_free(PyObject *chain) {
+    PyMem_RawFree(chain);
 }
 
 static PyObject *chain_next(ProfileChain *self) {
@@ -206,7 +230,8 @@ static int chain_init(ProfileChain *self, PyObject *args, PyObject *kwargs) {
                         "unsalted), a pickled block within one frame");
         return -1;
     }
-    self->buffer = PyMem_Malloc(size);
+    self->buffer = PyMem_RawMalloc(size);
+    self->buffer_size = size;
     if (self->buffer == NULL) {
         PyErr_NoMemory();
         return -1;
@@ -214,11 +239,11 @@ static int chain_init(ProfileChain *self, PyObject *args, PyObject *kwargs) {
     Py_ssize_t tokens_count = PyBytes_GET_SIZE(tokens) / 4;
     self->kind = kind;
     self->block_size = block_size;
-    self->count = kind == CHAIN_SGLANG_BIGRAM ? (tokens_count > 0 ? (tokens_count - 1) / block_size : 0)
-                                              : tokens_count / block_size;
+    self->count = keys_of(kind, tokens_count, block_size);
     memcpy(self->parent, PyBytes_AS_STRING(root), (size_t)root_size);
     self->has_parent = root_size == DIGEST;
     self->tokens = Py_NewRef(tokens);
+    self->data = (const uint8_t *)PyBytes_AS_STRING(tokens);
     self->first_suffix = Py_NewRef(first_suffix);
     self->suffix = Py_NewRef(suffix);
     return 0;

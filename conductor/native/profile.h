@@ -15,4 +15,10 @@ int profile_chain_next(PyObject *chain, uint64_t *key);
 /* How many keys the chain has left. */
 Py_ssize_t profile_chain_length(PyObject *chain);
 
+/* A chain as ``model`` (a ProfileChain, from its start) over other tokens (int32 LE, which
+ * must outlive it), made without the GIL for the query thread: NULL when memory ran out.
+ * ``model`` must outlive it too; profile_chain_like_free lets it go. */
+PyObject *profile_chain_like(PyObject *model, const uint8_t *tokens, size_t token_bytes);
+void profile_chain_like_free(PyObject *chain);
+
 #endif

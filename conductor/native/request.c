@@ -15,22 +15,9 @@
 
 #include "json.h"
 #include "msgpack.h"
+#include "request.h"
 
 /* -- the head ---------------------------------------------------------------------------- */
-
-#define READ_AT_MOST 16  /* header names a HeadReader reads, and declines */
-
-typedef struct {
-    const char *text;
-    size_t length;
-} Span;
-
-typedef struct {
-    PyObject_HEAD
-    PyObject *target;  /* bytes: the request target read, e.g. b"/query" */
-    Py_ssize_t reads, declines;
-    Span read[READ_AT_MOST], declined[READ_AT_MOST];  /* lower case, owned */
-} HeadReader;
 
 static void reader_dealloc(HeadReader *self) {
     Py_XDECREF(self->target);
@@ -126,11 +113,7 @@ PyDoc_STRVAR(reader_read_doc,
 "a value this reads (Content-Type, Connection, the read names) that is not ASCII: the\n"
 "Python reader (lane_http.parse_head) then reads it.");
 
-static PyObject *reader_read(HeadReader *self, PyObject *head) {
-    if (!PyBytes_Check(head)) {
-        return PyErr_Format(PyExc_TypeError, "head must be bytes, not %.60R", head);
-    }
-    const char *p = PyBytes_AS_STRING(head), *end = p + PyBytes_GET_SIZE(head);
+int head_read(const HeadReader *self, const char *p, const char *end, HeadRead *out) {
     const char *line_end = memchr(p, '\r', (size_t)(end - p));
     if (line_end == NULL) line_end = end;
     size_t target = (size_t)PyBytes_GET_SIZE(self->target);
@@ -138,32 +121,32 @@ static PyObject *reader_read(HeadReader *self, PyObject *head) {
     if (line_end - p != 5 + (Py_ssize_t)target + 1 + 8 || memcmp(p, "POST ", 5) != 0
         || memcmp(p + 5, PyBytes_AS_STRING(self->target), target) != 0 || version[-1] != ' '
         || memcmp(version, "HTTP/1.", 7) != 0 || (version[7] != '1' && version[7] != '0')) {
-        Py_RETURN_NONE;
+        return 0;
     }
     int http11 = version[7] == '1';
-    Span values[READ_AT_MOST] = {{0}};
+    memset(out, 0, sizeof *out);
     Span content_type = {0}, connection = {0};
     long long length = -1;
     for (p = line_end; p < end;) {
-        if (end - p < 2 || p[0] != '\r' || p[1] != '\n') Py_RETURN_NONE;
+        if (end - p < 2 || p[0] != '\r' || p[1] != '\n') return 0;
         p += 2;
         const char *name = p;
         while (p < end && is_token_char((unsigned char)*p)) p++;
-        if (p == name || p >= end || *p != ':') Py_RETURN_NONE;
+        if (p == name || p >= end || *p != ':') return 0;
         size_t name_length = (size_t)(p - name);
         const char *value = ++p;
         while (p < end && *p != '\r') {
             unsigned char c = (unsigned char)*p++;
-            if ((c < 0x20 && c != '\t') || c == 0x7f) Py_RETURN_NONE;
+            if ((c < 0x20 && c != '\t') || c == 0x7f) return 0;
         }
         Span text = trimmed(value, (size_t)(p - value));
         for (Py_ssize_t i = 0; i < self->declines; i++)
-            if (same_name(name, name_length, self->declined[i])) Py_RETURN_NONE;
+            if (same_name(name, name_length, self->declined[i])) return 0;
         if (same_name(name, name_length, (Span){"content-length", 14})) {
-            if (length >= 0 || text.length == 0 || text.length > 15) Py_RETURN_NONE;
+            if (length >= 0 || text.length == 0 || text.length > 15) return 0;
             length = 0;
             for (size_t k = 0; k < text.length; k++) {
-                if (text.text[k] < '0' || text.text[k] > '9') Py_RETURN_NONE;
+                if (text.text[k] < '0' || text.text[k] > '9') return 0;
                 length = 10 * length + (text.text[k] - '0');
             }
             continue;
@@ -172,40 +155,55 @@ static PyObject *reader_read(HeadReader *self, PyObject *head) {
         if (same_name(name, name_length, (Span){"content-type", 12})) kept = &content_type;
         else if (same_name(name, name_length, (Span){"connection", 10})) kept = &connection;
         for (Py_ssize_t i = 0; kept == NULL && i < self->reads; i++)
-            if (same_name(name, name_length, self->read[i])) kept = &values[i];
+            if (same_name(name, name_length, self->read[i])) kept = &out->values[i];
         if (kept == NULL || kept->text != NULL) continue;  /* the first value counts */
-        if (!is_ascii(text.text, text.length)) Py_RETURN_NONE;
+        if (!is_ascii(text.text, text.length)) return 0;
         *kept = text;
     }
-    if (length < 0) Py_RETURN_NONE;
-    int keep_alive = http11 ? connection.text == NULL || !equals_lower(connection, "close")
-                            : connection.text != NULL && equals_lower(connection, "keep-alive");
-    PyObject *result = PyTuple_New(3 + self->reads);
-    if (result == NULL) return NULL;
-    PyTuple_SET_ITEM(result, 0, PyLong_FromLongLong(length));
-    PyTuple_SET_ITEM(result, 1, PyBool_FromLong(keep_alive));
-    PyObject *media = Py_NewRef(Py_None);
+    if (length < 0) return 0;
+    out->length = length;
+    out->keep_alive = http11 ? connection.text == NULL || !equals_lower(connection, "close")
+                             : connection.text != NULL && equals_lower(connection, "keep-alive");
+    out->media = content_type;
     if (content_type.text != NULL) {
         const char *semicolon = memchr(content_type.text, ';', content_type.length);
         Span type = content_type;
         if (semicolon != NULL) type.length = (size_t)(semicolon - type.text);
         while (type.length && Py_ISSPACE(type.text[type.length - 1])) type.length--;
         while (type.length && Py_ISSPACE(*type.text)) type.text++, type.length--;
+        out->media = type;
+    }
+    return 1;
+}
+
+static PyObject *reader_read(HeadReader *self, PyObject *head) {
+    if (!PyBytes_Check(head)) {
+        return PyErr_Format(PyExc_TypeError, "head must be bytes, not %.60R", head);
+    }
+    HeadRead read;
+    const char *p = PyBytes_AS_STRING(head);
+    if (!head_read(self, p, p + PyBytes_GET_SIZE(head), &read)) Py_RETURN_NONE;
+    PyObject *result = PyTuple_New(3 + self->reads);
+    if (result == NULL) return NULL;
+    PyTuple_SET_ITEM(result, 0, PyLong_FromLongLong(read.length));
+    PyTuple_SET_ITEM(result, 1, PyBool_FromLong(read.keep_alive));
+    PyObject *media = Py_NewRef(Py_None);
+    if (read.media.text != NULL) {
         Py_DECREF(media);
-        media = PyUnicode_New((Py_ssize_t)type.length, 127);
+        media = PyUnicode_New((Py_ssize_t)read.media.length, 127);
         if (media != NULL) {
             Py_UCS1 *out = PyUnicode_1BYTE_DATA(media);
-            for (size_t k = 0; k < type.length; k++)
-                out[k] = (Py_UCS1)Py_TOLOWER((unsigned char)type.text[k]);
+            for (size_t k = 0; k < read.media.length; k++)
+                out[k] = (Py_UCS1)Py_TOLOWER((unsigned char)read.media.text[k]);
         }
     }
     PyTuple_SET_ITEM(result, 2, media);
     for (Py_ssize_t i = 0; i < self->reads; i++) {
-        PyObject *value = values[i].text == NULL
-                              ? Py_NewRef(Py_None)
-                              : PyUnicode_DecodeASCII(values[i].text, (Py_ssize_t)values[i].length,
-                                                      NULL);
-        PyTuple_SET_ITEM(result, 3 + i, value);
+        Span value = read.values[i];
+        PyObject *item = value.text == NULL
+                             ? Py_NewRef(Py_None)
+                             : PyUnicode_DecodeASCII(value.text, (Py_ssize_t)value.length, NULL);
+        PyTuple_SET_ITEM(result, 3 + i, item);
     }
     for (Py_ssize_t i = 0; i < PyTuple_GET_SIZE(result); i++) {
         if (PyTuple_GET_ITEM(result, i) == NULL) {
@@ -237,16 +235,6 @@ PyTypeObject HeadReaderType = {
 };
 
 /* -- the body ---------------------------------------------------------------------------- */
-
-/* The fields of a plain /query body (config.QueryRequest's), as spans of the body. */
-typedef struct {
-    Span model, tenant, lora, salt;  /* text NULL: absent (salt: or null) */
-    uint64_t block_size;  /* 0: absent */
-    const uint8_t *tokens;  /* int32 little-endian */
-    size_t token_bytes;
-    uint8_t *owned;  /* the tokens, when read from JSON (else they are in the body) */
-    int seen;  /* a bit per field: none twice */
-} Fields;
 
 enum { MODEL, BLOCK_SIZE, TENANT, LORA, SALT, TOKENS, INSTANCE };
 static const char *const FIELD_NAMES[] = {"model", "block_size", "tenant_id", "lora_name",
@@ -382,6 +370,20 @@ PyDoc_STRVAR(plain_query_fields_doc,
 "int32 or a msgpack bin of a multiple of 4 bytes; None for anything else, which\n"
 "pydantic then reads.");
 
+int fields_read(const char *body, size_t size, int msgpack, Fields *fields) {
+    memset(fields, 0, sizeof *fields);
+    const char *end = body + size;
+    int read = msgpack ? read_msgpack((const uint8_t *)body, (const uint8_t *)end, fields)
+                       : read_json(body, end, fields);
+    int required = 1 << MODEL | 1 << BLOCK_SIZE | 1 << TOKENS;
+    return read && (fields->seen & required) == required && fields->token_bytes % 4 == 0;
+}
+
+void fields_free(Fields *fields) {
+    PyMem_RawFree(fields->owned);
+    fields->owned = NULL;
+}
+
 static PyObject *plain_query_fields(PyObject *module, PyObject *const *args, Py_ssize_t nargs) {
     if (nargs != 2 || !PyBytes_Check(args[0])) {
         PyErr_SetString(PyExc_TypeError, "plain_query_fields takes body (bytes), msgpack");
@@ -389,25 +391,19 @@ static PyObject *plain_query_fields(PyObject *module, PyObject *const *args, Py_
     }
     int msgpack = PyObject_IsTrue(args[1]);
     if (msgpack < 0) return NULL;
-    const char *body = PyBytes_AS_STRING(args[0]);
-    const char *end = body + PyBytes_GET_SIZE(args[0]);
-    Fields fields = {0};
-    int read = msgpack ? read_msgpack((const uint8_t *)body, (const uint8_t *)end, &fields)
-                       : read_json(body, end, &fields);
-    PyObject *result = NULL;
-    if (PyErr_Occurred()) goto done;
-    int required = 1 << MODEL | 1 << BLOCK_SIZE | 1 << TOKENS;
-    if (!read || (fields.seen & required) != required || fields.token_bytes % 4) {
+    Fields fields;
+    PyObject *result;
+    if (!fields_read(PyBytes_AS_STRING(args[0]), (size_t)PyBytes_GET_SIZE(args[0]), msgpack,
+                     &fields)) {
         result = Py_NewRef(Py_None);
-        goto done;
+    } else {
+        result = Py_BuildValue(
+            "(NNNKNy#)", text_or(fields.tenant, "default"), text_or(fields.model, NULL),
+            text_or(fields.lora, ""), (unsigned long long)fields.block_size,
+            text_or(fields.salt, NULL), fields.tokens ? (const char *)fields.tokens : "",
+            (Py_ssize_t)fields.token_bytes);
     }
-    result = Py_BuildValue(
-        "(NNNKNy#)", text_or(fields.tenant, "default"), text_or(fields.model, NULL),
-        text_or(fields.lora, ""), (unsigned long long)fields.block_size,
-        text_or(fields.salt, NULL), fields.tokens ? (const char *)fields.tokens : "",
-        (Py_ssize_t)fields.token_bytes);
-done:
-    PyMem_Free(fields.owned);
+    fields_free(&fields);
     return result;
 }
 

@@ -174,6 +174,24 @@ static int every_slot(PyObject *members) {
     return !overflow && small < 0;
 }
 
+int tier_walk_alloc(TierWalk *walk, Py_ssize_t words, Py_ssize_t pool_count, Py_ssize_t count) {
+    memset(walk, 0, sizeof *walk);
+    walk->words = words;
+    walk->pool_count = pool_count;
+    size_t masks = 4 + 5 + (size_t)pool_count;  /* alive, holders and raw, members */
+    walk->memory = PyMem_RawCalloc((size_t)words * masks, sizeof(uint64_t));
+    walk->pools = PyMem_RawCalloc(pool_count > 0 ? (size_t)pool_count : 1, sizeof(Pool));
+    walk->at = PyMem_RawMalloc((size_t)words * 64 * 4 * sizeof(Py_ssize_t));
+    if (walk->memory == NULL || walk->pools == NULL || walk->at == NULL) {
+        tier_walk_end(walk);
+        return -1;
+    }
+    walk->alive = walk->memory;
+    walk->holders = walk->memory + 4 * words;
+    for (Py_ssize_t i = 0; i < words * 64 * 4; i++) walk->at[i] = count;
+    return 0;
+}
+
 int tier_walk_start(TierWalk *walk, Py_ssize_t words, PyObject *pool_members,
                     Py_ssize_t count) {
     memset(walk, 0, sizeof *walk);
@@ -195,20 +213,10 @@ int tier_walk_start(TierWalk *walk, Py_ssize_t words, PyObject *pool_members,
         if (member_words > words) words = member_words;
     }
     if (words == 0) words = 1;
-    walk->words = words;
-    walk->pool_count = PyDict_GET_SIZE(pool_members);
-    size_t masks = 4 + 5 + (size_t)walk->pool_count;  /* alive, holders and raw, members */
-    walk->memory = PyMem_Calloc((size_t)words * masks, sizeof(uint64_t));
-    walk->pools = PyMem_Calloc(walk->pool_count > 0 ? (size_t)walk->pool_count : 1, sizeof(Pool));
-    walk->at = PyMem_Malloc((size_t)words * 64 * 4 * sizeof(Py_ssize_t));
-    if (walk->memory == NULL || walk->pools == NULL || walk->at == NULL) {
-        tier_walk_end(walk);
+    if (tier_walk_alloc(walk, words, PyDict_GET_SIZE(pool_members), count) < 0) {
         PyErr_NoMemory();
         return -1;
     }
-    walk->alive = walk->memory;
-    walk->holders = walk->memory + 4 * words;
-    for (Py_ssize_t i = 0; i < words * 64 * 4; i++) walk->at[i] = count;
     Scratch scratch = {NULL, 0};
     cursor = 0;
     for (Py_ssize_t p = 0; PyDict_Next(pool_members, &cursor, &key, &value); p++) {
@@ -234,10 +242,21 @@ fail:
     return -1;
 }
 
+int tier_walk_like(TierWalk *walk, const TierWalk *model, Py_ssize_t count) {
+    if (tier_walk_alloc(walk, model->words, model->pool_count, count) < 0) return -1;
+    for (Py_ssize_t p = 0; p < model->pool_count; p++) {
+        walk->pools[p] = model->pools[p];
+        walk->pools[p].members = walk->memory + (9 + p) * walk->words;
+        memcpy(walk->pools[p].members, model->pools[p].members,
+               (size_t)walk->words * sizeof(uint64_t));
+    }
+    return 0;
+}
+
 void tier_walk_end(TierWalk *walk) {
-    PyMem_Free(walk->memory);
-    PyMem_Free(walk->pools);
-    PyMem_Free(walk->at);
+    PyMem_RawFree(walk->memory);
+    PyMem_RawFree(walk->pools);
+    PyMem_RawFree(walk->at);
     memset(walk, 0, sizeof *walk);
 }
 

@@ -30,11 +30,19 @@ typedef struct {
  * caller sets ``alive`` (every tier's copy). 0, or -1 with an exception set. */
 int tier_walk_start(TierWalk *walk, Py_ssize_t words, PyObject *pool_members, Py_ssize_t count);
 
+/* The same for ``pool_count`` pools left for the caller to fill in (none: a walk of engine
+ * slots alone), without the GIL: 0, or -1 when memory ran out (no exception set). */
+int tier_walk_alloc(TierWalk *walk, Py_ssize_t words, Py_ssize_t pool_count, Py_ssize_t count);
+
 /* One block at ``position`` (``found``: whether ``hash`` is a key at all): the slots alive
  * on a tier that do not hold it there stop. Whether some slot is alive on the last tier.
  * The context's mutex is held; no Python object is touched. */
 int tier_walk_step(TierWalk *walk, const ContextBlocks *context, uint64_t hash, int found,
                    Py_ssize_t position);
+
+/* A walk as wide as ``model`` (one tier_walk_start made), with its pools, each slot's stops
+ * at ``count``; without the GIL. 0, or -1 when memory ran out. */
+int tier_walk_like(TierWalk *walk, const TierWalk *model, Py_ssize_t count);
 
 void tier_walk_end(TierWalk *walk);
 
