@@ -20,6 +20,7 @@ from typing import Any
 from aiohttp import web
 from pydantic import ValidationError
 
+from .api import API
 from .config import (
     DEFAULT_CONFIG_PATH,
     ConductorConfig,
@@ -30,8 +31,9 @@ from .config import (
     settings_model,
 )
 from .failures import cannot_listen
-from .http_guard import GuardedSite, listen
+from .http_guard import GuardedSite, connection_protocol, listen
 from .manager import CapacityExceeded, RegistrationConflict, RegistrationFailed
+from .query_thread import QueryThreadShell
 from .runtime import add_common_flags, configure_logging, port_number, run
 from .service import GUARD, MANAGER, create_app, state_path
 from .stream_limits import StreamLimits
@@ -146,7 +148,8 @@ async def serve(
     )
     host, port = settings.host, settings.http_server_port
     try:  # before anything starts: a port in use must not leave streams registered
-        server = await listen(runner, guard, host, port)
+        # the query thread's sockets share the port (conductor.query_thread)
+        server = await listen(runner, guard, host, port, reuse_port=settings.query_thread)
     except OSError as error:
         raise CannotListen(cannot_listen(host, port, error)) from None
     try:
@@ -159,9 +162,13 @@ async def serve(
     loop = asyncio.get_running_loop()
     for signum in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(signum, stop.set)
+    thread: QueryThreadShell | None = None
     try:
         site = GuardedSite(runner, guard, server, host=host, port=port)
         await site.start()
+        if settings.query_thread:
+            thread = QueryThreadShell(app[API], guard, server, connection_protocol(runner, guard))
+            thread.start()
         log.info(
             "listening host=%s port=%d services=%d state_file=%s",
             settings.host,
@@ -183,6 +190,8 @@ async def serve(
         await stop.wait()
         log.info("shutting down")
     finally:
+        if thread is not None:
+            thread.stop()
         guard.close_all()  # slow clients must not hold the shutdown
         await runner.cleanup()
 

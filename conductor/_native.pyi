@@ -1,6 +1,7 @@
 """Types of the C module conductor._native (what each function stands for: its source in
 conductor/native/)."""
 
+import socket
 from collections.abc import Iterator, Sequence
 from typing import Any, Generic, TypeVar, overload
 
@@ -146,6 +147,42 @@ class QueryPlan:
         minimum: Sequence[int] | None,
         /,
     ) -> tuple[bytes, int]: ...
+
+class QueryThread:
+    """Plain queries answered on a thread of its own (conductor/native/query_thread.c)."""
+
+    def __init__(
+        self,
+        reader: HeadReader,
+        listeners: tuple[socket.socket, ...],
+        heads: tuple[bytes, bytes],
+        msgpack_type: bytes,
+        token: bytes | None,
+        max_body: int,
+        max_tokens: int,
+        keepalive_s: float,
+        bounds: tuple[float, ...],
+        max_connections: int,
+    ) -> None: ...
+    @property
+    def handover_fd(self) -> int: ...
+    @property
+    def connections(self) -> int: ...
+    def start(self) -> None: ...
+    def stop(self) -> None: ...
+    def publish(
+        self,
+        key: tuple[str, str, str, int],
+        json: QueryPlan | None,
+        msgpack: QueryPlan | None,
+        chain: ProfileChain | None,
+        /,
+    ) -> None: ...
+    def hold(self, key: tuple[str, str, str, int], /) -> None: ...
+    def handovers(self) -> list[tuple[int, bytes]]: ...
+    def stats(self) -> tuple[int, float, tuple[int, ...], int, int, int]: ...
+    def set_routed(self, held: bool, /) -> None: ...
+    def set_loop_connections(self, count: int, /) -> None: ...
 
 class ProfileChain(Iterator[int]):
     """A profiled context's block keys, lazily (conductor/native/profile.c)."""

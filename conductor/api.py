@@ -25,7 +25,7 @@ from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, Counter, Histogram
 from pydantic import BaseModel, ValidationError
 
-from ._native import HeadReader, plain_query_fields
+from ._native import HeadReader, ProfileChain, QueryPlan, plain_query_fields
 from .body_shape import (
     BodyShape,
     Malformed,
@@ -506,7 +506,8 @@ _CPP_PLAIN = Dialect(
 
 
 # the heads the plain path reads: the values of PlainHead's headers, in its order
-_PLAIN_HEADS = HeadReader(
+API: web.AppKey[ConductorApi] = web.AppKey("api")  # the app's routes, as api_app made them
+PLAIN_HEADS = HeadReader(
     PLAIN_ROUTE.encode(),
     ("Accept", "Authorization", HITS_ONLY_HEADER, REPLICA_HEADER, LEASE_HEADER, PROGRESS_HEADER),
     (TIERS_HEADER, *DECLINED_HEADERS),
@@ -713,6 +714,29 @@ class ConductorApi:
         response_headers = chain(dialect.headers, extra) if extra else dialect.headers
         return answer_head(200, response_headers, len(answer), head.keep_alive) + answer
 
+    def thread_plans(
+        self, key: ContextKey
+    ) -> tuple[QueryPlan | None, QueryPlan | None, ProfileChain | None]:
+        """A context's plans for the query thread (conductor.query_thread), JSON's and
+        msgpack's, and in a profiled context how its blocks are keyed (a chain of no tokens,
+        unsalted); no plans where it leaves the context's queries to the loop (a context not
+        known, or a profile whose blocks C does not hash)."""
+        fleet = self.table.plain_fleet(key)
+        chain = chain_root(fleet, b"", "") if fleet is not None else None
+        if fleet is None or (fleet.profile is not None and chain is None):
+            return None, None, None
+        model = chain if isinstance(chain, ProfileChain) else None
+        return plain_plan(fleet, _GO_PLAIN), plain_plan(fleet, _CPP_PLAIN), model
+
+    @staticmethod
+    def thread_heads() -> tuple[bytes, bytes]:
+        """A plain answer's head up to its length, as ``answer_plain`` writes it: JSON's
+        and msgpack's."""
+        end = b"0\r\n\r\n"
+        heads = [answer_head(200, d.headers, 0, True) for d in (_GO_PLAIN, _CPP_PLAIN)]
+        assert all(head.endswith(b"Content-Length: " + end) for head in heads)
+        return heads[0][: -len(end)], heads[1][: -len(end)]
+
     def _query_headers(
         self, progress: str | None, replica: str | None, instances: Container[str]
     ) -> list[tuple[str, str]]:
@@ -747,8 +771,8 @@ class ConductorApi:
         return query.context_key(), query.model, query.token_ids, query.cache_salt or ""
 
     def read_plain_head(self, head: bytes) -> PlainHead | None:
-        """A request head the plain path may answer (``_PLAIN_HEADS``), or None."""
-        read = _PLAIN_HEADS.read(head)
+        """A request head the plain path may answer (``PLAIN_HEADS``), or None."""
+        read = PLAIN_HEADS.read(head)
         return None if read is None else PlainHead(*read)
 
     def _with_routed(
@@ -1096,6 +1120,7 @@ def api_app(manager: ServiceManager, options: ApiOptions) -> web.Application:
         client_max_size=options.limits.max_body_bytes, middlewares=[_error_middleware(api)]
     )
     app.add_routes(api.routes())
+    app[API] = api
     if options.query_lane:
         app[CONNECTION_PROTOCOL] = api.lane_protocol
     return app

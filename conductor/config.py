@@ -517,6 +517,12 @@ class Settings(StrictModel):
         "event loop (off: the loop applies them in steps between requests; on a 2-vCPU VM "
         'the steps keep the query tail lower, docs/architecture.md "Cores")',
     )
+    query_thread: bool = Field(
+        default=False,
+        description="also answer plain /query requests on a thread of their own, without the "
+        "GIL, on sockets sharing the port (SO_REUSEPORT); the others go to the loop "
+        '(docs/architecture.md "Cores")',
+    )
     max_connections: int = Field(
         default=512,
         ge=1,

@@ -16,7 +16,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Callable
-from typing import Any, cast
+from typing import Any, Protocol, cast
 
 from aiohttp import web
 from prometheus_client import CollectorRegistry, Counter
@@ -25,6 +25,7 @@ from .lazy_timer import LazyTimer
 from .runtime import LoopShare
 
 log = logging.getLogger(__name__)
+ConnectionProtocol = Callable[..., "GuardedProtocol"]  # (pending: bytes = b"")
 HEAD_END = b"\r\n\r\n"
 # an app's protocol for a new connection, in place of aiohttp's (conductor.query_lane)
 CONNECTION_PROTOCOL: web.AppKey[Callable[[web.AppRunner], asyncio.Protocol]] = web.AppKey(
@@ -52,6 +53,9 @@ class ConnectionGuard:
             registry=registry,
         )
         self.open: dict[asyncio.Transport, GuardedProtocol] = {}
+        # another server of the same port (conductor.query_thread): its connections count
+        # toward the limit, and it is told of ours
+        self.peer: ConnectionPeer | None = None
 
     def request_done(self, transport: asyncio.Transport | None) -> None:
         """A response was handled: the next bytes on the connection start a new head."""
@@ -67,12 +71,25 @@ class ConnectionGuard:
             transport.abort()
 
 
-class GuardedProtocol(asyncio.Protocol):
-    """Forwards every event to aiohttp's protocol, timing the request heads."""
+class ConnectionPeer(Protocol):
+    """What the guard shares its limit with."""
 
-    def __init__(self, inner: asyncio.Protocol, guard: ConnectionGuard) -> None:
+    @property
+    def connections(self) -> int: ...
+    def set_loop_connections(self, count: int, /) -> None: ...
+
+
+class GuardedProtocol(asyncio.Protocol):
+    """Forwards every event to aiohttp's protocol, timing the request heads. ``pending``:
+    bytes the connection sent before it was ours (a connection the query thread handed
+    over), given to it first."""
+
+    def __init__(
+        self, inner: asyncio.Protocol, guard: ConnectionGuard, pending: bytes = b""
+    ) -> None:
         self.inner = inner
         self.guard = guard
+        self.pending = pending
         self.transport: asyncio.Transport | None = None
         self.awaiting_head = True
         self.tail = b""  # the last bytes seen, to find a head end split across reads
@@ -81,14 +98,21 @@ class GuardedProtocol(asyncio.Protocol):
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = cast(asyncio.Transport, transport)  # uvloop's is no subclass
-        if len(self.guard.open) >= self.guard.max_connections:
-            self.guard.refused.labels("limit").inc()
+        guard = self.guard
+        peer = guard.peer
+        if len(guard.open) + (peer.connections if peer else 0) >= guard.max_connections:
+            guard.refused.labels("limit").inc()
             self.transport.abort()
             return
-        self.guard.open[self.transport] = self
+        guard.open[self.transport] = self
+        if peer is not None:
+            peer.set_loop_connections(len(guard.open))
         self._timer = LazyTimer(self._head_timed_out)
-        self._timer.arm(self.guard.header_timeout)
+        self._timer.arm(guard.header_timeout)
         self.inner.connection_made(transport)
+        if self.pending:
+            pending, self.pending = self.pending, b""
+            self.data_received(pending)
 
     def data_received(self, data: bytes) -> None:
         if not self.answering and self.guard.share is not None:
@@ -112,6 +136,8 @@ class GuardedProtocol(asyncio.Protocol):
             self._timer.close()
         self.answered()
         if self.transport is not None and self.guard.open.pop(self.transport, None) is not None:
+            if self.guard.peer is not None:
+                self.guard.peer.set_loop_connections(len(self.guard.open))
             self.inner.connection_lost(exc)
 
     def pause_writing(self) -> None:
@@ -141,13 +167,21 @@ async def listen(
     stream is registered. It serves (and listens) once ``GuardedSite.start`` starts it;
     ``options`` are ``loop.create_server``'s (backlog, reuse_address, reuse_port)."""
 
-    def protocol() -> asyncio.Protocol:
+    loop = asyncio.get_running_loop()
+    protocol = connection_protocol(runner, guard)
+    return await loop.create_server(protocol, host, port, start_serving=False, **options)
+
+
+def connection_protocol(runner: web.AppRunner, guard: ConnectionGuard) -> ConnectionProtocol:
+    """A new connection's protocol: the app's (or aiohttp's), behind the guard; given
+    ``pending``, the bytes it sent before it was ours."""
+
+    def protocol(pending: bytes = b"") -> GuardedProtocol:
         assert runner.server is not None, "served only once the runner is set up"
         make = runner.app.get(CONNECTION_PROTOCOL)
-        return GuardedProtocol(make(runner) if make else runner.server(), guard)
+        return GuardedProtocol(make(runner) if make else runner.server(), guard, pending)
 
-    loop = asyncio.get_running_loop()
-    return await loop.create_server(protocol, host, port, start_serving=False, **options)
+    return protocol
 
 
 class GuardedSite(web.TCPSite):

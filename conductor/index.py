@@ -38,7 +38,7 @@ through frozen views (``ContextView``, ``StorePoolView``) and counts, never its 
 from __future__ import annotations
 
 import sys
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from collections.abc import Set as AbstractSet
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, cast
@@ -256,16 +256,19 @@ class PrefixContext:
         # engine hashes of one context agree); the state counts the holders beyond one
         self.engine_prefix: HashMap[EngineHash, PrefixHash] = self._state.engine_prefix
         self._engines: _Engines | None = None  # what queries need of the slots, kept whole
+        # told before a slot comes or goes, or a pool's members change (conductor.
+        # query_thread: its plans wait)
+        self.on_slots_change: Callable[[ContextKey], None] | None = None
 
     # -- slots ---------------------------------------------------------------------------
     def slot(self, instance_id: str, dp_rank: int, shared_pool: bool, kv_store: str = "") -> _Slot:
         slot = self.slots.get((instance_id, dp_rank))
         if slot is None:
+            self._slots_changing()
             index = self._free.pop() if self._free else len(self.slots)
             slot = _Slot(instance_id, dp_rank, shared_pool, index, self._state, kv_store)
             self.slots[(instance_id, dp_rank)] = slot
             self._by_index[index] = slot
-            self._engines = None
             if shared_pool:
                 self.pool_members[slot.bit] = 0 if kv_store else EVERY_SLOT
                 self.pool_mask |= slot.bit
@@ -277,6 +280,7 @@ class PrefixContext:
 
     def set_membership(self, engine: _Slot, kv_stores: set[str]) -> None:
         """Make ``engine`` a member of exactly these stores' pools (which must exist)."""
+        self._slots_changing()
         for pool_bit, members in self.pool_members.items():
             if members != EVERY_SLOT:
                 self.pool_members[pool_bit] = members & ~engine.bit
@@ -284,16 +288,24 @@ class PrefixContext:
             self.pool_members[self.slots[(kv_store, STORE_POOL_RANK)].bit] |= engine.bit
 
     def drop_slot(self, slot: _Slot) -> None:
+        self._slots_changing()
         self.clear_slot(slot)
         del self.slots[(slot.instance_id, slot.dp_rank)]
         del self._by_index[slot.index]
-        self._engines = None
         if slot.shared_pool:
             del self.pool_members[slot.bit]
             self.pool_mask &= ~slot.bit
         else:  # its bit will be recycled: it must not inherit this slot's memberships
             self.set_membership(slot, set())
         self._free.append(slot.index)
+
+    def _slots_changing(self) -> None:
+        """Before a slot comes or goes, or a pool's members change: what queries see of the
+        slots is made again, and a reader outside the loop is told first (it must not answer
+        from the old slots)."""
+        self._engines = None
+        if self.on_slots_change is not None:
+            self.on_slots_change(self.key)
 
     # -- blocks --------------------------------------------------------------------------
     def hold(
@@ -611,6 +623,14 @@ class PrefixCacheTable:
         # to, once they went there: what _store would look up again for every event. Only
         # remove_stream drops slots and contexts; it (and a new registration) empties it.
         self._targets: dict[tuple[str, int, str | None], tuple[PrefixContext, _Slot]] = {}
+        self._on_slots_change: Callable[[ContextKey], None] | None = None
+
+    def watch_slots(self, listener: Callable[[ContextKey], None] | None) -> None:
+        """``listener`` is told a context's key before any of its slots comes or goes (the
+        context itself too) or a pool's members change (conductor.query_thread)."""
+        self._on_slots_change = listener
+        for context in self.contexts.values():
+            context.on_slots_change = listener
 
     # -- membership ----------------------------------------------------------------------
     def add_stream(self, source: StreamSource) -> None:
@@ -766,6 +786,7 @@ class PrefixCacheTable:
         context = self.contexts.get(context_key)
         if context is None:
             context = PrefixContext(context_key, source.hash_profile)
+            context.on_slots_change = self._on_slots_change
             self.contexts[context_key] = context
         slot = context.slot(source.instance_id, dp_rank, source.shared_pool)
         if source.key not in slot.streams:

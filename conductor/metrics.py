@@ -10,7 +10,7 @@ streams.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 from prometheus_client import (
     CollectorRegistry,
@@ -244,16 +244,24 @@ class ConductorMetrics:
         registry.register(_IndexCollector(table))
         self.routed_prompts = RoutedCollector()
         registry.register(self.routed_prompts)
+        # what counts outside the loop (conductor.query_thread), added in before a read
+        self.gatherers: list[Callable[[], None]] = []
         self._every_series = CollectorRegistry(auto_describe=True)
         self._every_series.register(_Joined(registry, self.streams))
 
     def render(self) -> bytes:
         """What ``/metrics`` answers: the text format of every series."""
+        self._gather()
         return generate_latest(self.registry) + self.streams.render().encode()
 
     def sample(self, name: str, labels: dict[str, str] | None = None) -> float | None:
         """The value of one series, per stream or not (None when it does not exist)."""
+        self._gather()
         return self._every_series.get_sample_value(name, labels)
+
+    def _gather(self) -> None:
+        for gather in self.gatherers:
+            gather()
 
     def set_subscriber_state(self, stream: str, state: SubscriberState) -> None:
         self.streams.set_state(stream, state.value)

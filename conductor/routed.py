@@ -88,6 +88,8 @@ class RoutedPrompts:
         self._by_first: dict[_First, list[_Routed]] = {}
         self._order: deque[_Routed] = deque()
         self.dropped = 0  # reports pushed out by the cap before their time
+        # told whether a report is held, when that may have changed (conductor.query_thread)
+        self.listener: Callable[[bool], None] | None = None
 
     def __len__(self) -> int:
         return sum(len(reports) for reports in self._by_first.values())
@@ -117,7 +119,13 @@ class RoutedPrompts:
             if oldest.held and oldest.expires > now:
                 self.dropped += 1
             self._unhold(oldest)
+        if self.listener is not None:
+            self.listener(True)
         return True
+
+    def expire(self) -> None:
+        """Forget the reports whose time is over now (``add`` and ``match`` do as they go)."""
+        self._expire(self._clock())
 
     def _expire(self, now: float) -> None:
         """Forget the oldest reports whose time is over (a report with a longer time ahead
@@ -141,6 +149,8 @@ class RoutedPrompts:
                 break
         if not reports:
             self._by_first.pop(report.first, None)
+            if not self._by_first and self.listener is not None:
+                self.listener(False)
 
     def forget(self, instance_id: str) -> None:
         """The instance is down (its cache may be gone): none of its reports counts."""

@@ -22,6 +22,8 @@
  *   json.c     a JSON prompt's token ids read in place
  *   answer.c   QueryPlan: the plain query's answer, from the index to its bytes
  *   request.c  HeadReader and plain_query_fields: the plain query's request read
+ *   query_thread.c  QueryThread: plain queries answered on a thread of its own, with its
+ *              own sockets, without the GIL
  *   sha256.c   SHA-256, with the CPU's SHA extensions when it has them
  *   profile.c  ProfileChain: a profiled context's block keys (vLLM's and SGLang's chains)
  */
@@ -38,6 +40,7 @@ int ingest_exec(PyObject *module);  /* IngestThread */
 int answer_exec(PyObject *module);  /* QueryPlan */
 int request_exec(PyObject *module);  /* HeadReader */
 int profile_exec(PyObject *module);  /* ProfileChain */
+int query_thread_exec(PyObject *module);  /* QueryThread */
 
 static int native_exec(PyObject *module) {
     PyMethodDef *functions[] = {hashing_methods, lane_methods, decode_methods, json_methods,
@@ -48,6 +51,7 @@ static int native_exec(PyObject *module) {
     return maps_exec(module) < 0 || blocks_exec(module) < 0 || lane_exec(module) < 0
                    || ingest_exec(module) < 0 || answer_exec(module) < 0
                    || request_exec(module) < 0 || profile_exec(module) < 0
+                   || query_thread_exec(module) < 0
                ? -1
                : 0;
 }
