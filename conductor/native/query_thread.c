@@ -309,7 +309,8 @@ static int authorized(const QueryThread *self, Span authorization) {
     size_t length = (size_t)(end - given), expected = (size_t)PyBytes_GET_SIZE(self->token);
     const char *token = PyBytes_AS_STRING(self->token);
     unsigned char differ = length != expected;
-    for (size_t k = 0; k < expected; k++) differ |= (unsigned char)(token[k] ^ given[k < length ? k : 0]);
+    for (size_t k = 0; k < expected; k++)
+        differ |= (unsigned char)(token[k] ^ (k < length ? given[k] : 0));
     return same_lower(scheme, "bearer", 6) && !differ;
 }
 
