@@ -52,11 +52,15 @@ from bench.harness import (
     Http,
     ServiceProcess,
     deadline_loop,
+    metric_sum,
     register_all,
     rss_bytes,
     vllm_registration,
 )
 from publishers.local import HOST, free_port
+
+QUERY_THREAD_FLAG = "--query-thread"  # ours answers plain queries on a thread of their own
+PLACE_ATTEMPTS = 100  # query connections made at most to land one on the query thread
 
 HASH_ALGORITHM = "sha256_cbor"  # vLLM's default prefix-caching hash since 0.11
 HASH_SEED = "0"  # PYTHONHASHSEED=0: every engine of a deployment must share it
@@ -289,12 +293,37 @@ class Ours(_Running):
         self._launch(command, port, run_dir / "ours.log", self.cpus, self.env, "/health")
 
     def register(self, streams: Sequence[Stream], send_probes: ProbeSender) -> int:
-        """``/services`` says when a SUB socket is connected: no probe needed."""
+        """``/services`` says when a SUB socket is connected: no probe needed. With the
+        query thread, the query connection is then placed on its side."""
         register_all(
             self.client,
             [_OursRegistration(s.instance_id, s.endpoint, self.profiled) for s in streams],
         )
+        if QUERY_THREAD_FLAG in self.args:
+            self._query_on_the_thread()
         return 0
+
+    def _query_on_the_thread(self) -> None:
+        """The kernel spreads connections over the query thread's socket and the loop's:
+        the query connection is made again until the thread answers on it (as it would
+        for half of a router's pool). It stays there: the thread answers every query of
+        the benchmark's context."""
+        body = query_body(probe_tokens(0))
+        for _ in range(PLACE_ATTEMPTS):
+            before = self._thread_queries()
+            status, _ = self.client.raw("POST", "/query", body)
+            if status != 200:
+                raise BenchError(f"ours answered a placing /query with {status}")
+            if self._thread_queries() > before:
+                return
+            self.client.queries.close()  # http.client connects again for the next request
+        raise BenchError("no query connection landed on the query thread")
+
+    def _thread_queries(self) -> float:
+        status, text = self.client.raw("GET", "/metrics")
+        if status != 200:
+            raise BenchError(f"ours answered /metrics with {status}")
+        return metric_sum(text.decode(), "conductor_query_thread_queries_total")
 
     def counters(self, blocks: int, events: int) -> dict[str, float]:
         return verify_clean(self.client, blocks, events)

@@ -34,11 +34,16 @@ def test_msgpack_answers_drop_instances_without_a_match() -> None:
     assert _instances_msgpack(data) == {"a": 32}
 
 
-@pytest.mark.parametrize("profiled", [False, True], ids=["go-hashes", "hash-profile"])
-def test_every_phase_runs_against_our_service(profiled: bool) -> None:
+@pytest.mark.parametrize(
+    ("profiled", "args"),
+    [(False, ()), (True, ()), (True, ("--query-thread",))],
+    ids=["go-hashes", "hash-profile", "query-thread"],
+)
+def test_every_phase_runs_against_our_service(profiled: bool, args: tuple[str, ...]) -> None:
     """Every answer is checked: with the C++ service's hash profile too, ours keys the
-    events' vLLM hashes and hashes each query's blocks as vLLM does."""
-    result = run(TINY, [Ours(profiled=profiled)])
+    events' vLLM hashes and hashes each query's blocks as vLLM does; with the query
+    thread, the queries are asked on its side."""
+    result = run(TINY, [Ours(profiled=profiled, args=args)])
     ours = result["services"]["ours"]
     assert ours["modes"] == ["json", "msgpack"]
     assert ours["ingest"]["streams_8"]["counters"]["blocks_stored"] == 10 * BATCH_BLOCKS
