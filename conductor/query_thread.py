@@ -13,7 +13,9 @@ them and the loop's. This module is its shell, on the loop:
   socket and the bytes not yet answered) and serves them as if the loop had accepted
   them (``http_guard.connection_protocol``);
 * it tells the thread whether routers' routed prompts are held (then the loop answers
-  every query) and how many connections the loop has open (one limit for both);
+  every query) and how many connections the loop has open (one limit for both), and the
+  loop's ingest steps when the thread last had a query (they stay short meanwhile, as for
+  the loop's own: a query of a context waits for the step that holds it);
 * it adds the thread's answers to the service's metrics before they are read.
 """
 
@@ -103,6 +105,8 @@ class QueryThreadShell:
         self.thread.set_routed(routed.holds_any())
         self.guard.peer = self.thread
         self.thread.set_loop_connections(len(self.guard.open))
+        if self.guard.share is not None:  # ingest steps stay short while the thread answers
+            self.guard.share.last_request_elsewhere = lambda: self.thread.last_request
         self.api.metrics.gatherers.append(self._gather)
         loop.add_reader(self.thread.handover_fd, self._take_handovers)
         self.thread.start()
@@ -118,6 +122,8 @@ class QueryThreadShell:
         self.api.table.watch_slots(None)
         self.api.routed.listener = None
         self.guard.peer = None
+        if self.guard.share is not None:
+            self.guard.share.last_request_elsewhere = None
         for listener in self.listeners:
             listener.close()
         for fd, _ in self.thread.handovers():

@@ -315,6 +315,9 @@ class LoopShare:
         # told True when a request begins and no other is being answered, False when none
         # is left: the ingest thread waits meanwhile (conductor.ingest_thread)
         self.on_answering: Callable[[bool], None] | None = None
+        # when a request last began elsewhere (time.monotonic): the query thread's, whose
+        # queries wait for the step that holds their context (conductor.query_thread)
+        self.last_request_elsewhere: Callable[[], float] | None = None
 
     async def turn(self) -> None:
         """Return in a later round, after the streams queued before this one."""
@@ -333,10 +336,13 @@ class LoopShare:
 
     @property
     def queried(self) -> bool:
-        """A request began within ``queried_for_s``: queries are coming, keep steps short.
-        (Asked at every ingest step: the clock is read directly, not through the running
-        loop, whose lookup costs more than the rest of this.)"""
-        return time.monotonic() - self._last_request < self.queried_for_s
+        """A request began within ``queried_for_s``, here or elsewhere: queries are coming,
+        keep steps short. (Asked at every ingest step: the clock is read directly, not
+        through the running loop, whose lookup costs more than the rest of this.)"""
+        last = self._last_request
+        if self.last_request_elsewhere is not None:
+            last = max(last, self.last_request_elsewhere())
+        return time.monotonic() - last < self.queried_for_s
 
     def step_now(self) -> float:
         """How long a step may take now: at most ``queried_step_s`` while queries come (a

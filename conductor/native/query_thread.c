@@ -107,6 +107,7 @@ typedef struct {
     pthread_t thread;
     int started;
     atomic_int stopping, routed;
+    _Atomic double last_request;  /* when a request last came whole (CLOCK_MONOTONIC s) */
     atomic_long loop_connections;
     /* the registry, and what the thread counts: under ``lock`` */
     pthread_mutex_t lock;
@@ -426,6 +427,7 @@ static void serve(QueryThread *self, Connection *connection) {
             if (!connection->began) connection->began = now;
             break;
         }
+        atomic_store(&self->last_request, now);
         int verdict = answer(self, connection, &head, p + start, now);
         if (verdict == DECLINED) {
             connection->leaving = LEAVE_TO_LOOP;
@@ -882,6 +884,10 @@ static PyObject *thread_handover_fd(QueryThread *self, void *closure) {
     return PyLong_FromLong(self->handover_fd);
 }
 
+static PyObject *thread_last_request(QueryThread *self, void *closure) {
+    return PyFloat_FromDouble(atomic_load(&self->last_request));
+}
+
 static PyObject *thread_open(QueryThread *self, void *closure) {
     return PyLong_FromLong(atomic_load(&self->open_connections));
 }
@@ -943,6 +949,8 @@ static PyGetSetDef thread_getset[] = {
     {"handover_fd", (getter)thread_handover_fd, NULL,
      "readable when connections were handed to the loop (``handovers``)", NULL},
     {"connections", (getter)thread_open, NULL, "the connections the thread has open", NULL},
+    {"last_request", (getter)thread_last_request, NULL,
+     "when a request last came whole (time.monotonic's clock; 0.0: none yet)", NULL},
     {NULL, NULL, NULL, NULL, NULL},
 };
 

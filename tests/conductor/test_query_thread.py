@@ -136,6 +136,7 @@ async def test_a_held_context_waits_for_its_plans() -> None:
         assert not answer.done()  # waiting, not handed over
         thread.publish(key, *fleet.api.thread_plans(ContextKey(*key)))
         assert await asyncio.wait_for(answer, 5) == (await both_ways(fleet.api, raw))[1]
+        assert 0 < time.monotonic() - thread.last_request < 5  # the loop's steps stay short
         thread.hold(key)  # never published again: the loop's after a second
         started = time.monotonic()
         assert (

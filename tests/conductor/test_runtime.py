@@ -182,6 +182,18 @@ async def test_loop_share_keeps_steps_short_while_queries_come():
     assert not share.queried and share.step_now() == 0.0005
 
 
+def test_loop_share_keeps_steps_short_while_queries_come_elsewhere():
+    """The query thread's queries wait for the step that holds their context too."""
+    share = LoopShare(step_s=0.0005, queried_step_s=0.0001, queried_for_s=0.05)
+    last = [0.0]
+    share.last_request_elsewhere = lambda: last[0]
+    assert not share.queried
+    last[0] = time.monotonic()
+    assert share.queried and share.step_now() == 0.0001
+    last[0] -= 0.06
+    assert not share.queried
+
+
 @pytest.mark.parametrize("signum", STOP_SIGNALS, ids=lambda signum: signum.name)
 def test_a_stop_signal_before_a_commands_own_handlers_stops_it(signum) -> None:
     """Started with SIGINT ignored (as a shell starts a background job), a command whose
