@@ -105,6 +105,7 @@ typedef struct {
     int wake_fd;  /* the thread's: stop, or a context published */
     int handover_fd;  /* the loop's: connections handed over */
     pthread_t thread;
+    int ready;  /* __init__ made it whole */
     int started;
     atomic_int stopping, routed;
     _Atomic double last_request;  /* when a request last came whole (CLOCK_MONOTONIC s) */
@@ -570,7 +571,13 @@ static void *run(void *arg) {
 
 /* -- Python's side ------------------------------------------------------------------- */
 
-static void thread_dealloc(QueryThread *self);
+/* Whether ``__init__`` made it whole (else a RuntimeError is set). */
+static int made(const QueryThread *self) {
+    if (self->ready) return 1;
+    PyErr_SetString(PyExc_RuntimeError, "the QueryThread was not made (its __init__ failed)");
+    return 0;
+}
+
 
 static int thread_init(QueryThread *self, PyObject *args, PyObject *kwargs) {
     static char *keywords[] = {"reader", "listeners", "heads", "msgpack_type", "token",
@@ -646,12 +653,14 @@ static int thread_init(QueryThread *self, PyObject *args, PyObject *kwargs) {
             return -1;
         }
     }
+    self->ready = 1;
     return 0;
 }
 
 static PyObject *thread_start(QueryThread *self, PyObject *unused) {
-    if (self->reader == NULL || self->started) {
-        PyErr_SetString(PyExc_RuntimeError, "a QueryThread starts once, once made");
+    if (!made(self)) return NULL;
+    if (self->started) {
+        PyErr_SetString(PyExc_RuntimeError, "a QueryThread starts once");
         return NULL;
     }
     int failed = pthread_create(&self->thread, NULL, run, self);
@@ -745,6 +754,7 @@ PyDoc_STRVAR(thread_hold_doc,
 /* The entry of ``key`` set: held, or to these plans. */
 static PyObject *set_entry(QueryThread *self, PyObject *key, PyObject *json, PyObject *msgpack,
                            PyObject *chain, int held) {
+    if (!made(self)) return NULL;
     PyObject *plans[2] = {json, msgpack};
     if (chain != Py_None && !Py_IS_TYPE(chain, &ProfileChainType)) {
         return PyErr_Format(PyExc_TypeError, "a chain is a ProfileChain or None, not %.60R", chain);
@@ -812,6 +822,7 @@ PyDoc_STRVAR(thread_handovers_doc,
 "answered) each, in order. The loop owns each fd from now on.");
 
 static PyObject *thread_handovers(QueryThread *self, PyObject *unused) {
+    if (!made(self)) return NULL;
     uint64_t value;
     ssize_t got = read(self->handover_fd, &value, sizeof value);  /* reset its wake */
     (void)got;
@@ -845,6 +856,7 @@ PyDoc_STRVAR(thread_stats_doc,
 "open now): counts since the start.");
 
 static PyObject *thread_stats(QueryThread *self, PyObject *unused) {
+    if (!made(self)) return NULL;
     pthread_mutex_lock(&self->lock);
     unsigned long long answered = self->answered, handed = self->handed_over,
                        refused = self->refused;
@@ -881,6 +893,7 @@ static PyObject *thread_set_loop_connections(QueryThread *self, PyObject *count)
 }
 
 static PyObject *thread_handover_fd(QueryThread *self, void *closure) {
+    if (!made(self)) return NULL;
     return PyLong_FromLong(self->handover_fd);
 }
 

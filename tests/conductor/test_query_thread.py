@@ -163,6 +163,11 @@ def test_a_query_thread_is_made_with_what_it_needs() -> None:
     with pytest.raises(TypeError, match="ProfileChain"):
         thread.publish(("t", "m", "", 4), None, None, b"")
     thread.stop()  # never started: nothing to stop
+    unmade = _native.QueryThread.__new__(_native.QueryThread)
+    with pytest.raises(RuntimeError, match="not made"):
+        unmade.hold(("t", "m", "", 4))
+    with pytest.raises(RuntimeError, match="not made"):
+        unmade.start()
 
 
 # -- a conductor process with the thread ---------------------------------------------------------
