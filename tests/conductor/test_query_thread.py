@@ -17,6 +17,8 @@ import select
 import signal
 import socket
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 import pytest
 
@@ -41,22 +43,24 @@ PACKED_QUERY = {**QUERY, "token_ids": b"".join(t.to_bytes(4, "little") for t in 
 
 
 # -- in-process: the thread's own answers ------------------------------------------------------
-def start_thread(api: ConductorApi, keepalive_s: float = 5.0) -> tuple[_native.QueryThread, int]:
-    listener = socket.socket()
-    listener.bind(("127.0.0.1", 0))
-    listener.listen(16)
-    listener.setblocking(False)
-    limits = api.options.limits
-    thread = _native.QueryThread(
-        PLAIN_HEADS, (listener,), api.thread_heads(), MSGPACK.encode(), None,
-        limits.body_bytes("/query"), limits.max_query_tokens, keepalive_s, (0.001, 0.01), 64,
-    )  # fmt: skip
-    thread.start()
-    start_thread.listeners.append(listener)  # type: ignore[attr-defined]  # kept open
-    return thread, listener.getsockname()[1]
-
-
-start_thread.listeners = []  # type: ignore[attr-defined]
+@contextmanager
+def serving(api: ConductorApi) -> Iterator[tuple[_native.QueryThread, int]]:
+    """A query thread of ``api``'s on a loopback socket of its own, and its port; stopped
+    and closed after."""
+    with socket.socket() as listener:
+        listener.bind(("127.0.0.1", 0))
+        listener.listen(16)
+        listener.setblocking(False)
+        limits = api.options.limits
+        thread = _native.QueryThread(
+            PLAIN_HEADS, (listener,), api.thread_heads(), MSGPACK.encode(), None,
+            limits.body_bytes("/query"), limits.max_query_tokens, 5.0, (0.001, 0.01), 64,
+        )  # fmt: skip
+        thread.start()
+        try:
+            yield thread, listener.getsockname()[1]
+        finally:
+            thread.stop()
 
 
 def ask(thread: _native.QueryThread, port: int, raw: bytes) -> bytes | None:
@@ -98,8 +102,7 @@ async def test_the_threads_answers_are_the_handlers(seed: int) -> None:
         api = fleet.api
         key = ContextKey("default", MODEL, "", fleet.block_size)
         plans = api.thread_plans(key)
-        thread, port = start_thread(api)
-        try:
+        with serving(api) as (thread, port):
             thread.publish(("default", MODEL, "", fleet.block_size), *plans)
             thread.set_routed(api.routed.holds_any())
             for _ in range(15):
@@ -118,8 +121,6 @@ async def test_the_threads_answers_are_the_handlers(seed: int) -> None:
                 if own and plans[0] is not None and not api.routed.holds_any() and not salted:
                     must += 1
                     assert answer is not None, payload
-        finally:
-            thread.stop()
     print(f"{answered} answered by the thread, {must} of them had to be")
     assert answered >= must > 0
 
@@ -127,8 +128,7 @@ async def test_the_threads_answers_are_the_handlers(seed: int) -> None:
 async def test_a_held_context_waits_for_its_plans() -> None:
     fleet = random_fleet(random.Random(3))
     key = ("default", MODEL, "", fleet.block_size)
-    thread, port = start_thread(fleet.api)
-    try:
+    with serving(fleet.api) as (thread, port):
         thread.hold(key)
         raw = raw_query({"model": MODEL, "block_size": fleet.block_size, "token_ids": [1]}, False)
         answer = asyncio.get_running_loop().run_in_executor(None, ask, thread, port, raw)
@@ -146,8 +146,6 @@ async def test_a_held_context_waits_for_its_plans() -> None:
             is None
         )
         assert 0.9 < time.monotonic() - started < 3
-    finally:
-        thread.stop()
 
 
 def test_a_query_thread_is_made_with_what_it_needs() -> None:
