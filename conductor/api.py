@@ -722,11 +722,14 @@ class ConductorApi:
         unsalted); no plans where it leaves the context's queries to the loop (a context not
         known, or a profile whose blocks C does not hash)."""
         fleet = self.table.plain_fleet(key)
-        chain = chain_root(fleet, b"", "") if fleet is not None else None
-        if fleet is None or (fleet.profile is not None and chain is None):
+        if fleet is None:
             return None, None, None
-        model = chain if isinstance(chain, ProfileChain) else None
-        return plain_plan(fleet, _GO_PLAIN), plain_plan(fleet, _CPP_PLAIN), model
+        chain = None
+        if fleet.profile is not None:
+            chain = cast(ProfileChain | None, chain_root(fleet, b"", ""))
+            if chain is None:
+                return None, None, None
+        return plain_plan(fleet, _GO_PLAIN), plain_plan(fleet, _CPP_PLAIN), chain
 
     @staticmethod
     def thread_heads() -> tuple[bytes, bytes]:

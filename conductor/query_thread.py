@@ -122,6 +122,7 @@ class QueryThreadShell:
         self.api.table.watch_slots(None)
         self.api.routed.listener = None
         self.guard.peer = None
+        self.api.metrics.gatherers.remove(self._gather)
         if self.guard.share is not None:
             self.guard.share.last_request_elsewhere = None
         for listener in self.listeners:
@@ -175,7 +176,7 @@ class QueryThreadShell:
 
     def _gather(self) -> None:
         """The thread's answers since the last read, added to the service's series."""
-        answered, seconds, buckets, handed, refused, _ = self.thread.stats()
+        answered, seconds, buckets, handed, refused = self.thread.stats()
         last_answered, last_seconds, last_buckets, last_handed, last_refused = self._counted
         self._counted = (answered, seconds, buckets, handed, refused)
         metrics = self.api.metrics

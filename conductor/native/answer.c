@@ -231,26 +231,23 @@ static void numbers_of(const QueryPlan *self, const TierWalk *walk, const uint64
 }
 
 size_t plan_answer_size(const QueryPlan *self, const TierWalk *walk, const uint64_t *raised,
-                        int hits_only) {
+                        int hits_only, Py_ssize_t *written) {
     size_t size = 0;
     uint64_t numbers[MOST_NUMBERS];
+    *written = 0;
     for (Py_ssize_t i = 0; i < self->count; i++) {
         numbers_of(self, walk, raised, i, numbers);
         if (hits_only && numbers[TIER_COUNT - 1] == 0) continue;  /* nothing on any tier */
         size += (size_t)PyBytes_GET_SIZE(name_of(self, i)) + self->template_size[i];
+        ++*written;
     }
     return size + (size_t)PyBytes_GET_SIZE(self->opener) + (size_t)PyBytes_GET_SIZE(self->closer)
            + 5;
 }
 
 char *plan_answer_write(const QueryPlan *self, const TierWalk *walk, const uint64_t *raised,
-                        int hits_only, char *out) {
-    Py_ssize_t written = 0;
+                        int hits_only, Py_ssize_t written, char *out) {
     uint64_t numbers[MOST_NUMBERS];
-    for (Py_ssize_t i = 0; i < self->count; i++) {
-        numbers_of(self, walk, raised, i, numbers);
-        written += !hits_only || numbers[TIER_COUNT - 1] != 0;
-    }
     out = put_bytes(out, self->opener);
     if (self->msgpack) out = put_map_length(out, (size_t)written);
     int first = 1;
@@ -364,10 +361,12 @@ static PyObject *plan_answer(QueryPlan *self, PyObject *const *args, Py_ssize_t 
         numbers_of(self, &walk, NULL, i, numbers);
         raised_count += raised[i] > numbers[0];
     }
+    Py_ssize_t written;
     PyObject *answer = PyBytes_FromStringAndSize(
-        NULL, (Py_ssize_t)plan_answer_size(self, &walk, raised, hits_only));
+        NULL, (Py_ssize_t)plan_answer_size(self, &walk, raised, hits_only, &written));
     if (answer != NULL) {
-        char *end = plan_answer_write(self, &walk, raised, hits_only, PyBytes_AS_STRING(answer));
+        char *end = plan_answer_write(self, &walk, raised, hits_only, written,
+                                      PyBytes_AS_STRING(answer));
         if (_PyBytes_Resize(&answer, end - PyBytes_AS_STRING(answer)) == 0)
             result = Py_BuildValue("(Nn)", answer, raised_count);
     }

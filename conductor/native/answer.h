@@ -41,12 +41,12 @@ Py_ssize_t plan_blocks(const QueryPlan *self, Py_ssize_t token_bytes, PyObject *
 int plan_walk(const QueryPlan *self, TierWalk *walk, const uint8_t *tokens, Py_ssize_t blocks,
               uint64_t root, PyObject *profiled);
 
-/* The answer's bytes at most, then the answer written at ``out`` (its end returned):
- * each instance (with a hit on some tier, given ``hits_only``), raised to ``raised[i]``
- * blocks (``raised``: NULL, none). */
+/* The answer's bytes at most and how many instances it has (``*written``), then the answer
+ * written at ``out`` (its end returned): each instance (with a hit on some tier, given
+ * ``hits_only``), raised to ``raised[i]`` blocks (``raised``: NULL, none). */
 size_t plan_answer_size(const QueryPlan *self, const TierWalk *walk, const uint64_t *raised,
-                        int hits_only);
+                        int hits_only, Py_ssize_t *written);
 char *plan_answer_write(const QueryPlan *self, const TierWalk *walk, const uint64_t *raised,
-                        int hits_only, char *out);
+                        int hits_only, Py_ssize_t written, char *out);
 
 #endif

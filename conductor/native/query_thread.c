@@ -282,21 +282,6 @@ static int flush(QueryThread *self, Connection *connection) {
 
 enum { ANSWERED, DECLINED, WAIT };
 
-static int same_lower(Span value, const char *lower, size_t length) {
-    if (value.length != length) return 0;
-    for (size_t k = 0; k < length; k++) {
-        unsigned char c = (unsigned char)value.text[k];
-        if ((char)(c >= 'A' && c <= 'Z' ? c + 32 : c) != lower[k]) return 0;
-    }
-    return 1;
-}
-
-static int contains(Span value, const char *needle, size_t length) {
-    for (size_t k = 0; value.text != NULL && k + length <= value.length; k++)
-        if (memcmp(value.text + k, needle, length) == 0) return 1;
-    return 0;
-}
-
 /* Whether ``authorization`` passes as security.Auth.accepts has it: ``Bearer <token>``,
  * the scheme in any case, compared in constant time. */
 static int authorized(const QueryThread *self, Span authorization) {
@@ -313,7 +298,7 @@ static int authorized(const QueryThread *self, Span authorization) {
     unsigned char differ = length != expected;
     for (size_t k = 0; k < expected; k++)
         differ |= (unsigned char)(token[k] ^ (k < length ? given[k] : 0));
-    return same_lower(scheme, "bearer", 6) && !differ;
+    return equals_lower(scheme, "bearer") && !differ;
 }
 
 static void count_answer(QueryThread *self, double seconds) {
@@ -329,12 +314,12 @@ static void count_answer(QueryThread *self, double seconds) {
 static int answer(QueryThread *self, Connection *connection, const HeadRead *head,
                   const char *body, double started) {
     Span media = head->media;
-    int msgpack = media.text != NULL
-                  && same_lower(media, PyBytes_AS_STRING(self->msgpack_type),
-                                (size_t)PyBytes_GET_SIZE(self->msgpack_type));
+    const char *msgpack_type = PyBytes_AS_STRING(self->msgpack_type);
+    int msgpack = media.text != NULL && equals_lower(media, msgpack_type);
     const Span *values = head->values;
-    if ((!msgpack && contains(values[ACCEPT], PyBytes_AS_STRING(self->msgpack_type),
-                              (size_t)PyBytes_GET_SIZE(self->msgpack_type)))
+    Span accept = values[ACCEPT];
+    if ((!msgpack && accept.text != NULL
+         && memmem(accept.text, accept.length, msgpack_type, strlen(msgpack_type)) != NULL)
         || values[REPLICA].text != NULL || values[PROGRESS].text != NULL
         || !authorized(self, values[AUTHORIZATION]) || atomic_load(&self->routed)) {
         return DECLINED;
@@ -370,8 +355,11 @@ static int answer(QueryThread *self, Connection *connection, const HeadRead *hea
             if (plan_walk(plan, &walk, fields.tokens, blocks, root, chain) == 0) {
                 Buffer *scratch = &self->scratch;
                 scratch->start = scratch->used = 0;
-                if (reserve(scratch, plan_answer_size(plan, &walk, NULL, hits_only)) == 0) {
-                    char *end = plan_answer_write(plan, &walk, NULL, hits_only, scratch->data);
+                Py_ssize_t written;
+                size_t size = plan_answer_size(plan, &walk, NULL, hits_only, &written);
+                if (reserve(scratch, size) == 0) {
+                    char *end = plan_answer_write(plan, &walk, NULL, hits_only, written,
+                                                  scratch->data);
                     scratch->used = (size_t)(end - scratch->data);
                     verdict = ANSWERED;
                 }
@@ -852,8 +840,8 @@ static PyObject *thread_handovers(QueryThread *self, PyObject *unused) {
 PyDoc_STRVAR(thread_stats_doc,
 "stats()\n--\n\n"
 "(queries answered, their seconds, per bucket of ``bounds`` (and one past the last) the\n"
-"answers that took that long, connections handed to the loop, refused over the limit,\n"
-"open now): counts since the start.");
+"answers that took that long, connections handed to the loop, refused over the limit):\n"
+"counts since the start.");
 
 static PyObject *thread_stats(QueryThread *self, PyObject *unused) {
     if (!made(self)) return NULL;
@@ -874,8 +862,7 @@ static PyObject *thread_stats(QueryThread *self, PyObject *unused) {
         }
         PyTuple_SET_ITEM(counts, i, count);
     }
-    return Py_BuildValue("(KdNKKl)", answered, seconds, counts, handed, refused,
-                         atomic_load(&self->open_connections));
+    return Py_BuildValue("(KdNKK)", answered, seconds, counts, handed, refused);
 }
 
 static PyObject *thread_set_routed(QueryThread *self, PyObject *held) {

@@ -99,7 +99,7 @@ static Span trimmed(const char *text, size_t length) {
     return (Span){text, length};
 }
 
-static int equals_lower(Span value, const char *lower) {
+int equals_lower(Span value, const char *lower) {
     return same_name(value.text, value.length, (Span){lower, strlen(lower)});
 }
 

@@ -33,6 +33,9 @@ typedef struct {
     Span values[READ_AT_MOST];
 } HeadRead;
 
+/* Whether ``value`` (any case) is ``lower`` (lower case, 0-terminated). */
+int equals_lower(Span value, const char *lower);
+
 /* 1 if the head from ``p`` to ``end`` (without the blank line) is plain, read into ``out``;
  * 0 if not (HeadReader.read's doc says which are). */
 int head_read(const HeadReader *reader, const char *p, const char *end, HeadRead *out);
